@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Builds the local control plane from the Go module proxy and caches the binaries
+# outside the repo, keyed by version:
+#   $RFT_CACHE/bin/k8s-$K8S_VERSION/{kube-apiserver,kube-controller-manager,kube-scheduler}
+#   $RFT_CACHE/bin/etcd-$ETCD_VERSION/etcd
+#   $RFT_CACHE/bin/kwok-$KWOK_VERSION/kwok
+# A warm cache skips every build. `go install` refuses k8s.io/kubernetes and etcd's
+# server module (their go.mod files use replace directives), so each is built through a
+# small wrapper module that pins the staging modules instead.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=e2e/versions.env
+source "$here/versions.env"
+RFT_CACHE=${RFT_CACHE:-$HOME/.cache/rftjob}
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+
+log() { echo "[build-binaries] $*" >&2; }
+
+have() { for f in "$@"; do [ -x "$f" ] || return 1; done; }
+
+build_k8s() {
+  local out=$RFT_CACHE/bin/k8s-$K8S_VERSION
+  if have "$out/kube-apiserver" "$out/kube-controller-manager" "$out/kube-scheduler"; then
+    log "kubernetes $K8S_VERSION: cached in $out"; return
+  fi
+  log "kubernetes $K8S_VERSION: building (tens of minutes on 2 cores)"
+  local work=$RFT_CACHE/src/k8s-$K8S_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/k8s-build >/dev/null 2>&1
+  go mod download -json "k8s.io/kubernetes@$K8S_VERSION" >download.json
+  local gomod minor staging
+  gomod=$(python3 -c 'import json,sys; print(json.load(open("download.json"))["GoMod"])')
+  minor=${K8S_VERSION#v1.}   # 35.4 -> staging modules are v0.35.4
+  # Every k8s.io module that k8s.io/kubernetes requires at v0.0.0 is a staging module.
+  staging=$(awk '$1 ~ /^k8s\.io\// && $2 == "v0.0.0" {print $1}' "$gomod" | sort -u)
+  [ -n "$staging" ] || { log "no staging modules found in $gomod"; exit 1; }
+  {
+    echo "require k8s.io/kubernetes $K8S_VERSION"
+    for m in $staging; do echo "replace $m => $m v0.$minor"; done
+    grep -E '^godebug' "$gomod" || true
+  } >>go.mod
+  cat >tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+)
+GO
+  go mod tidy >/dev/null
+  local major=1 min=${minor%%.*} commit date ld=""
+  date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  commit=$(python3 -c 'import json; print(json.load(open("download.json")).get("Origin",{}).get("Hash",""))')
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$min"
+    ld+=" -X $pkg.gitCommit=$commit -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
+  done
+  mkdir -p "$out.tmp"
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+    log "  go build $c"
+    go build -trimpath -ldflags "-s -w $ld" -o "$out.tmp/$c" "k8s.io/kubernetes/cmd/$c"
+  done
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+build_etcd() {
+  local out=$RFT_CACHE/bin/etcd-$ETCD_VERSION
+  if have "$out/etcd"; then log "etcd $ETCD_VERSION: cached in $out"; return; fi
+  log "etcd $ETCD_VERSION: building"
+  local work=$RFT_CACHE/src/etcd-$ETCD_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/etcd-build >/dev/null 2>&1
+  echo "require go.etcd.io/etcd/server/v3 $ETCD_VERSION" >>go.mod
+  printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' >tools.go
+  go mod tidy >/dev/null
+  mkdir -p "$out.tmp"
+  go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+build_kwok() {
+  local out=$RFT_CACHE/bin/kwok-$KWOK_VERSION
+  if have "$out/kwok"; then log "kwok $KWOK_VERSION: cached in $out"; return; fi
+  log "kwok $KWOK_VERSION: building"
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" \
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+want=${*:-etcd kwok k8s}
+for w in $want; do "build_$w"; done
+log "done"

@@ -1,0 +1,76 @@
+"""Names shared by the operator, the trainer and the tests: one place for every key."""
+
+GROUP = "rft.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RFTJob"
+PLURAL = "rftjobs"
+SINGULAR = "rftjob"
+SHORT_NAME = "rft"
+CATEGORY = "rft"
+
+# Labels on every child object.
+LABEL_JOB = "rft.dev/job"
+LABEL_ROLE = "rft.dev/role"
+LABEL_ATTEMPT = "rft.dev/attempt"
+LABEL_RANK = "rft.dev/rank"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rftjob-operator"
+
+ROLE_TRAINER = "trainer"
+ROLE_INFERENCE = "inference"
+ROLE_EXPLORER = "explorer"
+
+# Annotation on child objects: a hash of the spec they were rendered from.
+ANNOTATION_SPEC_HASH = "rft.dev/spec-hash"
+
+# Phases.
+PENDING = "Pending"
+RUNNING = "Running"
+RESTARTING = "Restarting"
+SUSPENDED = "Suspended"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+PHASES = (PENDING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+TERMINAL_PHASES = (SUCCEEDED, FAILED)
+
+# Condition types.
+COND_RUNNING = "Running"
+COND_SUSPENDED = "Suspended"
+COND_SUCCEEDED = "Succeeded"
+COND_FAILED = "Failed"
+COND_CHECKPOINTED = "Checkpointed"
+COND_WEIGHTS_SYNCED = "WeightsSynced"
+
+# Condition / event reasons.
+REASON_CREATED = "Created"
+REASON_PODS_PENDING = "PodsPending"
+REASON_ALL_RUNNING = "AllPodsRunning"
+REASON_POD_FAILED = "PodFailed"
+REASON_POD_DELETED = "PodDeleted"
+REASON_RESTARTING = "Restarting"
+REASON_RESTARTED = "Restarted"
+REASON_SUSPENDED = "Suspended"
+REASON_RESUMED = "Resumed"
+REASON_SUCCEEDED = "Succeeded"
+REASON_FATAL_EXIT = "FatalExitCode"
+REASON_BACKOFF_LIMIT = "RestartLimitExceeded"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_NOT_SUSPENDED = "NotSuspended"
+
+# Environment given to trainer containers.
+ENV_JOB_NAME = "RFT_JOB_NAME"
+ENV_JOB_NAMESPACE = "RFT_JOB_NAMESPACE"
+ENV_JOB_UID = "RFT_JOB_UID"
+ENV_ATTEMPT = "RFT_ATTEMPT"
+ENV_CONFIG = "RFT_CONFIG"
+ENV_POD_NAME = "RFT_POD_NAME"
+
+CONFIG_MOUNT = "/etc/rft"
+CONFIG_FILE = "config.json"
+
+# Exit code the trainer uses for errors that a restart cannot fix (sysexits EX_CONFIG).
+EXIT_CONFIG_ERROR = 78
+
+# KWOK test hook: a Running pod with this annotation ends with the given exit code.
+KWOK_EXIT_ANNOTATION = "rft.dev/kwok-exit-code"

@@ -1,0 +1,120 @@
+"""Rendered children: golden snapshots plus the properties that must never regress.
+
+Regenerate the snapshots after an intended change with `UPDATE_GOLDEN=1 pytest tests/unit`.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rft_operator import builders, constants as c
+from rft_operator.api import parse_spec
+
+from .conftest import SPEC
+
+GOLDEN = Path(__file__).parent / "golden"
+REF = builders.JobRef("demo", "team-a", "0000-1111")
+
+
+def check_golden(name: str, obj) -> None:
+    path = GOLDEN / f"{name}.yaml"
+    text = yaml.safe_dump(obj, sort_keys=True, width=100)
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing {path}: run with UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} differs from {path} (UPDATE_GOLDEN=1 to accept)"
+
+
+@pytest.fixture
+def spec():
+    return parse_spec(SPEC)
+
+
+def test_golden_trainer_pod(spec):
+    check_golden("trainer-pod-attempt2-rank1", builders.build_trainer_pod(REF, spec, 2, 1))
+
+
+def test_golden_static_children(spec):
+    check_golden("static-children", builders.build_static_children(REF, spec))
+
+
+def test_pod_identity_and_rendezvous(spec):
+    pod = builders.build_trainer_pod(REF, spec, 3, 1)
+    assert pod["metadata"]["name"] == "demo-trainer-3-1"
+    assert pod["metadata"]["labels"] == {
+        c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer", c.LABEL_ATTEMPT: "3", c.LABEL_RANK: "1",
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+    }
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
+    ps = pod["spec"]
+    assert (ps["hostname"], ps["subdomain"]) == ("demo-trainer-3-1", "demo-trainer")
+    args = ps["containers"][0]["args"]
+    assert "--nnodes=2" in args and "--nproc-per-node=8" in args and "--node-rank=1" in args
+    assert "--master-addr=demo-trainer-3-0.demo-trainer.team-a.svc" in args
+    assert args[args.index("-m") + 1] == "rft_trainer"
+    env = {e["name"]: e for e in ps["containers"][0]["env"]}
+    assert env[c.ENV_ATTEMPT]["value"] == "3" and env[c.ENV_JOB_NAME]["value"] == "demo"
+
+
+def test_gpus_are_requested_from_gpus_per_node(spec):
+    res = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == 8 and res["requests"]["nvidia.com/gpu"] == 8
+    cpu_only = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "gpusPerNode": 0}})
+    res = builders.build_trainer_pod(REF, cpu_only, 1, 0)["spec"]["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in res.get("limits", {})
+    args = builders.build_trainer_pod(REF, cpu_only, 1, 0)["spec"]["containers"][0]["args"]
+    assert "--nproc-per-node=1" in args
+
+
+def test_secrets_are_referenced_never_copied(spec):
+    pod = builders.build_trainer_pod(REF, spec, 1, 0)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {
+        "name": "AWS_SECRET_ACCESS_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}},
+    }
+    config = json.loads(builders.build_configmap(REF, spec)["data"][c.CONFIG_FILE])
+    assert "credentials_secret" not in config["checkpoint"]
+    assert config["checkpoint"]["endpoint"] == "http://minio.storage:9000"
+
+
+def test_restricted_security_context_by_default(spec):
+    pod = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    csc = pod["containers"][0]["securityContext"]
+    assert csc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_security_context_relaxed_only_explicitly():
+    relaxed = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "securityContext": {
+        "runAsUser": 0, "addCapabilities": ["IPC_LOCK"], "seccompProfile": "Unconfined"}}})
+    pod = builders.build_trainer_pod(REF, relaxed, 1, 0)["spec"]
+    assert pod["securityContext"]["runAsUser"] == 0 and pod["securityContext"]["runAsNonRoot"] is False
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_status_role_is_limited_to_this_job(spec):
+    role = builders.build_status_role(REF)
+    assert role["rules"] == [{"apiGroups": ["rft.dev"], "resources": ["rftjobs/status"],
+                              "resourceNames": ["demo"], "verbs": ["get", "patch"]}]
+
+
+def test_user_service_account_is_bound_instead_of_created():
+    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "serviceAccountName": "s3-irsa"}})
+    kinds = [o["kind"] for o in builders.build_static_children(REF, spec)]
+    assert "ServiceAccount" not in kinds
+    binding = builders.build_status_role_binding(REF, spec)
+    assert binding["subjects"][0]["name"] == "s3-irsa"
+    pod = builders.build_trainer_pod(REF, spec, 1, 0)
+    assert pod["spec"]["serviceAccountName"] == "s3-irsa"
+
+
+def test_config_hash_changes_with_spec(spec):
+    a = builders.build_configmap(REF, spec)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    more = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "totalSteps": 200}})
+    b = builders.build_configmap(REF, more)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    assert a != b
