@@ -162,6 +162,8 @@ async def cleanup(**_: Any) -> None:
     ctl = _state.get("controller")
     if ctl:
         await ctl.stop()
+        log.info("rftjob-operator stopped: reconciles=%d api_writes=%d errors=%d",
+                 ctl.reconciles, ctl.kube.requests, ctl.errors)
 
 
 @kopf.on.probe(id="queue")

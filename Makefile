@@ -1,0 +1,36 @@
+# rftjob-operator. `make demo` and `make test` work on a fresh machine (Python 3.11, Go 1.26,
+# kubectl): they install the Python package and build/reuse the control-plane binaries.
+PYTHON ?= python3
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup binaries demo down test unit integration crd bench clean
+
+setup: binaries
+	$(PYTHON) -m pip install -q -e '.[dev]'
+
+binaries:
+	bash e2e/build-binaries.sh
+
+demo: setup
+	$(PYTHON) -m e2e.demo up
+
+down:
+	$(PYTHON) -m e2e.demo down
+
+test: setup
+	$(PYTHON) -m pytest tests -v --durations=15
+
+unit:
+	$(PYTHON) -m pytest tests/unit -q
+
+integration: setup
+	$(PYTHON) -m pytest tests/integration -v
+
+crd:
+	$(PYTHON) -m rft_operator.crdgen > crds/rftjob.yaml
+
+bench: setup
+	$(PYTHON) bench/reconcile.py
+
+clean: down
+	rm -rf .local

@@ -1,0 +1,167 @@
+"""Reconcile benchmark: N RFTJobs x P trainer pods on KWOK GPU nodes.
+
+    python bench/reconcile.py [--jobs 100] [--pods 4] [--gpu-nodes 50]
+
+Starts its own local control plane (real kube-apiserver, etcd, scheduler,
+controller-manager, KWOK), runs the operator as a subprocess under its ServiceAccount,
+creates the jobs as fast as the API server takes them, and reports:
+  * create -> phase Running latency (p50/p99/max), measured from a watch on rftjobs
+    (a job is Running only once all its pods are Running);
+  * API write requests per job made by the operator (its own counter, logged at exit);
+  * the operator's peak RSS (sampled every 100 ms);
+  * as a baseline measured in the same run, the latency for a single job on the idle
+    cluster, so the ratio shows the cost of load rather than of this machine.
+No thresholds: it prints numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import kubernetes
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from e2e.cluster import Cluster  # noqa: E402
+from rft_operator import constants as c  # noqa: E402
+
+
+def manifest(name: str, pods: int) -> dict:
+    return {
+        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
+        "spec": {
+            "model": {"path": "s3://models/tiny"}, "algorithm": {"name": "grpo"},
+            "trainer": {"image": "trainer:bench", "nodes": pods, "gpusPerNode": 1,
+                        "totalSteps": 10, "batchSize": 4},
+            "checkpoint": {"uri": "s3://ckpt/bench"},
+        },
+    }
+
+
+class RunningWatcher(threading.Thread):
+    """Records when each RFTJob is first seen with phase Running."""
+
+    def __init__(self, api, namespace: str):
+        super().__init__(daemon=True)
+        self.api, self.namespace = api, namespace
+        self.running_at: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        custom = kubernetes.client.CustomObjectsApi(self.api)
+        while not self.stop.is_set():
+            w = kubernetes.watch.Watch()
+            for ev in w.stream(custom.list_namespaced_custom_object, c.GROUP, c.VERSION,
+                               self.namespace, c.PLURAL, timeout_seconds=5):
+                obj = ev["object"]
+                if (obj.get("status") or {}).get("phase") == c.RUNNING:
+                    self.running_at.setdefault(obj["metadata"]["name"], time.monotonic())
+                if self.stop.is_set():
+                    break
+
+
+def sample_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
+    proc = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            out.append(proc.memory_info().rss)
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)  # sampling period, not synchronisation
+
+
+def run_wave(api, namespace: str, names: list[str], pods: int, timeout: float) -> list[float]:
+    watcher = RunningWatcher(api, namespace)
+    watcher.start()
+    custom = kubernetes.client.CustomObjectsApi(api)
+    created: dict[str, float] = {}
+
+    def create(name: str) -> None:
+        custom.create_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, manifest(name, pods))
+        created[name] = time.monotonic()
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(create, names))
+    deadline = time.monotonic() + timeout
+    while len(watcher.running_at) < len(names) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    watcher.stop.set()
+    missing = set(names) - set(watcher.running_at)
+    if missing:
+        raise SystemExit(f"{len(missing)} jobs not Running after {timeout}s, e.g. {sorted(missing)[:3]}")
+    return [watcher.running_at[n] - created[n] for n in names]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--gpu-nodes", type=int, default=50)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="rft-bench-"))
+    cluster = Cluster(state)
+    t0 = time.monotonic()
+    cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=8)
+    print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s")
+    kc = str(cluster.kubeconfig)
+    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
+        subprocess.run(["kubectl", f"--kubeconfig={kc}", "apply", "--server-side", "-f", str(ROOT / f)],
+                       check=True, capture_output=True)
+    subprocess.run(["kubectl", f"--kubeconfig={kc}", "wait", "--for=condition=Established",
+                    "crd/rftjobs.rft.dev"], check=True, capture_output=True)
+    subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", "bench"], check=True,
+                   capture_output=True)
+    op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", state / "op.kubeconfig")
+    log_path = state / "operator.log"
+    proc = subprocess.Popen([sys.executable, "-m", "rft_operator"],
+                            env={**os.environ, "KUBECONFIG": str(op_kc)},
+                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    rss: list[int] = []
+    stop = threading.Event()
+    threading.Thread(target=sample_rss, args=(proc.pid, stop, rss), daemon=True).start()
+    try:
+        api = kubernetes.config.new_client_from_config(kc)
+        baseline = run_wave(api, "bench", ["baseline"], args.pods, args.timeout)[0]
+        names = [f"job-{i:04d}" for i in range(args.jobs)]
+        t1 = time.monotonic()
+        lat = run_wave(api, "bench", names, args.pods, args.timeout)
+        wall = time.monotonic() - t1
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        stop.set()
+        cluster.down()
+    m = re.search(r"reconciles=(\d+) api_writes=(\d+) errors=(\d+)", log_path.read_text())
+    reconciles, writes, errors = (int(x) for x in m.groups()) if m else (0, 0, -1)
+    total_jobs = args.jobs + 1
+    print(f"\n{args.jobs} RFTJobs x {args.pods} pods ({args.jobs * args.pods} pods) on {args.gpu_nodes} KWOK nodes")
+    print(f"  baseline (1 job, idle cluster): create->Running {baseline:.2f}s")
+    print(f"  create->Running p50 {statistics.median(lat):.2f}s  p99 {pct(lat, 0.99):.2f}s  "
+          f"max {max(lat):.2f}s  (p50/baseline {statistics.median(lat) / baseline:.1f}x)")
+    print(f"  all {args.jobs} Running within {wall:.1f}s of the first create ({args.jobs / wall:.1f} jobs/s)")
+    print(f"  operator: {reconciles / total_jobs:.1f} reconciles/job, {writes / total_jobs:.1f} API writes/job, "
+          f"{errors} errors, peak RSS {max(rss) / 2**20:.0f} MiB")
+    print(f"  (writes/job floor: 5 static children + {args.pods} pods + 2 status patches + 2 events = {9 + args.pods})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The operator against a real control plane: kube-apiserver + etcd + controller-manager
+(garbage collector) + scheduler, with KWOK running the pods on fake GPU nodes."""
+
+from __future__ import annotations
+
+import kubernetes
+import pytest
+
+from rft_operator import constants as c
+
+from .conftest import wait_for
+from .operator_fixtures import (  # noqa: F401  (fixtures)
+    api, create_job, end_pod, events, get_job, installed, job_manifest, namespace, operator,
+    patch_spec, pods, wait_phase, wait_status,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def running_pods(api, ns, job, attempt):
+    return [p for p in pods(api, ns, job)
+            if p.metadata.labels.get(c.LABEL_ATTEMPT) == str(attempt)
+            and p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+
+
+def start_running(api, ns, name, **overrides) -> dict:
+    create_job(api, ns, job_manifest(name, **overrides))
+    return wait_phase(api, ns, name, c.RUNNING, 90)
+
+
+def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
+    status = start_running(api, namespace, "gang")
+    assert status["attempt"] == 1 and status["restarts"] == 0
+    assert status["observedGeneration"] == 1
+    running = {x["type"]: x for x in status["conditions"]}[c.COND_RUNNING]
+    assert running["status"] == "True" and running["observedGeneration"] == 1
+    trainer_pods = pods(api, namespace, "gang")
+    assert sorted(p.metadata.name for p in trainer_pods) == ["gang-trainer-1-0", "gang-trainer-1-1"]
+    for p in trainer_pods:
+        assert p.spec.node_name.startswith("kwok-gpu-"), p.spec.node_name  # the real scheduler placed it
+        assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == "8"
+        assert p.metadata.owner_references[0].kind == "RFTJob"
+    # Two 8-GPU pods cannot share an 8-GPU node.
+    assert len({p.spec.node_name for p in trainer_pods}) == 2
+
+    core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
+    svc = core.read_namespaced_service("gang-trainer", namespace)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
+    core.read_namespaced_config_map("gang-config", namespace)
+    core.read_namespaced_service_account("gang-rftjob", namespace)
+    rbac.read_namespaced_role("gang-status-writer", namespace)
+    rbac.read_namespaced_role_binding("gang-status-writer", namespace)
+    assert events(api, namespace, "gang")[:2] == [c.REASON_CREATED, c.REASON_ALL_RUNNING]
+
+    out = kubectl("get", "rftjobs", "-n", namespace).stdout
+    header, row = out.splitlines()[0].split(), out.splitlines()[1].split()
+    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "WEIGHTS", "SYNCED", "AGE"]
+    assert row[:3] == ["gang", "Running", "0/100"]
+    assert "gang" in kubectl("get", "rft", "-n", namespace).stdout  # short name
+    assert "gang" in kubectl("get", "rft", "-n", namespace, "-o", "name").stdout
+
+
+def test_pod_failure_restarts_the_gang_as_attempt_2(operator, api, namespace):
+    start_running(api, namespace, "retry")
+    end_pod(api, namespace, "retry-trainer-1-1", 1)
+    status = wait_phase(api, namespace, "retry", c.RUNNING, 90, attempt=2)
+    assert status["restarts"] == 1
+    assert status["lastFailure"]["pod"] == "retry-trainer-1-1"
+    assert status["lastFailure"]["exitCode"] == 1
+    assert len(running_pods(api, namespace, "retry", 2)) == 2
+    # Nothing of attempt 1 still runs; the failed pod is kept for its logs.
+    old = {p.metadata.name: p.status.phase for p in pods(api, namespace, "retry")
+           if p.metadata.labels[c.LABEL_ATTEMPT] == "1"}
+    assert old == {"retry-trainer-1-1": "Failed"}
+    assert c.REASON_RESTARTING in events(api, namespace, "retry")
+
+
+def test_fatal_exit_code_fails_the_job(operator, api, namespace):
+    start_running(api, namespace, "fatal")
+    end_pod(api, namespace, "fatal-trainer-1-0", 78)
+    status = wait_phase(api, namespace, "fatal", c.FAILED, 60)
+    assert status["restarts"] == 0 and status["completionTime"]
+    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
+    assert failed["status"] == "True" and failed["reason"] == c.REASON_FATAL_EXIT
+    assert "exit code 78" in failed["message"]
+    wait_for(lambda: not running_pods(api, namespace, "fatal", 1), 60, "the rest of the gang to stop")
+
+
+def test_restart_budget_exhausted_fails_the_job(operator, api, namespace):
+    start_running(api, namespace, "budget", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    end_pod(api, namespace, "budget-trainer-1-0", 1)
+    wait_phase(api, namespace, "budget", c.RUNNING, 90, attempt=2)
+    end_pod(api, namespace, "budget-trainer-2-0", 1)
+    status = wait_phase(api, namespace, "budget", c.FAILED, 60)
+    assert status["restarts"] == 1 and status["attempt"] == 2
+    assert "maxRestarts=1" in status["message"]
+    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
+    assert failed["reason"] == c.REASON_BACKOFF_LIMIT
+
+
+def test_all_pods_succeeding_completes_the_job(operator, api, namespace):
+    start_running(api, namespace, "done")
+    end_pod(api, namespace, "done-trainer-1-0", 0)
+    end_pod(api, namespace, "done-trainer-1-1", 0)
+    status = wait_phase(api, namespace, "done", c.SUCCEEDED, 60)
+    assert status["completionTime"] >= status["startTime"]
+    assert c.REASON_SUCCEEDED in events(api, namespace, "done")
+
+
+def test_suspend_and_resume(operator, api, namespace):
+    start_running(api, namespace, "pause")
+    patch_spec(api, namespace, "pause", {"suspend": True})
+    status = wait_phase(api, namespace, "pause", c.SUSPENDED, 60)
+    assert {x["type"]: x for x in status["conditions"]}[c.COND_SUSPENDED]["status"] == "True"
+    wait_for(lambda: not pods(api, namespace, "pause"), 60, "suspended pods to be deleted")
+    kubernetes.client.CoreV1Api(api).read_namespaced_config_map("pause-config", namespace)  # kept
+    patch_spec(api, namespace, "pause", {"suspend": False})
+    status = wait_phase(api, namespace, "pause", c.RUNNING, 90, attempt=2)
+    assert status["restarts"] == 0  # a resume is not a failure
+    assert len(running_pods(api, namespace, "pause", 2)) == 2
+    assert {x["type"]: x for x in status["conditions"]}[c.COND_SUSPENDED]["status"] == "False"
+
+
+def test_deleting_the_job_garbage_collects_children(operator, api, namespace):
+    start_running(api, namespace, "gc")
+    kubernetes.client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        c.GROUP, c.VERSION, namespace, c.PLURAL, "gc")
+    core = kubernetes.client.CoreV1Api(api)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    sel = f"{c.LABEL_JOB}=gc"
+
+    def all_gone():
+        return not any([
+            core.list_namespaced_pod(namespace, label_selector=sel).items,
+            core.list_namespaced_service(namespace, label_selector=sel).items,
+            core.list_namespaced_config_map(namespace, label_selector=sel).items,
+            core.list_namespaced_service_account(namespace, label_selector=sel).items,
+            rbac.list_namespaced_role(namespace, label_selector=sel).items,
+            rbac.list_namespaced_role_binding(namespace, label_selector=sel).items,
+        ])
+
+    wait_for(all_gone, 90, "the garbage collector to remove every child")
+
+
+def test_children_deleted_by_hand_are_repaired(operator, api, namespace):
+    start_running(api, namespace, "repair")
+    core = kubernetes.client.CoreV1Api(api)
+    core.delete_namespaced_config_map("repair-config", namespace)
+    core.delete_namespaced_service("repair-trainer", namespace)
+    wait_for(lambda: core.read_namespaced_config_map("repair-config", namespace), 60, "ConfigMap back")
+    wait_for(lambda: core.read_namespaced_service("repair-trainer", namespace), 60, "Service back")
+    # A trainer pod deleted by hand breaks the gang: the attempt ends and a new one starts.
+    core.delete_namespaced_pod("repair-trainer-1-0", namespace)
+    status = wait_phase(api, namespace, "repair", c.RUNNING, 90, attempt=2)
+    assert status["lastFailure"]["reason"] == c.REASON_POD_DELETED
+
+
+def test_operator_restart_mid_reconcile_duplicates_nothing(operator, api, namespace):
+    operator.kill()
+    try:
+        create_job(api, namespace, job_manifest("crash", trainer={"nodes": 4}))
+        operator.start()
+        # Kill it again as soon as it has started creating the gang.
+        wait_for(lambda: pods(api, namespace, "crash"), 60, "first pod")
+        operator.kill()
+    finally:
+        operator.start()
+    status = wait_phase(api, namespace, "crash", c.RUNNING, 90)
+    assert status["attempt"] == 1 and status["restarts"] == 0
+    names = sorted(p.metadata.name for p in pods(api, namespace, "crash"))
+    assert names == [f"crash-trainer-1-{r}" for r in range(4)]
+    assert events(api, namespace, "crash").count(c.REASON_CREATED) == 1
+
+
+def test_spec_change_updates_config_for_the_next_attempt(operator, api, namespace):
+    start_running(api, namespace, "edit")
+    patch_spec(api, namespace, "edit", {"trainer": {"totalSteps": 500}})
+    core = kubernetes.client.CoreV1Api(api)
+    wait_for(lambda: '"total_steps": 500' in core.read_namespaced_config_map("edit-config", namespace).data["config.json"],
+             60, "ConfigMap to carry the new totalSteps")
+    status = wait_status(api, namespace, "edit", lambda s: s.get("observedGeneration") == 2, 60)
+    assert status["phase"] == c.RUNNING and status["attempt"] == 1

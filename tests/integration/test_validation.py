@@ -1,0 +1,135 @@
+"""Bad specs are refused by the API server itself (OpenAPI schema + CEL), with a message
+that names the field. No operator runs here: admission alone must catch these."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import kubernetes
+import pytest
+from kubernetes.client.rest import ApiException
+
+from rft_operator import constants as c
+
+from .operator_fixtures import api, installed, job_manifest, namespace  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+
+def _set(manifest: dict, path: str, value) -> dict:
+    m = copy.deepcopy(manifest)
+    node = m
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    if value is _DELETE:
+        node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value
+    return m
+
+
+_DELETE = object()
+BASE = job_manifest("valid")
+
+# (case id, path, value, expected fragment of the API server's message)
+INVALID = [
+    ("no-spec", "spec", _DELETE, "spec: Required value"),
+    ("no-model", "spec.model", _DELETE, "spec.model: Required value"),
+    ("empty-model-path", "spec.model.path", "", "spec.model.path"),
+    ("no-algorithm", "spec.algorithm", _DELETE, "spec.algorithm: Required value"),
+    ("unknown-algorithm", "spec.algorithm.name", "dpo", 'spec.algorithm.name: Unsupported value: "dpo"'),
+    ("negative-lr", "spec.algorithm.learningRate", -0.1, "spec.algorithm.learningRate"),
+    ("clip-ratio-1", "spec.algorithm.clipRatio", 1.0, "spec.algorithm.clipRatio"),
+    ("epochs-0", "spec.algorithm.epochs", 0, "spec.algorithm.epochs"),
+    ("micro-gt-mini", "spec.algorithm", {"name": "grpo", "miniBatchSize": 2, "microBatchSize": 4},
+     "microBatchSize must not exceed algorithm.miniBatchSize"),
+    ("bad-kl-estimator", "spec.algorithm.klEstimator", "k9", "spec.algorithm.klEstimator"),
+    ("no-image", "spec.trainer.image", _DELETE, "spec.trainer.image: Required value"),
+    ("nodes-0", "spec.trainer.nodes", 0, "spec.trainer.nodes: Invalid value: 0"),
+    ("gpus-17", "spec.trainer.gpusPerNode", 17, "spec.trainer.gpusPerNode"),
+    ("gpus-negative", "spec.trainer.gpusPerNode", -1, "spec.trainer.gpusPerNode"),
+    ("no-total-steps", "spec.trainer.totalSteps", _DELETE, "spec.trainer.totalSteps: Required value"),
+    ("batch-0", "spec.trainer.batchSize", 0, "spec.trainer.batchSize"),
+    ("gpu-in-limits", "spec.trainer.resources", {"limits": {"nvidia.com/gpu": 8}},
+     "set trainer.gpusPerNode instead of trainer.resources.limits"),
+    ("bad-grace", "spec.trainer.terminationGracePeriodSeconds", -5, "spec.trainer.terminationGracePeriodSeconds"),
+    ("bad-sa-name", "spec.trainer.serviceAccountName", "Not_A_Name", "spec.trainer.serviceAccountName"),
+    ("bad-toleration-op", "spec.trainer.tolerations", [{"key": "a", "operator": "Maybe"}], "operator"),
+    ("bad-shm", "spec.trainer.shmSize", "lots", "spec.trainer.shmSize"),
+    ("not-s3", "spec.checkpoint.uri", "gs://bucket/x", "checkpoint.uri must be an S3 URI"),
+    ("s3-no-bucket", "spec.checkpoint.uri", "s3://", "checkpoint.uri must be an S3 URI"),
+    ("no-ckpt-uri", "spec.checkpoint.uri", _DELETE, "spec.checkpoint.uri: Required value"),
+    ("interval-0", "spec.checkpoint.interval", 0, "spec.checkpoint.interval"),
+    ("keep-0", "spec.checkpoint.keep", 0, "spec.checkpoint.keep"),
+    ("bad-endpoint", "spec.checkpoint.endpoint", "minio:9000", "spec.checkpoint.endpoint"),
+    ("negative-restarts", "spec.failurePolicy.maxRestarts", -1, "spec.failurePolicy.maxRestarts"),
+    ("overlapping-codes", "spec.failurePolicy", {"fatalExitCodes": [1, 78], "retryableExitCodes": [1]},
+     "fatalExitCodes and failurePolicy.retryableExitCodes must not overlap"),
+    ("explorer-without-inference", "spec.explorer", {"tasksetUri": "s3://b/tasks.jsonl"},
+     "spec.explorer needs spec.inference"),
+    ("bad-engine", "spec.inference", {"engine": "tgi"}, "spec.inference.engine"),
+    ("staleness-negative", "spec.buffer", {"maxStaleness": -1}, "spec.buffer.maxStaleness"),
+    ("sync-interval-0", "spec.sync", {"interval": 0}, "spec.sync.interval"),
+    ("long-name", "metadata.name", "a" * 41, "metadata.name must be at most 40 characters"),
+    ("name-starts-with-digit", "metadata.name", "1job", "metadata.name must start with a letter"),
+]
+
+
+def _create(api, namespace, manifest):
+    return kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
+        c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
+
+
+def _message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body)["message"]
+    except Exception:  # noqa: BLE001
+        return str(e.body)
+
+
+def test_at_least_twenty_cases():
+    assert len(INVALID) >= 20
+
+
+@pytest.mark.parametrize("path, value, expected", [x[1:] for x in INVALID], ids=[x[0] for x in INVALID])
+def test_invalid_spec_is_refused_at_admission(installed, api, namespace, path, value, expected):
+    manifest = _set(BASE, path, value)
+    with pytest.raises(ApiException) as e:
+        _create(api, namespace, manifest)
+    assert e.value.status == 422, _message(e.value)
+    assert expected in _message(e.value), _message(e.value)
+
+
+def test_valid_minimal_spec_is_accepted_without_defaults_written(installed, api, namespace):
+    created = _create(api, namespace, BASE)
+    # No schema defaults: what the user applied is what is stored (no GitOps drift).
+    assert created["spec"] == BASE["spec"]
+
+
+IMMUTABLE = [
+    ("spec.model.path", "s3://models/other", "spec.model is immutable"),
+    ("spec.algorithm.name", "ppo", "spec.algorithm.name is immutable"),
+    ("spec.trainer.nodes", 4, "trainer.nodes is immutable"),
+    ("spec.trainer.gpusPerNode", 4, "trainer.gpusPerNode is immutable"),
+    ("spec.checkpoint.uri", "s3://ckpts/elsewhere", "spec.checkpoint.uri is immutable"),
+]
+
+
+@pytest.mark.parametrize("path, value, expected", IMMUTABLE, ids=[x[0] for x in IMMUTABLE])
+def test_immutable_fields_cannot_change(installed, api, namespace, path, value, expected):
+    created = _create(api, namespace, BASE)
+    changed = _set(created, path, value)
+    with pytest.raises(ApiException) as e:
+        kubernetes.client.CustomObjectsApi(api).replace_namespaced_custom_object(
+            c.GROUP, c.VERSION, namespace, c.PLURAL, "valid", changed)
+    assert e.value.status == 422 and expected in _message(e.value), _message(e.value)
+
+
+def test_mutable_fields_can_change(installed, api, namespace):
+    created = _create(api, namespace, BASE)
+    changed = _set(created, "spec.trainer.totalSteps", 999)
+    changed = _set(changed, "spec.suspend", True)
+    kubernetes.client.CustomObjectsApi(api).replace_namespaced_custom_object(
+        c.GROUP, c.VERSION, namespace, c.PLURAL, "valid", changed)
