@@ -15,7 +15,8 @@ Public API::
     c.kubeconfig, c.server, c.ca_file        # admin kubeconfig path, https URL, CA path
     c.service_account_kubeconfig("ns", "sa", path)  # kubeconfig acting as that SA
     c.status(); c.down()
-    ExistingCluster(kubeconfig)               # same read-only API for a running cluster
+    ExistingCluster(kubeconfig)   # kubeconfig/server/ca_file/service_account_kubeconfig
+                                  # for a cluster started elsewhere (e.g. by `make demo`)
 
 CLI: ``python -m e2e.cluster up|down|status|env [--state-dir DIR]``.
 """
@@ -67,8 +68,11 @@ SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 GPU_RESOURCE = "nvidia.com/gpu"
 
-# Start order; down() stops them in reverse.
+# Start order.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+# Stop order, tier by tier: the API server drains in ~1s once its clients are gone, and
+# etcd once the API server is (stopping all at once takes 10s or more).
+STOP_TIERS = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
 
 # Admin-token identity; the other components get their own (see _write_credentials).
 ADMIN_USER = "rft-admin"
@@ -221,7 +225,8 @@ def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=(
 
 
 def write_pki(pki: Path, advertise_ip: str) -> None:
-    """Creates the cluster CA, the API server's serving cert and the SA signing key."""
+    """Creates the cluster CA, the API server's serving cert, the SA signing key and a
+    request-header CA."""
     pki.mkdir(parents=True, exist_ok=True)
     ca_key = _new_key()
     ca_cert = _certificate("rftjob-local-ca", ca_key, None, ca_key, ca=True)
@@ -232,7 +237,11 @@ def write_pki(pki: Path, advertise_ip: str) -> None:
     server_key = _new_key()
     server_cert = _certificate("kube-apiserver", server_key, ca_cert, ca_key, ca=False, sans=sans)
     sa_key = _new_key()
+    # Its private key is thrown away: nothing here may act as an aggregation front proxy.
+    front_proxy_key = _new_key()
+    front_proxy_ca = _certificate("rftjob-front-proxy-ca", front_proxy_key, None, front_proxy_key, ca=True)
 
+    (pki / "front-proxy-ca.crt").write_bytes(_cert_pem(front_proxy_ca))
     (pki / "ca.crt").write_bytes(_cert_pem(ca_cert))
     _write_private(pki / "ca.key", _key_pem(ca_key))
     (pki / "apiserver.crt").write_bytes(_cert_pem(server_cert))
@@ -310,9 +319,11 @@ class KubeApi:
 
 
 def _client_context(ca_file: Path | None, insecure: bool = False) -> ssl.SSLContext:
-    if insecure:
-        return ssl._create_unverified_context()  # noqa: S323 - loopback self-signed only
-    return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    if insecure:  # only for health probes of loopback components with self-signed certs
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 # --------------------------------------------------------------------------- processes
@@ -333,14 +344,24 @@ class ProcessRecord:
             proc = psutil.Process(self.pid)
             if abs(proc.create_time() - self.create_time) > 0.5:
                 return None
-            cmdline = proc.cmdline()
-            if not cmdline or cmdline[0] != self.exe:
-                return None
             if proc.status() == psutil.STATUS_ZOMBIE:
+                _reap(proc)
+                return None
+            # exe, not cmdline: /proc/<pid>/cmdline reads empty while exec is loading a
+            # big binary, and a PID can be recycled by anything.
+            if os.path.realpath(proc.exe()) != self.exe:
                 return None
             return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
+
+
+def _reap(proc: psutil.Process) -> None:
+    """Collects a dead child of this process, so it does not linger as a zombie."""
+    try:
+        proc.wait(timeout=0)
+    except (psutil.TimeoutExpired, psutil.Error, ChildProcessError):
+        pass  # not our child: its parent (or init) reaps it
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -524,11 +545,12 @@ class Cluster(_KubeconfigAccess):
                  time.monotonic() - started, self.server, self.kubeconfig)
 
     def down(self) -> None:
-        """Stops the processes recorded in pids.json (and only those), newest first."""
+        """Stops the processes recorded in pids.json (and only those), clients first."""
         records = self._read_records()
+        for tier in STOP_TIERS:
+            _stop_processes([r for r in records if r.name in tier])
         if records:
-            _stop_processes(list(reversed(records)))
-            log.info("stopped %s", ", ".join(r.name for r in reversed(records)))
+            log.info("stopped %s", ", ".join(r.name for r in records))
         self._pids_file.unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
@@ -578,6 +600,13 @@ class Cluster(_KubeconfigAccess):
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
+            # Published for the controller-manager's and scheduler's delegated authn
+            # (they log errors every few seconds without it); no key exists to use it.
+            f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
             f"--service-account-issuer={SA_ISSUER}",
@@ -616,6 +645,7 @@ class Cluster(_KubeconfigAccess):
             str(b.kwok), f"--kubeconfig={kubeconfigs['kwok']}", f"--config={STAGES_FILE}",
             "--manage-nodes-with-annotation-selector=" + "=".join(KWOK_NODE_ANNOTATION),
             f"--cidr={POD_CIDR}",
+            "--node-lease-duration-seconds=40",  # kubelet-style leases, renewed every ~10s
         ], env={"HOME": str(self.state_dir / "kwok-home")})  # ignore any ~/.kwok/kwok.yaml
         self._wait(lambda: self._http_ok(f"https://127.0.0.1:{kcm_port}/healthz", insecure=True),
                    60, "kube-controller-manager /healthz", "kube-controller-manager")
@@ -688,7 +718,8 @@ class Cluster(_KubeconfigAccess):
                 argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 cwd=self.state_dir, env={**os.environ, **(env or {})}, start_new_session=True,
             )
-        record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(), argv[0])
+        record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(),
+                               os.path.realpath(argv[0]))
         self._write_records(self._read_records() + [record])
         log.info("started %s (pid %d)", name, proc.pid)
 

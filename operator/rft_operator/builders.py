@@ -242,11 +242,13 @@ def _trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
 
 
 def _resources(spec: RFTJobSpec) -> Obj:
+    # Quantities go out as strings: the API accepts both, typed clients only strings.
     res = spec.trainer.resources
-    requests, limits = dict(res.requests), dict(res.limits)
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
     if spec.trainer.gpus_per_node > 0:
-        limits["nvidia.com/gpu"] = spec.trainer.gpus_per_node
-        requests["nvidia.com/gpu"] = spec.trainer.gpus_per_node
+        limits["nvidia.com/gpu"] = str(spec.trainer.gpus_per_node)
+        requests["nvidia.com/gpu"] = str(spec.trainer.gpus_per_node)
     out: Obj = {}
     if requests:
         out["requests"] = requests

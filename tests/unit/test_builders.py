@@ -61,7 +61,7 @@ def test_pod_identity_and_rendezvous(spec):
 
 def test_gpus_are_requested_from_gpus_per_node(spec):
     res = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["resources"]
-    assert res["limits"]["nvidia.com/gpu"] == 8 and res["requests"]["nvidia.com/gpu"] == 8
+    assert res["limits"]["nvidia.com/gpu"] == "8" and res["requests"]["nvidia.com/gpu"] == "8"
     cpu_only = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "gpusPerNode": 0}})
     res = builders.build_trainer_pod(REF, cpu_only, 1, 0)["spec"]["containers"][0]["resources"]
     assert "nvidia.com/gpu" not in res.get("limits", {})
