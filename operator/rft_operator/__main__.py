@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN,
     )
+    if not args.verbose:  # one line per handled event is noise at hundreds of pods
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,
         namespaces=args.namespace,

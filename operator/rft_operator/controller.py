@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Callable, Hashable, Iterable
 
@@ -88,6 +89,8 @@ class Controller:
         self.queue = WorkQueue()
         self.num_workers = workers
         self._tasks: list[asyncio.Task] = []
+        # API writes get threads of their own, apart from kopf's default executor.
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rft-apply")
         # Status writes not yet seen by our watch: key -> resourceVersion we wrote over.
         # A reconcile that still sees that version would act on stale state, so it waits.
         self._stale_rv: dict[Key, str] = {}
@@ -102,6 +105,7 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _worker(self, n: int) -> None:
         while True:
@@ -125,6 +129,7 @@ class Controller:
             return
         rv = body["metadata"].get("resourceVersion")
         if self._stale_rv.get(key) == rv:
+            log.debug("%s/%s: waiting for our status write to reach the watch", *key)
             return  # our last status write has not reached the watch yet; its event requeues
         self._stale_rv.pop(key, None)
         observed = rc.Observed(
@@ -133,19 +138,24 @@ class Controller:
         )
         plan = rc.reconcile(body, observed, self.clock())
         self.reconciles += 1
-        await asyncio.to_thread(self._apply, key, body, plan)
+        log.debug("%s/%s: %d pods seen, phase %s -> %s, %d creates, %d deletes", *key,
+                  len(observed.pods), (body.get("status") or {}).get("phase"),
+                  plan.status.get("phase"), len(plan.create), len(plan.delete_pods))
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._apply, key, body, plan)
         if plan.requeue_after is not None:
             self.queue.add_after(key, plan.requeue_after + 0.1)
 
     def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
         ns, name = key
         if plan.status_changed:
+            old_rv = body["metadata"]["resourceVersion"]
             try:
-                self.kube.patch_status(ns, name, plan.status, body["metadata"]["resourceVersion"])
+                new_rv = self.kube.patch_status(ns, name, plan.status, old_rv)
             except Conflict:
                 log.info("status of %s/%s changed meanwhile; will reconcile again", ns, name)
                 return  # the watch event of that change requeues the key
-            self._stale_rv[key] = body["metadata"]["resourceVersion"]
+            if new_rv != old_rv:  # a no-op patch makes no watch event: nothing to wait for
+                self._stale_rv[key] = old_rv
             if plan.status.get("phase") != (body.get("status") or {}).get("phase"):
                 log.info("%s/%s: %s (%s)", ns, name, plan.status.get("phase"), plan.status.get("message"))
         for ev in plan.events:
