@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED := 1
 .PHONY: setup binaries demo down test unit integration crd bench clean
 
 setup: binaries
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
 
 binaries:
 	bash e2e/build-binaries.sh

@@ -1,17 +1,63 @@
-"""Entry point of the trainer pods: `python -m rft_trainer --config PATH`."""
+"""Entry point of the trainer pods: `torchrun ... -m rft_trainer --config PATH`.
+
+Exit codes: 0 done; 78 (EX_CONFIG) for errors a restart cannot fix (bad config, bad
+data layout): the operator's default fatalExitCodes fail the job at once; 143 after
+SIGTERM (preemption, suspend, gang restart) so the gang semantics apply; 1 otherwise
+(retryable).
+"""
+
+from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
 
-EX_CONFIG = 78  # the operator's default fatal exit code: a restart cannot fix this
+EX_CONFIG = 78
+EX_TERMINATED = 143
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rft_trainer")
-    ap.add_argument("--config", required=True, help="resolved config JSON from the operator")
-    ap.parse_args(argv)
-    print("rft_trainer: the FSDP trainer is not implemented yet in this build", file=sys.stderr)
-    return EX_CONFIG
+    ap.add_argument("--config", default=os.environ.get("RFT_CONFIG"),
+                    help="resolved job config (JSON/YAML); default $RFT_CONFIG")
+    args = ap.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("rft_trainer")
+    if not args.config:
+        log.error("no config: pass --config or set RFT_CONFIG")
+        return EX_CONFIG
+
+    from .config import ConfigError, load_config
+    from .trainer import Trainer
+
+    try:
+        config = load_config(args.config)
+    except (ConfigError, OSError) as e:
+        log.error("invalid config %s: %s", args.config, e)
+        return EX_CONFIG
+
+    trainer = Trainer(config)
+
+    def on_sigterm(signum, frame) -> None:  # finish the current step, then leave
+        log.warning("SIGTERM: stopping after the current step")
+        trainer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        trainer.prepare()
+    except ValueError as e:  # a data or layout problem a restart will not fix
+        log.error("cannot start: %s", e)
+        return EX_CONFIG
+    try:
+        outcome = asyncio.run(trainer.train())
+    finally:
+        asyncio.run(trainer.shutdown())
+    log.info("trainer %s at step %d", outcome, trainer.train_step_num)
+    return EX_TERMINATED if outcome == "stopped" else 0
 
 
 if __name__ == "__main__":

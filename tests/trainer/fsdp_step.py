@@ -1,0 +1,35 @@
+"""Run under torchrun: one train_step on a fixed global batch, then rank 0 writes the full
+parameters to OUT. tests/trainer/test_fsdp.py compares 1 process against 2 ranks."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from rft_trainer.config import load_config
+from rft_trainer.testing_batches import synthetic_batch
+from rft_trainer.trainer import FSDPTrainEngine
+
+
+def main(model_dir: str, out: str, algo: str) -> None:
+    config = load_config({
+        "model": {"path": model_dir},
+        "algorithm": {"name": algo, "learning_rate": 1e-3, "critic_learning_rate": 1e-3,
+                      "kl_coef": 0.01, "micro_batch_size": 2, "mini_batch_size": 8, "epochs": 1},
+        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": "s3://unused/x"},
+    })
+    engine = FSDPTrainEngine(config)
+    engine.prepare()
+    batch = synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1)
+    _, metrics = engine.train_step(batch)
+    full = get_model_state_dict(engine.actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save({"params": full, "metrics": metrics}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

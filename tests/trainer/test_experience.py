@@ -1,0 +1,276 @@
+"""Experiences: validation, batching ops, the shard format and the buffer reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rft_trainer.experience import (
+    FORMAT,
+    BufferReader,
+    Experiences,
+    read_shard,
+    write_shard,
+)
+from rft_trainer.storage import LocalStorage
+
+
+def make(n: int, T: int = 6, start: int = 0, version: int | None = 0, extras: bool = False) -> Experiences:
+    """n samples; sample i has id start+i in tokens[:, 0], rewards and info."""
+    ids = torch.arange(start, start + n)
+    tokens = torch.zeros(n, T, dtype=torch.long)
+    tokens[:, 0] = ids
+    tokens[:, 1:4] = 7
+    attention = torch.zeros(n, T, dtype=torch.bool)
+    attention[:, :4] = True
+    action = torch.zeros(n, T, dtype=torch.bool)
+    action[:, 2:4] = True
+    exp = Experiences(
+        tokens=tokens, attention_mask=attention, action_mask=action,
+        prompt_lengths=torch.full((n,), 2), rewards=ids.float(), group_ids=ids // 2,
+        weights_version=None if version is None else torch.full((n,), version),
+        info=[{"id": int(i)} for i in ids],
+    )
+    if extras:
+        exp.rollout_logprobs = -torch.rand(n, T)
+        exp.advantages = torch.randn(n, T)
+    return exp
+
+
+def ids(exp: Experiences) -> list[int]:
+    return exp.tokens[:, 0].tolist()
+
+
+# ------------------------------------------------------------------ the batch
+
+
+def test_select_split_concat_to():
+    exp = make(5, extras=True).validate()
+    assert len(exp) == 5
+    sel = exp.select([4, 0])
+    assert ids(sel) == [4, 0] and [i["id"] for i in sel.info] == [4, 0]
+    assert torch.equal(sel.advantages, exp.advantages[[4, 0]])
+    parts = exp.split(2)
+    assert [len(p) for p in parts] == [2, 2, 1] and ids(parts[2]) == [4]
+    back = Experiences.concat(parts).validate()
+    for name, t in exp.tensors().items():
+        assert torch.equal(getattr(back, name), t), name
+    assert exp.to("cpu").info == exp.info
+
+
+def test_concat_pads_to_longest():
+    a, b = make(2, T=4), make(1, T=6, start=2)
+    both = Experiences.concat([a, b]).validate()
+    assert both.tokens.shape == (3, 6)
+    assert not both.attention_mask[:2, 4:].any() and not both.action_mask[:2, 4:].any()
+    with pytest.raises(ValueError, match="optional fields differ"):
+        Experiences.concat([make(1), make(1, version=None)])
+
+
+def test_default_info_is_one_dict_per_sample():
+    exp = make(3)
+    exp = Experiences(**exp.tensors())
+    assert exp.info == [{}, {}, {}]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda e: setattr(e, "rewards", torch.zeros(4)), r"rewards: expected shape \(3,\) \(tokens is \(3, 6\)\), got \(4,\)"),
+    (lambda e: setattr(e, "action_mask", e.action_mask[:, :5]), r"action_mask: expected shape \(3, 6\)"),
+    (lambda e: setattr(e, "tokens", e.tokens.int()), "tokens: expected dtype int64, got torch.int32"),
+    (lambda e: setattr(e, "action_mask", e.action_mask.long()), "action_mask: expected dtype bool"),
+    (lambda e: setattr(e, "rewards", e.rewards.long()), "rewards: expected dtype float"),
+    (lambda e: e.action_mask.__setitem__((1, 5), True), r"action_mask: True outside attention_mask in samples \[1\]"),
+    (lambda e: e.action_mask.__setitem__((2, 0), True), r"action_mask: True inside the prompt in samples \[2\]"),
+    (lambda e: e.rewards.__setitem__(0, float("nan")), r"rewards: not finite in samples \[0\]"),
+    (lambda e: e.prompt_lengths.__setitem__(0, 9), "prompt_lengths: values must lie in"),
+    (lambda e: e.info.pop(), "info: expected 3 entries, got 2"),
+    (lambda e: setattr(e, "tokens", e.tokens[0]), "tokens: expected shape"),
+])
+def test_validate_names_field_and_shapes(mutate, message):
+    exp = make(3)
+    mutate(exp)
+    with pytest.raises(ValueError, match=message):
+        exp.validate()
+
+
+def test_attention_mask_may_be_long():
+    exp = make(2)
+    exp.attention_mask = exp.attention_mask.long()
+    exp.validate()
+
+
+# ------------------------------------------------------------------ shards
+
+
+def test_shard_round_trip(tmp_path):
+    exp = make(4, extras=True, version=3)
+    uri = write_shard(str(tmp_path), "shard-000", exp)
+    assert uri == f"{tmp_path}/shard-000.json"
+    meta = json.loads(Path(uri).read_text())
+    assert meta["format"] == FORMAT and meta["num_samples"] == 4
+    assert meta["fields"]["tokens"] == {"dtype": "int64", "shape": [4, 6]}
+    assert "returns" not in meta["fields"]  # only present optional fields are stored
+    assert (meta["weights_version_min"], meta["weights_version_max"]) == (3, 3)
+    assert meta["info"] == exp.info and meta["created"].endswith("Z")
+    for path in (uri, f"{tmp_path}/shard-000.safetensors", f"{tmp_path}/shard-000"):
+        back = read_shard(path)
+        assert back.returns is None and back.info == exp.info
+        for name, t in exp.tensors().items():
+            assert torch.equal(getattr(back, name), t) and getattr(back, name).dtype == t.dtype
+
+
+def test_round_trip_via_file_uri(tmp_path):
+    write_shard(f"file://{tmp_path}", "a", make(2))
+    assert ids(read_shard(f"file://{tmp_path}/a.json")) == [0, 1]
+
+
+def test_write_refuses_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="shard name"):
+        write_shard(str(tmp_path), "../escape", make(1))
+    bad = make(2)
+    bad.rewards[0] = float("inf")
+    with pytest.raises(ValueError, match="rewards"):
+        write_shard(str(tmp_path), "x", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path):
+    write_shard(str(tmp_path), "s", make(2))
+    (tmp_path / "s.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match=r"s\.safetensors: size or sha256 differs"):
+        read_shard(str(tmp_path / "s.json"))
+    # Without a checksum to compare, the safetensors parser reports it.
+    meta = json.loads((tmp_path / "s.json").read_text())
+    meta["tensors"] = {"file": "s.safetensors"}
+    (tmp_path / "s.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"s\.safetensors: not a valid safetensors file"):
+        read_shard(str(tmp_path / "s.json"))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m.update(format="other/v9"), "format is 'other/v9'"),
+    (lambda m: m.update(num_samples=0), "num_samples must be a positive integer"),
+    (lambda m: m.update(info=[]), "info must be a list of num_samples=2"),
+    (lambda m: m["fields"].pop("rewards"), r"holds .* lists"),
+])
+def test_malformed_metadata(tmp_path, mutate, message):
+    write_shard(str(tmp_path), "s", make(2))
+    meta = json.loads((tmp_path / "s.json").read_text())
+    mutate(meta)
+    (tmp_path / "s.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"s.json: {message}|s.safetensors: {message}"):
+        read_shard(str(tmp_path / "s.json"))
+
+
+def test_metadata_not_json(tmp_path):
+    write_shard(str(tmp_path), "s", make(2))
+    (tmp_path / "s.json").write_text("{")
+    with pytest.raises(ValueError, match="s.json: not valid JSON"):
+        read_shard(str(tmp_path / "s.json"))
+
+
+# ------------------------------------------------------------------ the reader
+
+
+def fill(directory: Path, sizes: list[int], versions: list[int] | None = None) -> None:
+    start = 0
+    for i, n in enumerate(sizes):
+        write_shard(str(directory), f"shard-{i:03d}", make(n, start=start, version=(versions or [0] * len(sizes))[i]))
+        start += n
+
+
+def test_reader_batches_in_order_across_shards(tmp_path):
+    fill(tmp_path, [3, 2, 4])
+    reader = BufferReader(str(tmp_path), batch_size=4)
+    assert [ids(b) for b in reader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert reader.next_batch() is None  # one sample left: not a full batch
+    assert reader.stats["batches"] == 2 and reader.stats["samples"] == 8
+
+
+def test_shard_without_json_is_ignored(tmp_path):
+    fill(tmp_path, [2])
+    write_shard(str(tmp_path), "shard-001", make(2, start=2))
+    (tmp_path / "shard-001.json").unlink()  # crashed between the two writes
+    reader = BufferReader(f"file://{tmp_path}", batch_size=2)
+    assert ids(reader.next_batch()) == [0, 1]
+    assert reader.next_batch() is None
+
+
+def test_resume_continues_exactly(tmp_path):
+    fill(tmp_path, [3, 3, 3, 3])
+    full = [ids(b) for b in BufferReader(str(tmp_path), batch_size=5)]
+    reader = BufferReader(str(tmp_path), batch_size=5)
+    first = ids(reader.next_batch())
+    state = json.loads(json.dumps(reader.state_dict()))  # must survive serialisation
+    assert state["shard"] == "shard-001" and state["offset"] == 2
+    resumed = BufferReader(str(tmp_path), batch_size=5)
+    resumed.load_state_dict(state)
+    assert [first] + [ids(b) for b in resumed] == full == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert resumed.stats["batches"] == 2
+
+
+def test_incomplete_batch_consumes_nothing_and_new_shards_are_picked_up(tmp_path):
+    fill(tmp_path, [3])
+    reader = BufferReader(str(tmp_path), batch_size=4)
+    assert reader.next_batch() is None and reader.state_dict()["shard"] is None
+    write_shard(str(tmp_path), "shard-001", make(3, start=3))
+    assert ids(reader.next_batch()) == [0, 1, 2, 3]
+    assert reader.next_batch(wait=True, timeout=0.05) is None
+
+
+def test_staleness_filter(tmp_path):
+    fill(tmp_path, [2, 2, 2], versions=[1, 4, 5])
+    reader = BufferReader(str(tmp_path), batch_size=3, max_staleness=1)
+    # current version 5: keep versions >= 4; shard-000 (v1) is skipped unread.
+    assert ids(reader.next_batch(current_version=5)) == [2, 3, 4]
+    assert reader.stats["dropped_stale"] == 2
+    # Without a current version nothing is filtered.
+    assert ids(BufferReader(str(tmp_path), batch_size=6).next_batch()) == list(range(6))
+
+
+def test_staleness_within_a_shard(tmp_path):
+    exp = make(4)
+    exp.weights_version = torch.tensor([3, 0, 3, 0])
+    write_shard(str(tmp_path), "s", exp)
+    reader = BufferReader(str(tmp_path), batch_size=2, max_staleness=0)
+    assert ids(reader.next_batch(current_version=3)) == [0, 2]
+    assert reader.stats["dropped_stale"] == 1  # sample 3 is not looked at yet
+    assert reader.state_dict()["offset"] == 3
+
+
+def test_reader_wait_polls_until_data_arrives(tmp_path, monkeypatch):
+    reader = BufferReader(str(tmp_path), batch_size=2, poll_interval=0.01)
+    calls = []
+
+    def fake_sleep(seconds: float) -> None:  # the explorer commits while we wait
+        calls.append(seconds)
+        if len(calls) == 2:
+            write_shard(str(tmp_path), "late", make(2))
+
+    monkeypatch.setattr("rft_trainer.experience.time.sleep", fake_sleep)
+    assert ids(reader.next_batch(wait=True, timeout=10)) == [0, 1]
+    assert calls == [0.01, 0.01]
+
+
+def test_reader_reports_corrupt_shard(tmp_path):
+    fill(tmp_path, [2])
+    (tmp_path / "shard-000.safetensors").write_bytes(b"nope")
+    with pytest.raises(ValueError, match="shard-000.safetensors"):
+        BufferReader(str(tmp_path), batch_size=2).next_batch()
+
+
+def test_local_storage_list_is_prefix_match(tmp_path):
+    s = LocalStorage()
+    s.write_bytes(f"{tmp_path}/buf/a-1", b"1")
+    s.write_bytes(f"{tmp_path}/buf/sub/a-2", b"2")
+    s.write_bytes(f"{tmp_path}/buffer/b", b"3")
+    assert s.list(f"{tmp_path}/buf/") == [f"{tmp_path}/buf/a-1", f"{tmp_path}/buf/sub/a-2"]
+    assert len(s.list(f"{tmp_path}/buf")) == 3
+    assert s.list(f"file://{tmp_path}/buf/a") == [f"file://{tmp_path}/buf/a-1"]
+    assert s.read_bytes(f"{tmp_path}/buf/a-1") == b"1" and s.exists(f"{tmp_path}/buffer/b")
+    s.delete(f"{tmp_path}/buffer/b")
+    s.delete(f"{tmp_path}/buffer/b")  # missing is fine, as on S3
+    assert not s.exists(f"{tmp_path}/buffer/b") and s.list(f"{tmp_path}/nothing/") == []

@@ -1,0 +1,408 @@
+"""Experiences: the typed batch the trainer consumes, and the shard format it is stored in.
+
+A batch holds B samples of T tokens (prompt + response, right-padded):
+
+    tokens            (B, T) int64     prompt then response token ids; padding value is
+                                       irrelevant (masked out), 0 by convention
+    attention_mask    (B, T) bool|int64  real tokens
+    action_mask       (B, T) bool      response tokens the policy generated (the loss mask;
+                                       False on the prompt and on tool/env output)
+    prompt_lengths    (B,)   int64
+    rewards           (B,)   float     scalar reward per sample, finite
+    group_ids         (B,)   int64     GRPO groups: samples of one prompt share an id
+    rollout_logprobs  (B, T) float     optional: logprobs under the sampling engine
+    advantages        (B, T) float     optional: precomputed advantages
+    returns           (B, T) float     optional: precomputed returns
+    weights_version   (B,)   int64     optional: policy version that generated each sample
+    info              list[dict]       B free-form JSON objects (task id, reward details)
+
+On-disk format "rft.experiences/v1"
+-----------------------------------
+A shard is two objects side by side in a buffer directory (local path, file:// or S3):
+
+    <name>.safetensors   the tensors above keyed by field name; only present optional
+                         fields are stored; dtypes and shapes as in the table.
+    <name>.json          metadata, UTF-8 JSON, written LAST:
+        {"format": "rft.experiences/v1",
+         "num_samples": B,                                  (>= 1)
+         "fields": {"tokens": {"dtype": "int64", "shape": [B, T]}, ...},  (every stored tensor)
+         "tensors": {"file": "<name>.safetensors", "bytes": N, "sha256": "<hex>"},
+         "info": [{...}, ...],                              (exactly B objects)
+         "weights_version_min": int|null, "weights_version_max": int|null,
+         "created": "2026-01-01T00:00:00Z"}
+
+The JSON is the commit marker: readers ignore a shard until it exists (a crash between
+the two writes leaves an orphan .safetensors, never a half shard), and the size and
+checksum catch a tensors file replaced or truncated afterwards. `name` is
+[A-Za-z0-9][A-Za-z0-9._-]*; readers consume shards in lexicographic name order and never
+go back, so writers must choose names that sort in commit order (e.g. zero-padded
+`<weights_version>-<writer>-<seq>`). Shards are immutable once committed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator, Sequence
+
+import safetensors.torch
+import torch
+
+from .storage import Storage, get_storage, join
+
+FORMAT = "rft.experiences/v1"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# field -> (per token?, dtype rule); per token means (B, T), else (B,).
+_SPEC: dict[str, tuple[bool, str]] = {
+    "tokens": (True, "int64"), "attention_mask": (True, "bool|int64"),
+    "action_mask": (True, "bool"), "prompt_lengths": (False, "int64"),
+    "rewards": (False, "float"), "group_ids": (False, "int64"),
+    "rollout_logprobs": (True, "float"), "advantages": (True, "float"),
+    "returns": (True, "float"), "weights_version": (False, "int64"),
+}
+_DTYPE_OK: dict[str, Callable[[torch.dtype], bool]] = {
+    "int64": lambda d: d == torch.int64,
+    "bool": lambda d: d == torch.bool,
+    "bool|int64": lambda d: d in (torch.bool, torch.int64),
+    "float": lambda d: d.is_floating_point,
+}
+
+
+@dataclass
+class Experiences:
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    prompt_lengths: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    rollout_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    weights_version: torch.Tensor | None = None
+    info: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.info and self.tokens.dim() >= 1:
+            self.info = [{} for _ in range(self.tokens.shape[0])]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The present tensor fields by name."""
+        return {k: getattr(self, k) for k in _SPEC if getattr(self, k) is not None}
+
+    def validate(self) -> "Experiences":
+        """Check shapes, dtypes and masks; ValueError naming the field. Returns self."""
+        if self.tokens.dim() != 2:
+            raise ValueError(f"tokens: expected shape (B, T), got {tuple(self.tokens.shape)}")
+        B, T = self.tokens.shape
+        for name, t in self.tensors().items():
+            per_token, rule = _SPEC[name]
+            want = (B, T) if per_token else (B,)
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"{name}: expected shape {want} (tokens is {(B, T)}), got {tuple(t.shape)}"
+                )
+            if not _DTYPE_OK[rule](t.dtype):
+                raise ValueError(f"{name}: expected dtype {rule}, got {t.dtype}")
+        if len(self.info) != B:
+            raise ValueError(f"info: expected {B} entries, got {len(self.info)}")
+        if ((self.prompt_lengths < 0) | (self.prompt_lengths > T)).any():
+            raise ValueError(f"prompt_lengths: values must lie in [0, {T}]")
+        outside = self.action_mask & ~self.attention_mask.bool()
+        if outside.any():
+            raise ValueError(f"action_mask: True outside attention_mask in samples {_rows(outside)}")
+        positions = torch.arange(T, device=self.tokens.device)
+        in_prompt = self.action_mask & (positions < self.prompt_lengths[:, None])
+        if in_prompt.any():
+            raise ValueError(f"action_mask: True inside the prompt in samples {_rows(in_prompt)}")
+        if not torch.isfinite(self.rewards).all():
+            raise ValueError(f"rewards: not finite in samples {_rows(~torch.isfinite(self.rewards))}")
+        return self
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], info: list[dict]) -> "Experiences":
+        return Experiences(**{k: fn(t) for k, t in self.tensors().items()}, info=info)
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> "Experiences":
+        """The samples at `indices` (any order, repeats allowed)."""
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        return self._map(lambda t: t[idx.to(t.device)], [self.info[i] for i in idx.tolist()])
+
+    def split(self, size: int) -> list["Experiences"]:
+        """Consecutive batches of `size` samples (the last may be smaller), e.g. mini-batches."""
+        if size < 1:
+            raise ValueError(f"split size must be >= 1, got {size}")
+        return [
+            self._map(lambda t, s=s: t[s : s + size], self.info[s : s + size])
+            for s in range(0, len(self), size)
+        ]
+
+    def to(self, device: torch.device | str) -> "Experiences":
+        return self._map(lambda t: t.to(device), list(self.info))
+
+    @classmethod
+    def concat(cls, batches: Sequence["Experiences"]) -> "Experiences":
+        """One batch of all samples; (B, T) fields are right-padded to the longest T."""
+        if not batches:
+            raise ValueError("concat: no batches")
+        names = set(batches[0].tensors())
+        for b in batches[1:]:
+            if set(b.tensors()) != names:
+                raise ValueError(
+                    f"concat: optional fields differ: {sorted(names)} vs {sorted(b.tensors())}"
+                )
+        T = max(b.tokens.shape[1] for b in batches)
+        out = {}
+        for name in names:
+            parts = [getattr(b, name) for b in batches]
+            out[name] = torch.cat([_pad(p, T) for p in parts] if _SPEC[name][0] else parts)
+        return cls(**out, info=[i for b in batches for i in b.info])
+
+
+def _pad(t: torch.Tensor, T: int) -> torch.Tensor:
+    """Right-pad a (B, t) tensor to (B, T) with zeros/False (always masked out)."""
+    if t.shape[1] == T:
+        return t
+    out = t.new_zeros((t.shape[0], T))
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def _rows(mask: torch.Tensor) -> list[int]:
+    rows = mask.reshape(mask.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+    return rows[:10]
+
+
+# ------------------------------------------------------------------ shards
+
+
+def write_shard(directory: str, name: str, exp: Experiences, storage: Storage | None = None) -> str:
+    """Write one shard (tensors first, then the JSON commit marker); returns the JSON URI."""
+    if not _NAME.match(name):
+        raise ValueError(f"shard name {name!r}: must match {_NAME.pattern}")
+    if len(exp) == 0:
+        raise ValueError(f"shard {name}: no samples to write")
+    exp.validate()
+    storage = storage or get_storage(directory)
+    tensors = {k: t.detach().contiguous().cpu() for k, t in exp.tensors().items()}
+    blob = safetensors.torch.save(tensors)
+    storage.write_bytes(join(directory, f"{name}.safetensors"), blob)
+    versions = exp.weights_version
+    meta = {
+        "format": FORMAT,
+        "num_samples": len(exp),
+        "fields": {k: {"dtype": _dtype_name(t), "shape": list(t.shape)} for k, t in tensors.items()},
+        "tensors": {"file": f"{name}.safetensors", "bytes": len(blob),
+                    "sha256": hashlib.sha256(blob).hexdigest()},
+        "info": exp.info,
+        "weights_version_min": None if versions is None else int(versions.min()),
+        "weights_version_max": None if versions is None else int(versions.max()),
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    uri = join(directory, f"{name}.json")
+    storage.write_bytes(uri, json.dumps(meta, separators=(",", ":")).encode())
+    return uri
+
+
+def read_shard_meta(uri: str, storage: Storage | None = None) -> dict[str, Any]:
+    """The validated metadata of a shard (`uri` of its .json)."""
+    storage = storage or get_storage(uri)
+    try:
+        meta = json.loads(storage.read_bytes(uri))
+    except ValueError as e:
+        raise ValueError(f"{uri}: not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{uri}: format is {got!r}, expected {FORMAT!r}")
+    n = meta.get("num_samples")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{uri}: num_samples must be a positive integer, got {n!r}")
+    if not isinstance(meta.get("fields"), dict) or not isinstance(meta.get("tensors"), dict):
+        raise ValueError(f"{uri}: 'fields' and 'tensors' must be objects")
+    info = meta.get("info")
+    if not isinstance(info, list) or len(info) != n:
+        raise ValueError(f"{uri}: info must be a list of num_samples={n} objects")
+    for key in ("weights_version_min", "weights_version_max"):
+        if meta.get(key) is not None and not isinstance(meta[key], int):
+            raise ValueError(f"{uri}: {key} must be an integer or null, got {meta[key]!r}")
+    return meta
+
+
+def read_shard(path: str, storage: Storage | None = None) -> Experiences:
+    """Read a shard given its .json, its .safetensors or its name without suffix."""
+    stem = re.sub(r"\.(json|safetensors)$", "", path)
+    storage = storage or get_storage(path)
+    meta_uri = f"{stem}.json"
+    meta = read_shard_meta(meta_uri, storage)
+    uri = f"{stem}.safetensors"
+    try:
+        blob = storage.read_bytes(uri)
+    except FileNotFoundError:
+        raise ValueError(f"{uri}: missing (committed by {meta_uri})") from None
+    want = meta["tensors"]
+    if want.get("bytes") not in (None, len(blob)) or want.get("sha256") not in (
+        None, hashlib.sha256(blob).hexdigest()
+    ):
+        raise ValueError(f"{uri}: size or sha256 differs from {meta_uri} (truncated or replaced?)")
+    try:
+        tensors = safetensors.torch.load(blob)
+    except Exception as e:  # safetensors raises its own SafetensorError (not exported)
+        raise ValueError(f"{uri}: not a valid safetensors file: {e}") from None
+    if set(tensors) != set(meta["fields"]):
+        raise ValueError(f"{uri}: holds {sorted(tensors)}, {meta_uri} lists {sorted(meta['fields'])}")
+    for k in tensors:
+        if k not in _SPEC:
+            raise ValueError(f"{uri}: unknown field {k!r}")
+    missing = [k for k in _REQUIRED if k not in tensors]
+    if missing:
+        raise ValueError(f"{uri}: missing required fields {missing}")
+    try:
+        exp = Experiences(**tensors, info=meta["info"]).validate()
+    except ValueError as e:
+        raise ValueError(f"{uri}: {e}") from None
+    if len(exp) != meta["num_samples"]:
+        raise ValueError(f"{uri}: {len(exp)} samples, {meta_uri} says {meta['num_samples']}")
+    return exp
+
+
+_REQUIRED = [f.name for f in fields(Experiences) if f.name in _SPEC and f.default is not None]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------ reader
+
+
+class BufferReader:
+    """Batches of exactly `batch_size` samples from the shards under `uri`, in name order.
+
+    The position is (shard name, samples of it consumed); `state_dict()` saves it so a
+    resumed trainer continues with the very next sample. A batch may span shards. With
+    `max_staleness`, `next_batch(current_version)` drops samples whose weights_version is
+    below `current_version - max_staleness` (samples without a version are never stale).
+    """
+
+    def __init__(self, uri: str, batch_size: int, max_staleness: int | None = None,
+                 storage: Storage | None = None, poll_interval: float = 5.0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.uri, self.batch_size, self.max_staleness = uri, batch_size, max_staleness
+        self.storage = storage or get_storage(uri)
+        self.poll_interval = poll_interval
+        self.stats = {"batches": 0, "samples": 0, "dropped_stale": 0, "shards": 0}
+        self._shard: str | None = None  # None: before the first shard
+        self._offset = 0  # samples of _shard consumed (kept or dropped)
+        self._names: list[str] | None = None  # committed shard names, sorted
+        self._metas: dict[str, dict] = {}
+        self._loaded: tuple[str, Experiences] | None = None  # the shard we are inside
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shard": self._shard, "offset": self._offset, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._shard, self._offset = state["shard"], int(state["offset"])
+        self.stats = {**self.stats, **state.get("stats", {})}
+        self._names, self._metas, self._loaded = None, {}, None
+
+    def __iter__(self) -> Iterator[Experiences]:
+        while (batch := self.next_batch()) is not None:
+            yield batch
+
+    def next_batch(self, current_version: int | None = None, wait: bool = False,
+                   timeout: float | None = None) -> Experiences | None:
+        """The next full batch, or None once the data runs out (after `timeout` seconds
+        of polling with `wait=True`). An incomplete batch consumes nothing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        min_version = None
+        if self.max_staleness is not None and current_version is not None:
+            min_version = current_version - self.max_staleness
+        while True:
+            batch = self._try_batch(min_version)
+            if batch is not None or not wait:
+                return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(self.poll_interval)
+
+    def _try_batch(self, min_version: int | None) -> Experiences | None:
+        if self._names is None:
+            self._names = self._list()
+        shard, offset = self._shard, self._offset
+        pieces, need, dropped, relisted, shards = [], self.batch_size, 0, False, 0
+        while need > 0:
+            # A shard gone since (retention) counts as consumed.
+            if self._known(shard) and offset < self._meta(shard)["num_samples"]:
+                name, start = shard, offset
+            else:
+                name = self._after(shard)
+                if name is None and not relisted:  # new shards may have been committed
+                    self._names, relisted = self._list(), True
+                    name = self._after(shard)
+                if name is None:
+                    return None
+                start, shards = 0, shards + 1
+            taken, end, num_dropped = self._take(name, start, need, min_version)
+            if taken is not None:
+                pieces.append(taken)
+                need -= len(taken)
+            shard, offset, dropped = name, end, dropped + num_dropped
+        self._shard, self._offset = shard, offset
+        self._metas = {k: v for k, v in self._metas.items() if k >= shard}
+        self.stats["batches"] += 1
+        self.stats["samples"] += self.batch_size
+        self.stats["dropped_stale"] += dropped
+        self.stats["shards"] += shards
+        return Experiences.concat(pieces)
+
+    def _take(self, name: str, start: int, need: int, min_version: int | None):
+        """Up to `need` fresh samples of shard `name` from `start`:
+        (samples or None, offset after the last one looked at, number dropped)."""
+        meta = self._meta(name)
+        n, newest = meta["num_samples"], meta["weights_version_max"]
+        if min_version is not None and newest is not None and newest < min_version:
+            return None, n, n - start  # all stale: skip without reading the tensors
+        exp = self._load(name)
+        pos = torch.arange(start, n)
+        if min_version is not None and exp.weights_version is not None:
+            pos = pos[exp.weights_version[start:] >= min_version]
+        chosen = pos[:need]
+        end = int(chosen[-1]) + 1 if len(chosen) == need else n
+        return (exp.select(chosen) if len(chosen) else None), end, (end - start) - len(chosen)
+
+    def _known(self, shard: str | None) -> bool:
+        names = self._names or []
+        i = bisect.bisect_left(names, shard) if shard is not None else len(names)
+        return i < len(names) and names[i] == shard
+
+    def _after(self, shard: str | None) -> str | None:
+        names = self._names or []
+        i = 0 if shard is None else bisect.bisect_right(names, shard)
+        return names[i] if i < len(names) else None
+
+    def _list(self) -> list[str]:
+        prefix = self.uri.rstrip("/") + "/"
+        names = []
+        for uri in self.storage.list(prefix):
+            rel = uri[len(prefix):]
+            if "/" not in rel and rel.endswith(".json"):  # only committed, top-level shards
+                names.append(rel[: -len(".json")])
+        return sorted(names)
+
+    def _meta(self, name: str) -> dict[str, Any]:
+        if name not in self._metas:
+            self._metas[name] = read_shard_meta(join(self.uri, f"{name}.json"), self.storage)
+        return self._metas[name]
+
+    def _load(self, name: str) -> Experiences:
+        if self._loaded is None or self._loaded[0] != name:
+            self._loaded = (name, read_shard(join(self.uri, name), self.storage))
+        return self._loaded[1]

@@ -1,0 +1,184 @@
+"""The one place that builds models and applies parallelism, in a fixed order:
+
+1. build the HF model on the meta device (no memory, no init cost);
+2. optional activation checkpointing;
+3. `fully_shard` every decoder block, then the root, with a MixedPrecisionPolicy
+   (bf16 compute / fp32 gradient reduction on GPU; plain fp32 on CPU);
+4. materialise the shards (`to_empty`) and load the weights from an HF directory:
+   rank 0 reads the safetensors files and the shards are scattered from it, so no rank
+   but the first ever holds a full copy.
+
+Works with nccl on GPU and gloo on CPU; a single process is a world of size 1.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: its rank, the world, and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Runtime:
+    """Join the torchrun group (or form a world of one outside torchrun)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF causal LM (Llama, Qwen2, Mistral, ... layouts)."""
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node = model
+        try:
+            for part in path.split("."):
+                node = getattr(node, part)
+        except AttributeError:
+            continue
+        return list(node)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
+
+
+def mixed_precision(device: torch.device, mode: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute with fp32 gradient reduction on GPU; CPU stays fp32 (bf16 matmuls on
+    CPU are slow and lose the bit-exactness we test against)."""
+    if device.type != "cuda" or mode != "bf16":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, device: torch.device, mode: str = "bf16",
+               reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    mp = mixed_precision(device, mode)
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in decoder_layers(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a local HF directory (safetensors shards, or pytorch_model.bin)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+        if not bins:
+            raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+        out: dict[str, torch.Tensor] = {}
+        for f in bins:
+            out.update(torch.load(f, map_location="cpu", weights_only=True))
+        return out
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: str = "bf16",
+                reshard_after_forward: bool = True, cpu_offload: bool = False,
+                activation_checkpointing: bool = False, load_weights: bool = True) -> nn.Module:
+    """Build, shard and load one model. `kind`: "causal_lm" (actor, reference) or
+    "critic" (a token-classification head with one output: the value per token)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "tie_word_embeddings", False):
+        # A tied lm_head shares storage with the embedding; sharding them separately
+        # would silently untie them. Untie explicitly (the weights are still loaded).
+        config.tie_word_embeddings = False
+    with torch.device("meta"):
+        if kind == "critic":
+            config.num_labels = 1
+            model = AutoModelForTokenClassification.from_config(config, torch_dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_fsdp(model, rt.device, fsdp_mode, reshard_after_forward, cpu_offload)
+    model.to_empty(device="cpu" if cpu_offload else rt.device)
+    _init_buffers(model, config, rt)
+    if kind == "critic":
+        # The value head is not in an LM checkpoint: start it at zero (values 0 at step 0),
+        # instead of leaving to_empty's uninitialised memory.
+        with torch.no_grad():
+            for p in model.score.parameters():
+                p.zero_()
+    if load_weights:
+        load_full_state_dict(model, path, rt, strict=(kind != "critic"))
+    return model
+
+
+def _init_buffers(model: nn.Module, config, rt: Runtime) -> None:
+    """Non-persistent buffers (rotary `inv_freq`) are not in checkpoints, and `to_empty`
+    left them as garbage. Rebuild each such module from its config on the real device and
+    take its buffers: robust to how a model family computes them."""
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", set())
+        if not names:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(f"cannot initialise buffers {sorted(names)} of {type(module).__name__}")
+        fresh = type(module)(module.config)
+        for name in names:
+            module.register_buffer(name, getattr(fresh, name).to(rt.device), persistent=False)
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
+
+
+def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, strict: bool = True) -> None:
+    """Rank 0 reads the HF weights; every rank receives only its shards."""
+    full = read_hf_state_dict(path) if rt.is_main else {}
+    if rt.is_main and not strict:
+        # A critic starts from the LM backbone; its score head stays randomly initialised.
+        own = set(model.state_dict().keys())
+        full = {k: v for k, v in full.items() if k in own}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, full, options=options)

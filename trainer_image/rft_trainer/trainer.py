@@ -1,0 +1,272 @@
+"""The Trainer API of Trinity-RFT's `trinity.trainer`, on torchrun + FSDP2 (no Ray).
+
+`Trainer` consumes experiences from the buffer and trains; `TrainEngineWrapper` is the
+engine interface; `get_trainer_wrapper(config)` the factory. The loop reads on one screen:
+the engine decides what a step is, the buffer what data comes next.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from . import engine as eng
+from .algorithms import advantages as advs
+from .algorithms import losses
+from .config import Config
+from .experience import BufferReader, Experiences
+from .parallelize import Runtime, build_model, init_distributed
+
+log = logging.getLogger("rft_trainer")
+
+
+class TrainEngineWrapper(abc.ABC):
+    """A training engine behind the Trainer (the seed's interface)."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def train_step_num(self) -> int: ...
+
+    @abc.abstractmethod
+    def train_step(self, batch: Experiences) -> tuple[bool, dict]: ...
+
+    @abc.abstractmethod
+    def save_checkpoint(self, block_until_saved: bool = False) -> None: ...
+
+    @abc.abstractmethod
+    def sync_weight(self) -> None: ...
+
+    @abc.abstractmethod
+    def upload_state_dict(self) -> None: ...
+
+    @abc.abstractmethod
+    def save_state_dict(self) -> None: ...
+
+
+class FSDPTrainEngine(TrainEngineWrapper):
+    """Actor (+ reference for KL, + critic for PPO) sharded with FSDP2."""
+
+    def __init__(self, config: Config, rt: Runtime | None = None):
+        self.config = config
+        self.rt = rt
+        self.step = 0
+        self.actor: eng.Actor | None = None
+        self.ref: eng.Reference | None = None
+        self.critic: eng.Critic | None = None
+
+    # ------------------------------------------------------------ setup
+
+    def prepare(self) -> None:
+        self.rt = self.rt or init_distributed()
+        check_batch_layout(self.config, self.rt.world_size)
+        torch.manual_seed(self.config.trainer.seed)
+        self.actor = self._build_actor()
+        a = self.config.algorithm
+        if a.kl_coef > 0:
+            self.ref = eng.Reference(self._build("causal_lm", trains=False), self.rt, a.micro_batch_size)
+        if a.name == "ppo":
+            self.critic = self._build_critic()
+
+    def _build(self, kind: str, trains: bool = True):
+        f = self.config.fsdp
+        return build_model(self.config.model.path, self.rt, kind=kind, fsdp_mode=f.mixed_precision,
+                           reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
+                           activation_checkpointing=f.activation_checkpointing and trains)
+
+    def _optim(self, model, lr: float):
+        o, t = self.config.optimizer, self.config.trainer
+        opt = eng.make_optimizer(model, lr, o.betas, o.weight_decay)
+        return opt, eng.make_scheduler(opt, o.warmup_steps, t.total_steps, o.lr_schedule)
+
+    def _build_actor(self) -> eng.Actor:
+        model = self._build("causal_lm")
+        return eng.Actor(model, self.rt, self.config.algorithm, *self._optim(model, self.config.algorithm.learning_rate))
+
+    def _build_critic(self) -> eng.Critic:
+        model = self._build("critic")
+        return eng.Critic(model, self.rt, self.config.algorithm,
+                          *self._optim(model, self.config.algorithm.critic_learning_rate))
+
+    @property
+    def train_step_num(self) -> int:
+        return self.step
+
+    # ------------------------------------------------------------ one step
+
+    def train_step(self, batch: Experiences) -> tuple[bool, dict]:
+        """One RL step on the *global* batch (identical on every rank): advantages over
+        whole groups, then each rank trains on its contiguous slice."""
+        m: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = batch.to(self.rt.device)
+        local = self.local_slice(batch)
+        with eng.timed(m, "time/old_log_prob"):
+            old_lp, _ = self.actor.compute_log_prob(local)
+        ref_lp = None
+        if self.ref is not None:
+            with eng.timed(m, "time/ref_log_prob"):
+                ref_lp = self.ref.compute_ref_log_prob(local)
+        with eng.timed(m, "time/advantages"):
+            adv, ret, values = self._advantages(batch, local, old_lp, ref_lp)
+        if self.critic is not None:
+            with eng.timed(m, "time/update_critic"):
+                m.update(self.critic.update_critic(local, values, ret))
+        with eng.timed(m, "time/update_actor"):
+            m.update(self.actor.update_policy(local, old_lp, adv, ref_lp))
+        self.step += 1
+        m.update(batch_metrics(batch, adv_local=adv, mask_local=local.action_mask))
+        elapsed = time.perf_counter() - start
+        m["time/step"] = elapsed
+        m["perf/throughput"] = float(batch.attention_mask.sum()) / elapsed / self.rt.world_size
+        m["training/global_step"] = self.step
+        return self.step < self.config.trainer.total_steps, m
+
+    def local_slice(self, batch: Experiences) -> Experiences:
+        n = len(batch) // self.rt.world_size
+        return batch.select(torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=batch.tokens.device))
+
+    def _advantages(self, batch, local, old_lp, ref_lp):
+        a = self.config.algorithm
+        mask = local.action_mask.float()
+        if local.advantages is not None and local.returns is not None:
+            return local.advantages, local.returns, None
+        if a.name == "grpo":
+            adv, ret = advs.grpo_advantages(batch.rewards, batch.group_ids, batch.action_mask.float(),
+                                            norm_by_std=a.norm_adv_by_std)
+            idx = self.local_indices(len(batch))
+            return adv[idx], ret[idx], None
+        values = self.critic.compute_values(local)
+        token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
+        if ref_lp is not None and not getattr(a, "use_kl_loss", True):
+            token_rewards = token_rewards - a.kl_coef * losses.kl_penalty(old_lp, ref_lp, a.kl_estimator) * mask
+        # GAE whitening uses batch statistics: gather so every rank sees the global batch.
+        g_rewards, g_values, g_mask = (gather(t, self.rt) for t in (token_rewards, values, mask))
+        adv, ret = advs.gae_advantages(g_rewards, g_values, g_mask, a.gamma, a.lam)
+        idx = self.local_indices(len(batch))
+        return adv[idx], ret[idx], values
+
+    def local_indices(self, n_global: int) -> torch.Tensor:
+        n = n_global // self.rt.world_size
+        return torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=self.rt.device)
+
+    # ------------------------------------------------------------ later issues
+
+    def save_checkpoint(self, block_until_saved: bool = False) -> None:
+        raise NotImplementedError("checkpoints to S3 arrive with the checkpoint milestone (issue 4)")
+
+    def sync_weight(self) -> None:
+        raise NotImplementedError("weight export/sync arrives with the weight-sync milestone (issue 5)")
+
+    def upload_state_dict(self) -> None:
+        raise NotImplementedError("weights export arrives with the checkpoint milestone (issue 4)")
+
+    def save_state_dict(self) -> None:
+        raise NotImplementedError("weights export arrives with the checkpoint milestone (issue 4)")
+
+
+def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.world_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(rt.world_size)]
+    torch.distributed.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def batch_metrics(batch: Experiences, adv_local: torch.Tensor, mask_local: torch.Tensor) -> dict:
+    resp_len = batch.action_mask.float().sum(-1)
+    m = mask_local.float()
+    return {
+        "response_length/mean": float(resp_len.mean()),
+        "response_length/max": float(resp_len.max()),
+        "critic/rewards/mean": float(batch.rewards.float().mean()),
+        "critic/advantages/mean": float((adv_local * m).sum() / m.sum().clamp(min=1)),
+    }
+
+
+def check_batch_layout(config: Config, world_size: int) -> None:
+    """Fail at start, naming the key, when the batch cannot be split evenly."""
+    b, a = config.trainer.batch_size, config.algorithm
+    if b % world_size:
+        raise ValueError(f"trainer.batch_size={b} must be divisible by the number of ranks ({world_size})")
+    mini = a.mini_batch_size or b
+    if b % mini or mini % world_size:
+        raise ValueError(f"algorithm.mini_batch_size={mini} must divide trainer.batch_size={b} "
+                         f"and be divisible by the number of ranks ({world_size})")
+    if (mini // world_size) % a.micro_batch_size:
+        raise ValueError(f"algorithm.micro_batch_size={a.micro_batch_size} must divide the per-rank "
+                         f"mini-batch ({mini // world_size})")
+
+
+def get_trainer_wrapper(config: Config) -> TrainEngineWrapper:
+    return FSDPTrainEngine(config)
+
+
+class Trainer:
+    """Consume the experience and train the model."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.engine = get_trainer_wrapper(config)
+        self.buffer: BufferReader | None = None
+        self._alive = True
+        self.stop_requested = False
+        self.last_metrics: dict[str, Any] = {}
+
+    def prepare(self) -> None:
+        self.engine.prepare()
+        b = self.config.buffer
+        self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
+
+    async def train(self) -> str:
+        while not self.stop_requested and await self.train_step():
+            pass
+        return "stopped" if self.stop_requested else "finished"
+
+    async def train_step(self) -> bool:
+        batch = self.buffer.next_batch(current_version=self.train_step_num)
+        if batch is None:
+            log.info("buffer exhausted at step %d", self.train_step_num)
+            return False
+        cont, metrics = self.engine.train_step(batch)
+        self.last_metrics = metrics
+        self._report(metrics)
+        if self.need_sync():
+            try:
+                self.sync_weight()
+            except NotImplementedError as e:
+                log.debug("%s", e)
+        return cont and self.train_step_num < self.config.trainer.total_steps
+
+    def need_sync(self) -> bool:
+        return self.train_step_num % max(1, self.config.sync.interval) == 0
+
+    def sync_weight(self) -> None:
+        self.engine.sync_weight()
+
+    def _report(self, metrics: dict) -> None:
+        if self.engine.rt is not None and self.engine.rt.is_main:
+            every = max(1, getattr(self.config.reporting, "log_every", 1))
+            if self.train_step_num % every == 0 or self.train_step_num == 1:
+                line = {"step": self.train_step_num, **{k: round(v, 6) for k, v in metrics.items()}}
+                print(json.dumps(line), file=sys.stdout, flush=True)
+
+    async def shutdown(self) -> None:
+        self._alive = False
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    @property
+    def train_step_num(self) -> int:
+        return self.engine.train_step_num
+
+    def is_alive(self) -> bool:
+        return self._alive
