@@ -302,7 +302,9 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
     container: Obj = {
         "name": "trainer",
         "image": t.image,
-        "command": ["torchrun"],
+        # torchrun's own CLI, through a wrapper that keeps the failed worker's exit code
+        # (plain torchrun exits 1 for every failure, hiding fatal codes like 78).
+        "command": ["python", "-m", "rft_trainer.launch"],
         "args": build_torchrun_args(ref, spec, attempt, rank),
         "env": _trainer_env(ref, spec, attempt),
         "ports": [{"name": "rendezvous", "containerPort": t.master_port}],

@@ -1,0 +1,114 @@
+"""`python -m rft_trainer` as the operator runs it: torchrun, a config file, experiences
+in a buffer directory. Exit codes carry the gang semantics (0 done, 78 fatal, 143 after
+SIGTERM)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rft_trainer.experience import write_shard
+from rft_trainer.testing import save_tiny_model
+from rft_trainer.testing_batches import synthetic_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("job")
+    model = save_tiny_model(d / "model")
+    buffer = d / "buffer"
+    buffer.mkdir()
+    for i in range(3):
+        write_shard(str(buffer), f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
+    config = {
+        "model": {"path": str(model)},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
+        "trainer": {"image": "ignored:by-trainer", "nodes": 1, "gpus_per_node": 0,
+                    "total_steps": 3, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": "s3://bucket/run"},
+        "buffer": {"uri": str(buffer)},
+        "job": {"name": "t", "namespace": "default", "uid": "u"},
+    }
+    return d, config
+
+
+def torchrun(config_path: Path, nproc: int = 2, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rft_trainer.launch", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "-m", "rft_trainer",
+           "--config", str(config_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RFT_JOB_NAME": "t"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def write(d: Path, name: str, config: dict) -> Path:
+    p = d / name
+    p.write_text(json.dumps(config))
+    return p
+
+
+def test_trains_to_total_steps_with_two_ranks(job):
+    d, config = job
+    proc = torchrun(write(d, "ok.json", config))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    steps = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [s["step"] for s in steps] == [1, 2, 3]  # rank 0 only reports
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr",
+                "perf/throughput", "response_length/mean", "critic/advantages/mean", "time/step"):
+        assert key in steps[-1], key
+
+
+def test_config_typo_exits_78_naming_the_key(job):
+    d, config = job
+    bad = {**config, "algorithm": {**config["algorithm"], "lerning_rate": 1e-4}}
+    proc = torchrun(write(d, "typo.json", bad), nproc=1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 78, err[-2000:]  # EX_CONFIG: the operator's default fatal code
+    assert "algorithm.lerning_rate: unknown key (did you mean learning_rate?)" in err
+
+
+def test_indivisible_batch_is_fatal_not_a_hang(job):
+    d, config = job
+    bad = {**config, "trainer": {**config["trainer"], "batch_size": 7}}
+    proc = torchrun(write(d, "layout.json", bad), nproc=2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 78, err[-2000:]
+    assert "trainer.batch_size=7 must be divisible" in err
+
+
+def test_malformed_shard_brings_every_rank_down(job, tmp_path):
+    d, config = job
+    buffer = tmp_path / "buffer"
+    buffer.mkdir()
+    write_shard(str(buffer), "shard-0000", synthetic_batch(8, 4, 6, vocab=24, seed=0))
+    (buffer / "shard-0000.safetensors").write_bytes(b"not a safetensors file")
+    proc = torchrun(write(d, "corrupt.json", {**config, "buffer": {"uri": str(buffer)}}), nproc=2)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert "shard-0000" in err
+
+
+def test_sigterm_stops_after_the_step_and_exits_nonzero(job, tmp_path):
+    d, config = job
+    long = {**config, "trainer": {**config["trainer"], "total_steps": 10_000}}
+    # Endless data: the same shards over and over are enough to keep it busy.
+    buffer = tmp_path / "buffer"
+    buffer.mkdir()
+    for i in range(200):
+        write_shard(str(buffer), f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
+    proc = torchrun(write(d, "long.json", {**long, "buffer": {"uri": str(buffer)}}), nproc=1)
+    deadline = time.monotonic() + 180
+    first = proc.stdout.readline()  # blocks until step 1 is reported
+    assert first.startswith("{"), first
+    assert time.monotonic() < deadline
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM: stopping after the current step" in err
