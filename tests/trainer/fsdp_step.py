@@ -12,12 +12,15 @@ from rft_trainer.testing_batches import synthetic_batch
 from rft_trainer.trainer import FSDPTrainEngine
 
 
-def main(model_dir: str, out: str, algo: str) -> None:
+def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
+    memory_savers = "--memory-savers" in flags
     config = load_config({
         "model": {"path": model_dir},
         "algorithm": {"name": algo, "learning_rate": 1e-3, "critic_learning_rate": 1e-3,
                       "kl_coef": 0.01, "micro_batch_size": 2, "mini_batch_size": 8, "epochs": 1},
-        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32",
+                                                             "activation_checkpointing": memory_savers,
+                                                             "cpu_offload": memory_savers}},
         "checkpoint": {"uri": "s3://unused/x"},
     })
     engine = FSDPTrainEngine(config)
@@ -32,4 +35,4 @@ def main(model_dir: str, out: str, algo: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

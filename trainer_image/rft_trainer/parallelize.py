@@ -95,8 +95,10 @@ def apply_fsdp(model: nn.Module, device: torch.device, mode: str = "bf16",
     mp = mixed_precision(device, mode)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if cpu_offload:
+    if cpu_offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif cpu_offload:
+        log.info("fsdp.cpu_offload ignored: parameters already live on the CPU")
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -137,13 +139,14 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
     with torch.device("meta"):
         if kind == "critic":
             config.num_labels = 1
-            model = AutoModelForTokenClassification.from_config(config, torch_dtype=torch.float32)
+            model = AutoModelForTokenClassification.from_config(config)
         else:
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config)
+    model.float()  # fp32 master weights; FSDP's MixedPrecisionPolicy computes in bf16 on GPU
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fsdp(model, rt.device, fsdp_mode, reshard_after_forward, cpu_offload)
-    model.to_empty(device="cpu" if cpu_offload else rt.device)
+    model.to_empty(device="cpu" if cpu_offload and rt.device.type == "cuda" else rt.device)
     _init_buffers(model, config, rt)
     if kind == "critic":
         # The value head is not in an LM checkpoint: start it at zero (values 0 at step 0),
