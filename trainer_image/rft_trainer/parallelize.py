@@ -131,6 +131,7 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
     "critic" (a token-classification head with one output: the value per token)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+    path = fetch_model(path, rt)
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "tie_word_embeddings", False):
         # A tied lm_head shares storage with the embedding; sharding them separately
@@ -157,6 +158,29 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
     if load_weights:
         load_full_state_dict(model, path, rt, strict=(kind != "critic"))
     return model
+
+
+def fetch_model(path: str, rt: Runtime) -> str:
+    """A local directory for `path`: itself, or an s3:// prefix downloaded once per node
+    (local rank 0 downloads, the others wait) into $RFT_MODEL_CACHE."""
+    if not path.startswith("s3://"):
+        return path
+    import hashlib
+
+    from .s3 import S3Storage
+
+    cache = os.environ.get("RFT_MODEL_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rft-models"))
+    local = os.path.join(cache, hashlib.sha256(path.encode()).hexdigest()[:16])
+    done = os.path.join(local, ".complete")
+    if rt.local_rank == 0 and not os.path.exists(done):
+        log.info("downloading %s to %s", path, local)
+        S3Storage().download_prefix(path, local)
+        if not os.path.exists(os.path.join(local, "config.json")):
+            raise FileNotFoundError(f"{path}: no config.json under this prefix (is it an HF model directory?)")
+        open(done, "w").close()
+    if dist.is_initialized() and rt.world_size > 1:
+        dist.barrier()
+    return local
 
 
 def _init_buffers(model: nn.Module, config, rt: Runtime) -> None:

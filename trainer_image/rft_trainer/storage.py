@@ -1,7 +1,7 @@
 """Storage behind a tiny interface, so local disk and S3 are interchangeable.
 
 Everything is addressed by `str` URIs: a plain path, `file:///abs/path`, or (with the
-checkpoint issue) `s3://bucket/key`. The interface mirrors what an object store offers,
+S3Storage in s3.py) `s3://bucket/key`. The interface mirrors what an object store offers,
 because that is the weakest backend we must support: no directories, no rename, no
 append; `write_bytes` replaces a whole object atomically (a reader sees the old object,
 the new one, or none, never half of one); `list(prefix)` is a plain string-prefix match
@@ -104,5 +104,7 @@ class LocalStorage:
 def get_storage(uri: str) -> Storage:
     """The backend for a URI's scheme."""
     if uri.startswith("s3://"):
-        raise ValueError(f"{uri}: S3 storage is not available in this build yet")
+        from .s3 import S3Storage
+
+        return S3Storage()
     return LocalStorage()

@@ -1,0 +1,96 @@
+"""The trainer's S3 inputs against a real S3-compatible server over HTTP: the storage
+interface, experience shards read from an S3 prefix, and the model fetched from S3."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from rft_trainer.experience import BufferReader, write_shard
+from rft_trainer.parallelize import Runtime, fetch_model
+from rft_trainer.s3 import S3Storage
+from rft_trainer.storage import get_storage
+from rft_trainer.testing import save_tiny_model
+from rft_trainer.testing_batches import synthetic_batch
+
+
+def test_storage_interface(bucket):
+    s = get_storage(f"s3://{bucket}/x")
+    assert isinstance(s, S3Storage)
+    s.write_bytes(f"s3://{bucket}/a/1.bin", b"one")
+    s.write_bytes(f"s3://{bucket}/a/2.bin", b"two" * 1000)
+    s.write_bytes(f"s3://{bucket}/b/3.bin", b"three")
+    assert s.list(f"s3://{bucket}/a/") == [f"s3://{bucket}/a/1.bin", f"s3://{bucket}/a/2.bin"]
+    assert s.read_bytes(f"s3://{bucket}/a/2.bin") == b"two" * 1000
+    assert s.exists(f"s3://{bucket}/b/3.bin") and not s.exists(f"s3://{bucket}/b/4.bin")
+    s.delete(f"s3://{bucket}/b/3.bin")
+    s.delete(f"s3://{bucket}/b/3.bin")  # missing: not an error
+    assert not s.exists(f"s3://{bucket}/b/3.bin")
+    try:
+        s.read_bytes(f"s3://{bucket}/nope")
+        raise AssertionError("expected FileNotFoundError")
+    except FileNotFoundError as e:
+        assert "nope" in str(e)
+
+
+def test_multipart_upload_round_trips(bucket):
+    s = S3Storage(part_size=5 * 2**20)  # S3's minimum part size: forces a multipart upload
+    blob = os.urandom(11 * 2**20)
+    s.write_bytes(f"s3://{bucket}/big.bin", blob)
+    assert s.read_bytes(f"s3://{bucket}/big.bin") == blob
+
+
+def test_buffer_reader_over_an_s3_prefix(bucket):
+    prefix = f"s3://{bucket}/run/buffer"
+    batches = [synthetic_batch(4, 3, 5, vocab=24, seed=i) for i in range(3)]
+    for i, b in enumerate(batches):
+        write_shard(prefix, f"shard-{i:04d}", b)
+    # An uncommitted shard (tensors without the JSON written last) is invisible.
+    S3Storage().write_bytes(f"{prefix}/shard-0009.safetensors", b"partial")
+    reader = BufferReader(prefix, batch_size=4)
+    got = [reader.next_batch() for _ in range(3)]
+    assert reader.next_batch() is None
+    for want, have in zip(batches, got):
+        assert torch.equal(want.tokens, have.tokens) and torch.equal(want.rewards, have.rewards)
+
+
+def test_model_is_fetched_from_s3_once(bucket, tmp_path, monkeypatch):
+    local = save_tiny_model(tmp_path / "model")
+    s = S3Storage()
+    for f in sorted(local.iterdir()):
+        s.write_bytes(f"s3://{bucket}/models/tiny/{f.name}", f.read_bytes())
+    monkeypatch.setenv("RFT_MODEL_CACHE", str(tmp_path / "cache"))
+    rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    path = fetch_model(f"s3://{bucket}/models/tiny", rt)
+    assert (tmp_path / "cache") in __import__("pathlib").Path(path).parents
+    assert sorted(os.listdir(path)) == sorted([".complete", *os.listdir(local)])
+    assert open(os.path.join(path, "model.safetensors"), "rb").read() == (local / "model.safetensors").read_bytes()
+    s.delete(f"s3://{bucket}/models/tiny/config.json")  # a second fetch must not download again
+    assert fetch_model(f"s3://{bucket}/models/tiny", rt) == path
+
+
+def test_trainer_runs_from_s3_model_and_buffer(bucket, s3_env, tmp_path):
+    local = save_tiny_model(tmp_path / "model")
+    s = S3Storage()
+    for f in sorted(local.iterdir()):
+        s.write_bytes(f"s3://{bucket}/models/tiny/{f.name}", f.read_bytes())
+    for i in range(2):
+        write_shard(f"s3://{bucket}/run/buffer", f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
+    config = {
+        "model": {"path": f"s3://{bucket}/models/tiny"},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 4},
+        "trainer": {"total_steps": 2, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": f"s3://{bucket}/run"},
+    }  # buffer.uri defaults to <checkpoint.uri>/buffer
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    env = {**os.environ, **s3_env, "RFT_MODEL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "rft_trainer.launch", "--nproc-per-node=2",
+                          "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "-m", "rft_trainer",
+                          "--config", str(cfg)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in res.stdout.splitlines() if x.startswith("{")]
+    assert steps == [1, 2]
+    assert "test-secret" not in res.stdout + res.stderr  # credentials never logged
