@@ -70,6 +70,16 @@ def _avg(acc: dict[str, list[float]]) -> Metrics:
     return {k: sum(v) / len(v) for k, v in acc.items() if v}
 
 
+def clip_and_step(model: nn.Module, optimizer, max_norm: float) -> float:
+    """Clip the global gradient norm and step; a non-finite norm skips the step (one bad
+    batch must not poison the weights). Returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
+    if torch.isfinite(norm):
+        optimizer.step()
+    return float(norm)
+
+
 def make_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01):
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
 
@@ -181,12 +191,8 @@ class Actor(LogProbRole):
             (loss * scale).backward()
             for k, v in metrics.items():
                 acc.setdefault(k, []).append(float(v))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
         out = _avg(acc)
-        out["actor/grad_norm"] = float(grad_norm)
+        out["actor/grad_norm"] = clip_and_step(self.model, self.optimizer, a.grad_clip)
         return out
 
     update_actor = update_policy
@@ -226,11 +232,8 @@ class Critic(_Role):
                 (loss * _count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
                 for k, v in metrics.items():
                     acc.setdefault(k, []).append(float(v))
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-            if torch.isfinite(gn):
-                self.optimizer.step()
-            acc.setdefault("critic/grad_norm", []).append(float(gn))
+            acc.setdefault("critic/grad_norm", []).append(
+                clip_and_step(self.model, self.optimizer, a.grad_clip))
         self.scheduler.step()
         return mean_across_ranks(_avg(acc), self.rt)
 
