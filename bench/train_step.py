@@ -1,7 +1,8 @@
 """Actor-update throughput: the FSDP2 engine against a plain PyTorch loop.
 
     python bench/train_step.py [--sizes tiny,medium] [--ranks 1,2] [--batch 4]
-                               [--seq 64+64] [--steps 3] [--micro 2] [--peak-tflops X]
+                               [--seq 64+64] [--steps 3] [--micro 2] [--threads N]
+                               [--peak-tflops X]
 
 For each model size it measures, in the same invocation:
   * plain: one process, the HF model from `AutoModelForCausalLM.from_pretrained` (fp32,
@@ -16,9 +17,14 @@ warm-up update, then `--steps` timed updates (each a full optimiser step on the 
 tokens/s counts the attention-mask tokens of the global batch per second of update time
 (the median timed step; for several ranks, the slowest rank's time of each step).
 
-On CPU the ranks share the machine's cores (OMP_NUM_THREADS = cores / ranks), so more
-ranks add communication, not compute. On CUDA each rank gets a GPU and the plain loop
-runs on one GPU. No thresholds: it prints numbers.
+On CPU the ranks share the machine's cores (OMP_NUM_THREADS = threads / ranks, threads
+defaulting to all cores), so more ranks add communication, not compute: with gloo every
+update all-gathers the full fp32 parameters twice (forward, and again in backward as
+blocks are resharded after forward) and reduce-scatters the gradients, all through the
+same CPUs. On a busy machine multi-threaded runs of small ops slow down erratically
+(OpenMP threads wait for a core); `--threads 1` gives steadier, single-core numbers.
+On CUDA each rank gets a GPU and the plain loop runs on one GPU (`--peak-tflops` then
+gives MFU). Everything goes to stdout; no thresholds: it prints numbers.
 """
 
 from __future__ import annotations
@@ -135,13 +141,13 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def run_engine(model_dir: str, ranks: int, args, cores: int) -> dict:
+def run_engine(model_dir: str, ranks: int, args, threads: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
            "--master-port=0", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
            str(Path(__file__).resolve()), "--worker", "--model", model_dir,
            "--batch", str(args.batch), "--seq", args.seq, "--steps", str(args.steps),
            "--micro", str(args.micro)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // ranks))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // ranks))}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     for line in res.stdout.splitlines():
         if line.startswith(MARK):
@@ -157,12 +163,13 @@ def run_plain(model_dir: str, args, device: torch.device) -> dict:
     """The same update as Actor._update_mini with one mini-batch, without FSDP."""
     from transformers import AutoModelForCausalLM
 
-    a = make_config(model_dir, args).algorithm
+    config = make_config(model_dir, args)
+    a, o = config.algorithm, config.optimizer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=a.learning_rate, betas=(0.9, 0.999),
-                            weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.learning_rate, betas=tuple(o.betas),
+                            weight_decay=o.weight_decay)
     batch = make_batch(args).to(device)
     mask = batch.action_mask.float()
     idx = torch.arange(len(batch), device=device)
@@ -244,7 +251,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed updates after 1 warm-up")
     p.add_argument("--micro", type=int, default=2, help="micro-batch size (per rank)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak dense TFLOP/s of one device at the precision used (fp32/tf32), for MFU")
+                   help="peak dense TFLOP/s of one device in fp32 (torch leaves TF32 off), for MFU")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads in all: the plain loop's, split evenly over ranks (default: all cores)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per torchrun run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -253,6 +262,9 @@ def main() -> None:
         return worker(args)
 
     t_start = time.perf_counter()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     sizes = [s for s in args.sizes.split(",") if s]
     ranks_list = [int(r) for r in args.ranks.split(",") if r]
     for s in sizes:
@@ -264,16 +276,18 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if not cuda:
-        torch.set_num_threads(cores)
+    threads = args.threads or cores
+    torch.set_num_threads(threads)
     prompt, response = parse_seq(args.seq)
     seq = prompt + response
-    print(f"device: {'cuda x ' + str(torch.cuda.device_count()) if cuda else f'cpu, {cores} cores'}; "
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    where = f"cuda x {torch.cuda.device_count()}" if cuda else f"cpu, {cores} cores{load}, {threads} threads"
+    print(f"device: {where}; "
           f"torch {torch.__version__}; fp32; batch {args.batch} x seq {prompt}+{response}, "
           f"micro-batch {args.micro}, {args.steps} timed updates after 1 warm-up")
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="rft-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rft-train-step-") as tmp:
         for size in sizes:
             spec = {"hidden": 64, "layers": 2, **SIZES[size]}
             model_dir = str(save_tiny_model(Path(tmp) / size, **SIZES[size], with_tokenizer=False))
@@ -287,7 +301,7 @@ def main() -> None:
                 if cuda and r > torch.cuda.device_count():
                     print(f"[{size}] {r} ranks: skipped ({torch.cuda.device_count()} GPUs)")
                     continue
-                res = run_engine(model_dir, r, args, cores)
+                res = run_engine(model_dir, r, args, threads)
                 if "error" in res:
                     print(f"[{size}] engine, {r} ranks: FAILED\n{res['error']}", flush=True)
                     continue
@@ -303,7 +317,7 @@ def main() -> None:
           "tokens = attention-mask tokens of the global batch (padding computed but not credited); "
           "the old-log-prob forward is outside the timed update.")
     if args.peak_tflops is None:
-        print("MFU needs a device peak: pass --peak-tflops (one device, fp32/tf32). FLOP/s only below.")
+        print("MFU needs a device peak: pass --peak-tflops (one device, fp32). FLOP/s only below.")
     print("tokens/s = tokens / median step time (robust to one slow step on a shared machine); "
           "x plain/dev divides by the devices used (GPUs; CPU ranks share one machine).")
     hdr = (f"{'size':<7} {'params':>8} {'run':>9} {'tokens':>6} {'step s':>8} {'tokens/s':>10} "
@@ -323,7 +337,8 @@ def main() -> None:
         name = "plain" if r == 0 else f"fsdp x{r}"
         print(f"{size:<7} {n / 1e6:>7.2f}M {name:>9} {res['tokens']:>6} {step:>8.3f} {rate:>10.1f} "
               f"{ratio:>8.2f} {ratio / devices:>11.2f} {fmt_rate(flops) + 'FLOP/s':>14} {mfu:>6}")
-    print(f"\nwall time: {time.perf_counter() - t_start:.1f} s")
+    load = f" (load average now {os.getloadavg()[0]:.1f})" if hasattr(os, "getloadavg") else ""
+    print(f"\nwall time: {time.perf_counter() - t_start:.1f} s{load}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,11 @@ def _avg(acc: dict[str, list[float]]) -> Metrics:
     return {k: sum(v) / len(v) for k, v in acc.items() if v}
 
 
+def _grad_sync(model: nn.Module, enabled: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+
+
 def clip_and_step(model: nn.Module, optimizer, max_norm: float) -> float:
     """Clip the global gradient norm and step; a non-finite norm skips the step (one bad
     batch must not poison the weights). Returns the pre-clip norm."""
@@ -170,7 +175,10 @@ class Actor(LogProbRole):
         global_count = all_reduce_sum(_count(mask[mini], mode), self.rt)
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[float]] = {}
-        for sel in mini.split(self.micro_batch_size):
+        micros = mini.split(self.micro_batch_size)
+        for i, sel in enumerate(micros):
+            # Accumulate unsharded gradients locally; reduce-scatter once, on the last one.
+            _grad_sync(self.model, i == len(micros) - 1)
             mb = batch.select(sel)
             m = mask[sel]
             lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy=True)
@@ -225,7 +233,9 @@ class Critic(_Role):
         for _ in range(a.epochs):
             global_count = all_reduce_sum(_count(mask, mode), self.rt)
             self.optimizer.zero_grad(set_to_none=True)
-            for sel in idx.split(self.micro_batch_size):
+            micros = idx.split(self.micro_batch_size)
+            for i, sel in enumerate(micros):
+                _grad_sync(self.model, i == len(micros) - 1)
                 mb, m = batch.select(sel), mask[sel]
                 loss, metrics = losses.value_loss(self._values(mb), old_values[sel], returns[sel], m,
                                                   a.cliprange_value, mode)
