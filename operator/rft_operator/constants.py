@@ -57,6 +57,8 @@ REASON_FATAL_EXIT = "FatalExitCode"
 REASON_BACKOFF_LIMIT = "RestartLimitExceeded"
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_NOT_SUSPENDED = "NotSuspended"
+REASON_CHECKPOINT_SAVED = "CheckpointSaved"
+REASON_NO_CHECKPOINT = "NoCheckpointYet"
 
 # Environment given to trainer containers.
 ENV_JOB_NAME = "RFT_JOB_NAME"

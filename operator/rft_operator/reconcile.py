@@ -269,7 +269,12 @@ def _fail(p: _Pass, reason: str, message: str) -> None:
 def _conditions(p: _Pass) -> list[Cond]:
     phase, msg = p.st.get("phase"), p.st.get("message") or ""
     failed_reason = p.failed_reason
+    ckpt = p.old_trainer.get("lastCheckpoint") or {}
     return [
+        Cond(c.COND_CHECKPOINTED, ckpt.get("step") is not None,
+             c.REASON_CHECKPOINT_SAVED if ckpt.get("step") is not None else c.REASON_NO_CHECKPOINT,
+             f"step {ckpt['step']} at {ckpt.get('uri')}" if ckpt.get("step") is not None else
+             "no checkpoint committed yet"),
         Cond(c.COND_RUNNING, phase == c.RUNNING, phase or c.PENDING, msg),
         Cond(c.COND_SUSPENDED, phase == c.SUSPENDED,
              c.REASON_SUSPENDED if phase == c.SUSPENDED else c.REASON_NOT_SUSPENDED,

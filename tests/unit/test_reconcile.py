@@ -194,3 +194,17 @@ def test_pod_view_reads_exit_code():
     }
     v = PodView.from_pod(body)
     assert (v.attempt, v.rank, v.phase, v.exit_code, v.reason) == (1, 0, "Failed", 137, "OOMKilled")
+
+
+def test_checkpointed_condition_follows_the_trainers_report():
+    job = make_job(status=status(c.RUNNING))
+    plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
+    assert cond(plan, c.COND_CHECKPOINTED)["status"] == "False"
+    assert cond(plan, c.COND_CHECKPOINTED)["reason"] == c.REASON_NO_CHECKPOINT
+    reported = {**status(c.RUNNING), "trainer": {"progress": "5/100",
+                                                 "lastCheckpoint": {"step": 5, "uri": "s3://ckpts/demo/ckpt/step-00000005"}}}
+    plan = reconcile(make_job(status=reported), observed([pod(1, 0), pod(1, 1)]), NOW)
+    checkpointed = cond(plan, c.COND_CHECKPOINTED)
+    assert checkpointed["status"] == "True" and checkpointed["reason"] == c.REASON_CHECKPOINT_SAVED
+    assert "step 5" in checkpointed["message"]
+    assert "trainer" not in plan.status  # the operator never writes the trainer's subtree

@@ -22,6 +22,7 @@ from .algorithms import losses
 from .config import Config
 from .experience import BufferReader, Experiences
 from .parallelize import Runtime, build_model, init_distributed
+from .reporting import StatusReporter
 
 log = logging.getLogger("rft_trainer")
 
@@ -220,9 +221,12 @@ class Trainer:
         self._alive = True
         self.stop_requested = False
         self.last_metrics: dict[str, Any] = {}
+        self.reporter = StatusReporter(None, None)
 
     def prepare(self) -> None:
         self.engine.prepare()
+        if self.engine.rt.is_main:  # one writer per job: rank 0
+            self.reporter = StatusReporter.from_env()
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
 
@@ -253,6 +257,7 @@ class Trainer:
         self.engine.sync_weight()
 
     def _report(self, metrics: dict) -> None:
+        self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
         if self.engine.rt is not None and self.engine.rt.is_main:
             every = max(1, getattr(self.config.reporting, "log_every", 1))
             if self.train_step_num % every == 0 or self.train_step_num == 1:
@@ -261,6 +266,7 @@ class Trainer:
 
     async def shutdown(self) -> None:
         self._alive = False
+        self.reporter.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
