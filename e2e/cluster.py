@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import datetime as dt
 import ipaddress
 import json
 import logging
@@ -48,10 +47,8 @@ from typing import Any, Callable
 
 import psutil
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .pki import _write_private, write_kubeconfig, write_pki
 
 log = logging.getLogger("e2e.cluster")
 
@@ -62,7 +59,6 @@ STAGES_FILE = E2E_DIR / "kwok-stages.yaml"
 DEFAULT_STATE_DIR = REPO_ROOT / ".local" / "cluster"
 
 SERVICE_CIDR = "10.96.0.0/16"
-SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
 POD_CIDR = "10.0.0.0/16"  # KWOK hands out fake pod IPs from here; nothing ever dials them
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
@@ -162,114 +158,6 @@ def advertise_address() -> str:
         "no non-loopback IPv4 address found on this host; kube-apiserver needs one for "
         "--advertise-address (bring up any interface with an IPv4 address, e.g. a dummy one)"
     )
-
-
-# --------------------------------------------------------------------------- PKI
-
-
-def _new_key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
-
-
-def _key_pem(key: rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    )
-
-
-def _cert_pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Writes a secret (key, token) readable by the owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
-def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=()) -> x509.Certificate:
-    """Signs a certificate valid for a year with the extensions strict verifiers require."""
-    now = dt.datetime.now(dt.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_name = issuer_cert.subject if issuer_cert is not None else name
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=365))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False
-        )
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, key_encipherment=not ca, key_cert_sign=ca, crl_sign=ca,
-                content_commitment=False, data_encipherment=False, key_agreement=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-    )
-    if not ca:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        ).add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def write_pki(pki: Path, advertise_ip: str) -> None:
-    """Creates the cluster CA, the API server's serving cert, the SA signing key and a
-    request-header CA."""
-    pki.mkdir(parents=True, exist_ok=True)
-    ca_key = _new_key()
-    ca_cert = _certificate("rftjob-local-ca", ca_key, None, ca_key, ca=True)
-    sans = [x509.DNSName(n) for n in (
-        "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-        "kubernetes.default.svc.cluster.local",
-    )] + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", SERVICE_IP, advertise_ip)]
-    server_key = _new_key()
-    server_cert = _certificate("kube-apiserver", server_key, ca_cert, ca_key, ca=False, sans=sans)
-    sa_key = _new_key()
-    # Its private key is thrown away: nothing here may act as an aggregation front proxy.
-    front_proxy_key = _new_key()
-    front_proxy_ca = _certificate("rftjob-front-proxy-ca", front_proxy_key, None, front_proxy_key, ca=True)
-
-    (pki / "front-proxy-ca.crt").write_bytes(_cert_pem(front_proxy_ca))
-    (pki / "ca.crt").write_bytes(_cert_pem(ca_cert))
-    _write_private(pki / "ca.key", _key_pem(ca_key))
-    (pki / "apiserver.crt").write_bytes(_cert_pem(server_cert))
-    _write_private(pki / "apiserver.key", _key_pem(server_key))
-    _write_private(pki / "sa.key", _key_pem(sa_key))
-    (pki / "sa.pub").write_bytes(
-        sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-
-
-def write_kubeconfig(path: Path, server: str, ca_pem: bytes, user: str, token: str) -> Path:
-    """Writes a self-contained (CA embedded) token kubeconfig, readable by the owner only."""
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "rftjob-local", "cluster": {
-            "server": server,
-            "certificate-authority-data": base64.b64encode(ca_pem).decode(),
-        }}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "rftjob-local", "context": {"cluster": "rftjob-local", "user": user}}],
-        "current-context": "rftjob-local",
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_private(path, yaml.safe_dump(config, sort_keys=False).encode())
-    return path
 
 
 # --------------------------------------------------------------------------- API client
