@@ -1,0 +1,37 @@
+"""Run under torchrun: one train step on 2 ranks, then export the policy to S3 in
+the given dtype; rank 0 also saves the full parameters locally for comparison."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from rft_trainer.config import load_config
+from rft_trainer.export import export_hf
+from rft_trainer.s3 import S3Storage
+from rft_trainer.testing_batches import synthetic_batch
+from rft_trainer.trainer import FSDPTrainEngine
+
+
+def main(model_dir: str, dest: str, dtype: str, out: str) -> None:
+    config = load_config({
+        "model": {"path": model_dir},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-3, "kl_coef": 0.0, "micro_batch_size": 2},
+        "trainer": {"total_steps": 5, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": "s3://unused/x"},
+    })
+    engine = FSDPTrainEngine(config)
+    engine.prepare()
+    engine.train_step(synthetic_batch(8, 4, 6, vocab=24, seed=3))
+    # Small shards so the export really streams several files.
+    export_hf(engine.actor.model, engine.rt, S3Storage(), dest, model_dir, step=1, dtype=dtype,
+              max_shard_bytes=64 * 1024)
+    full = get_model_state_dict(engine.actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save(full, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,142 @@
+"""Export the policy as an HF model directory for inference engines:
+`<checkpoint.uri>/weights/step-NNNNNNNN/` with safetensors shards, the HF index, config,
+tokenizer files and a `manifest.json` written last (every file with size and sha256).
+
+Gathering streams one parameter at a time: every rank takes part in the all-gather of
+each sharded tensor, rank 0 alone keeps the full tensor, cast to the export dtype, in a
+bucket that is written and uploaded once it reaches `max_shard_bytes`. No rank ever holds
+a full copy of the model, and rank 0 holds at most one bucket plus one tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .parallelize import Runtime
+from .storage import Storage, join
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
+                   "chat_template.jinja")
+MANIFEST = "manifest.json"
+
+
+def weights_uri(root: str, step: int) -> str:
+    return join(root, "weights", f"step-{step:08d}")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Writer:
+    """Rank 0's side: buckets of tensors -> safetensors files, uploaded as they fill."""
+
+    def __init__(self, storage: Storage, dest: str, tmp: Path, max_shard_bytes: int):
+        self.storage, self.dest, self.tmp, self.max = storage, dest, tmp, max_shard_bytes
+        self.bucket: dict[str, torch.Tensor] = {}
+        self.bucket_bytes = 0
+        self.files: dict[str, dict] = {}
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.bucket[name] = tensor.contiguous()
+        self.bucket_bytes += tensor.numel() * tensor.element_size()
+        self.total_bytes += tensor.numel() * tensor.element_size()
+        if self.bucket_bytes >= self.max:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.bucket:
+            return
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        path = self.tmp / name
+        save_file(self.bucket, str(path), metadata={"format": "pt"})
+        for key in self.bucket:
+            self.weight_map[key] = name
+        self.upload(path)
+        path.unlink()
+        self.bucket, self.bucket_bytes = {}, 0
+
+    def upload(self, path: Path) -> None:
+        self.files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        self.storage.write_bytes(join(self.dest, path.name), path.read_bytes())
+
+
+def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_dir: str | None,
+              step: int, dtype: str = "bf16", max_shard_bytes: int = 2 << 30) -> dict | None:
+    """Collective: every rank must call it. Returns the manifest on rank 0, None elsewhere."""
+    start = time.perf_counter()
+    cast = DTYPES[dtype]
+    tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
+    writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
+    try:
+        for name, value in model.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value  # all ranks
+            if writer is not None:
+                writer.add(name, full.detach().to("cpu", dtype=cast if full.is_floating_point() else full.dtype))
+            del full
+        if writer is None:
+            return None
+        writer.flush()
+        _write_small_files(writer, model, model_dir, dtype)
+        manifest = {"step": step, "format": "hf-safetensors", "dtype": dtype,
+                    "files": writer.files, "bytes": writer.total_bytes,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "export_seconds": round(time.perf_counter() - start, 3)}
+        # Written last: readers treat a weights directory without it as absent.
+        storage.write_bytes(join(dest, MANIFEST), json.dumps(manifest, indent=1).encode())
+        log.info("exported step %d (%s, %.1f MiB) to %s in %.1fs", step, dtype,
+                 writer.total_bytes / 2**20, dest, manifest["export_seconds"])
+        return manifest
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if dist.is_initialized() and rt.world_size > 1:
+            dist.barrier()
+
+
+def _write_small_files(writer: _Writer, model: nn.Module, model_dir: str | None, dtype: str) -> None:
+    index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": writer.weight_map}
+    (writer.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    writer.upload(writer.tmp / "model.safetensors.index.json")
+    config = model.config
+    config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    config.save_pretrained(str(writer.tmp))  # tie_word_embeddings as trained (untied)
+    writer.upload(writer.tmp / "config.json")
+    for name in TOKENIZER_FILES:
+        if model_dir and name != "config.json" and os.path.exists(os.path.join(model_dir, name)):
+            shutil.copy(os.path.join(model_dir, name), writer.tmp / name)
+            writer.upload(writer.tmp / name)
+
+
+def verify(storage: Storage, dest: str) -> dict:
+    """The manifest of a weights directory, after checking every file's size and sha256.
+    Raises ValueError naming the first file that does not match."""
+    manifest = json.loads(storage.read_bytes(join(dest, MANIFEST)))
+    for name, meta in manifest["files"].items():
+        data = storage.read_bytes(join(dest, name))
+        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise ValueError(f"{join(dest, name)}: size or sha256 differs from {MANIFEST}")
+    return manifest
