@@ -25,14 +25,14 @@ def job(tmp_path_factory):
     model = save_tiny_model(d / "model")
     buffer = d / "buffer"
     buffer.mkdir()
-    for i in range(3):
+    for i in range(6):
         write_shard(str(buffer), f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
     config = {
         "model": {"path": str(model)},
         "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
         "trainer": {"image": "ignored:by-trainer", "nodes": 1, "gpus_per_node": 0,
                     "total_steps": 3, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
-        "checkpoint": {"uri": "s3://bucket/run"},
+        "checkpoint": {"uri": "per-run", "interval": 2, "keep": 2},
         "buffer": {"uri": str(buffer)},
         "job": {"name": "t", "namespace": "default", "uid": "u"},
     }
@@ -48,6 +48,10 @@ def torchrun(config_path: Path, nproc: int = 2, **kw) -> subprocess.Popen:
 
 
 def write(d: Path, name: str, config: dict) -> Path:
+    """Each run gets its own checkpoint directory unless the config names one."""
+    config = {**config, "checkpoint": {**config["checkpoint"]}}
+    if config["checkpoint"]["uri"] == "per-run":
+        config["checkpoint"]["uri"] = str(d / f"ckpt-{Path(name).stem}")
     p = d / name
     p.write_text(json.dumps(config))
     return p
@@ -63,6 +67,24 @@ def test_trains_to_total_steps_with_two_ranks(job):
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr",
                 "perf/throughput", "response_length/mean", "critic/advantages/mean", "time/step"):
         assert key in steps[-1], key
+
+
+def test_a_restarted_run_resumes_from_its_last_checkpoint(job):
+    d, config = job
+    proc = torchrun(write(d, "resume.json", config))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    ckpt = d / "ckpt-resume" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]  # keep=2
+    assert (ckpt / "step-00000003" / "manifest.json").exists()
+    more = {**config, "trainer": {**config["trainer"], "total_steps": 5}}
+    # Same checkpoint directory: this is the gang's next attempt.
+    more["checkpoint"] = {**config["checkpoint"], "uri": str(d / "ckpt-resume")}
+    proc = torchrun(write(d, "resume2.json", more))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    steps = [json.loads(line)["step"] for line in out.splitlines() if line.startswith("{")]
+    assert steps == [4, 5]  # steps 1-3 were not trained again
 
 
 def test_config_typo_exits_78_naming_the_key(job):

@@ -19,9 +19,12 @@ import torch
 from . import engine as eng
 from .algorithms import advantages as advs
 from .algorithms import losses
+from .checkpoint import CheckpointManager
 from .config import Config
 from .experience import BufferReader, Experiences
-from .parallelize import Runtime, build_model, init_distributed
+from .export import export_hf, weights_uri
+from .parallelize import Runtime, build_model, fetch_model, init_distributed
+from .storage import get_storage
 from .reporting import StatusReporter
 
 log = logging.getLogger("rft_trainer")
@@ -63,6 +66,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.actor: eng.Actor | None = None
         self.ref: eng.Reference | None = None
         self.critic: eng.Critic | None = None
+        self.checkpointer: CheckpointManager | None = None
 
     # ------------------------------------------------------------ setup
 
@@ -159,19 +163,44 @@ class FSDPTrainEngine(TrainEngineWrapper):
         n = n_global // self.rt.world_size
         return torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=self.rt.device)
 
-    # ------------------------------------------------------------ later issues
+    # ------------------------------------------------------------ checkpoints (checkpoint.py)
 
-    def save_checkpoint(self, block_until_saved: bool = False) -> None:
-        raise NotImplementedError("checkpoints to S3 arrive with the checkpoint milestone (issue 4)")
+    def build_checkpointer(self) -> CheckpointManager:
+        if self.checkpointer is None:
+            self.checkpointer = CheckpointManager.from_config(
+                self.config.checkpoint, self.rt, {"actor": self.actor, "critic": self.critic})
+        return self.checkpointer
+
+    def load_checkpoint(self) -> dict | None:
+        """Resume from the newest verified checkpoint: returns its `extra` (e.g. the buffer
+        position) and sets the step, or None when there is none (a fresh start)."""
+        ckpt = self.build_checkpointer()
+        if ckpt.resume() is None:
+            return None
+        self.step = ckpt.app.step
+        return ckpt.app.extra
+
+    def save_checkpoint(self, block_until_saved: bool = False, extra: dict | None = None) -> None:
+        self.build_checkpointer().save(self.step, extra, block=block_until_saved)
+
+    def wait_on_save_thread(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    # ------------------------------------------------------------ later issues
 
     def sync_weight(self) -> None:
         raise NotImplementedError("weight export/sync arrives with the weight-sync milestone (issue 5)")
 
-    def upload_state_dict(self) -> None:
-        raise NotImplementedError("weights export arrives with the checkpoint milestone (issue 4)")
+    def upload_state_dict(self) -> dict | None:
+        """Export the policy for inference to `<checkpoint.uri>/weights/step-N/` (collective;
+        returns the manifest on rank 0)."""
+        return self.save_state_dict()
 
-    def save_state_dict(self) -> None:
-        raise NotImplementedError("weights export arrives with the checkpoint milestone (issue 4)")
+    def save_state_dict(self, dtype: str = "bf16") -> dict | None:
+        uri = self.config.checkpoint.uri
+        return export_hf(self.actor.model, self.rt, get_storage(uri), weights_uri(uri, self.step),
+                         fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype)
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -229,10 +258,14 @@ class Trainer:
             self.reporter = StatusReporter.from_env()
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
+        extra = self.engine.load_checkpoint()
+        if extra and "buffer" in extra:
+            self.buffer.load_state_dict(extra["buffer"])
 
     async def train(self) -> str:
         while not self.stop_requested and await self.train_step():
             pass
+        self.save_final_checkpoint()
         return "stopped" if self.stop_requested else "finished"
 
     async def train_step(self) -> bool:
@@ -242,6 +275,7 @@ class Trainer:
             return False
         cont, metrics = self.engine.train_step(batch)
         self.last_metrics = metrics
+        self.engine.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
         self._report(metrics)
         if self.need_sync():
             try:
@@ -249,6 +283,16 @@ class Trainer:
             except NotImplementedError as e:
                 log.debug("%s", e)
         return cont and self.train_step_num < self.config.trainer.total_steps
+
+    def checkpoint_extra(self) -> dict:
+        return {"buffer": self.buffer.state_dict()}
+
+    def save_final_checkpoint(self) -> None:
+        """On finish or stop: commit the current step unless it is already saved."""
+        ckpt = self.engine.checkpointer
+        if ckpt.last_saved != self.train_step_num and self.train_step_num > 0:
+            ckpt.save(self.train_step_num, self.checkpoint_extra(), block=True)
+        ckpt.wait()
 
     def need_sync(self) -> bool:
         return self.train_step_num % max(1, self.config.sync.interval) == 0
@@ -266,6 +310,8 @@ class Trainer:
 
     async def shutdown(self) -> None:
         self._alive = False
+        if getattr(self.engine, "checkpointer", None) is not None:
+            self.engine.wait_on_save_thread()
         self.reporter.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,0 +1,89 @@
+"""Run under torchrun by tests/trainer/test_checkpoint.py.
+
+    ckpt_worker.py MODEL_DIR URI OUT --steps N [--interval I] [--keep K] [--block]
+
+Builds a PPO engine (actor + critic) on the tiny model, resumes from the newest verified
+checkpoint under URI (if any) through the engine's `load_checkpoint`, then trains up to
+step N on fixed synthetic batches
+(batch of step s has seed s), calling `maybe_save` after every step. Rank 0 writes to OUT
+(test harness only) the resumed step/extra, and full-state snapshots: "resumed" and one
+per trained step, plus each step's metrics.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+
+from rft_trainer.config import load_config
+from rft_trainer.testing_batches import synthetic_batch
+from rft_trainer.trainer import FSDPTrainEngine
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _copy(x):
+    """Deep copy: full state dicts may alias the live parameters (1 rank, CPU)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_copy(v) for v in x)
+    return x
+
+
+def snapshot(engine: FSDPTrainEngine) -> dict:
+    out = {"rng": torch.get_rng_state().clone()}
+    for name, role in (("actor", engine.actor), ("critic", engine.critic)):
+        out[name] = {"model": get_model_state_dict(role.model, options=FULL),
+                     "optim": get_optimizer_state_dict(role.model, role.optimizer, options=FULL),
+                     "sched": role.scheduler.state_dict()}
+    return _copy(out)
+
+
+def buffer_position(step: int) -> dict:
+    return {"buffer": {"shard": f"shard-{step:06d}", "offset": 3 * step, "stats": {"batches": step}}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("uri")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--interval", type=int, default=1)
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--block", action="store_true")
+    args = p.parse_args()
+    config = load_config({
+        "model": {"path": args.model_dir},
+        "algorithm": {"name": "ppo", "learning_rate": 1e-3, "critic_learning_rate": 1e-3, "kl_coef": 0.0,
+                      "micro_batch_size": 2, "mini_batch_size": 12, "epochs": 1},
+        "optimizer": {"warmup_steps": 3},
+        "trainer": {"total_steps": 100, "batch_size": 12, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": args.uri, "interval": args.interval, "keep": args.keep},
+    })
+    engine = FSDPTrainEngine(config)
+    engine.prepare()
+    extra = engine.load_checkpoint()  # the engine's hook around CheckpointManager.resume
+    ckpt = engine.checkpointer
+    result = {"resumed": ckpt.app.step if extra is not None else None, "extra": extra,
+              "world_size": engine.rt.world_size,
+              "snapshots": {"resumed": snapshot(engine)}, "metrics": {}}
+    while engine.step < args.steps:
+        _, metrics = engine.train_step(synthetic_batch(12, 4, 6, vocab=24, group_size=4, seed=engine.step + 1))
+        ckpt.maybe_save(engine.step, buffer_position(engine.step), block=args.block)
+        result["metrics"][engine.step] = metrics
+        result["snapshots"][engine.step] = snapshot(engine)
+    engine.wait_on_save_thread()
+    if engine.rt.is_main:
+        torch.save(result, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""Sharded, crash-consistent checkpoints in S3 (or any `Storage`), resumable on any world size.
+
+Layout (DESIGN.md): `<uri>/ckpt/step-00000100/{.metadata, __0_0.distcp, __1_0.distcp, ...,
+manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our manifest.
+
+- **Save.** Every rank DCP-saves one `AppState` (model + optimizer + LR scheduler per role,
+  trainer step, `extra` such as the buffer position, RNG) into its *own* local staging
+  dir (`$RFT_CKPT_STAGING`, default `$TMPDIR/rft-ckpt`; no shared filesystem needed), then
+  uploads the files it wrote. Sizes and sha256 are gathered to rank 0, which writes
+  `manifest.json` *last*: S3 has no rename, so the manifest is the commit.
+- **Async.** `save(step, block=False)` returns once the local DCP write is done (a
+  synchronous `dcp.save` to local disk); upload and commit run in a background thread,
+  whose collectives use a dedicated gloo group so they never interleave with training
+  collectives. We do not use `dcp.async_save`: its writer would still need a second,
+  ordered commit phase across ranks, and local disk is fast enough to stage to.
+  Rule: **at most one save in flight**; `save`, `load`, `resume` and `wait` first wait
+  for the previous one, and re-raise its error.
+- **Read.** A step counts only if `manifest.json` exists and every file it lists exists
+  with the listed size and sha256 (`verify_step`, `latest_verified`, which logs one
+  warning line per skipped step with the reason).
+- **Resume.** Rank 0 picks the newest verified step and broadcasts it; every rank
+  downloads that step, re-checks each file, and `dcp.load`s it. DCP reshards, so a step
+  saved on N ranks loads on M. The frozen reference model is not saved (it is the
+  initial policy and reloads from `model.path`).
+- **Retention** (rank 0, after each commit): keep the newest `keep` committed steps;
+  delete older ones (manifest first, so a half-deleted step never reads as complete) and
+  orphaned prefixes (crashed uploads) older than the newest committed step. Newer
+  orphans may be an upload in flight and are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .parallelize import Runtime
+from .storage import Storage, get_storage, join
+
+log = logging.getLogger("rft_trainer.checkpoint")
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def step_uri(uri: str, step: int) -> str:
+    return join(uri, "ckpt", f"step-{step:08d}")
+
+
+def list_steps(storage: Storage, uri: str) -> dict[int, tuple[str, set[str]]]:
+    """step -> (its prefix URI, names of the objects under it), from one listing."""
+    base = join(uri, "ckpt") + "/"
+    out: dict[int, tuple[str, set[str]]] = {}
+    for obj in storage.list(base):
+        head, _, name = obj[len(base):].partition("/")
+        m = _STEP_DIR.fullmatch(head)
+        if m and name:
+            out.setdefault(int(m.group(1)), (base + head, set()))[1].add(name)
+    return out
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check(name: str, data: bytes, meta: dict) -> str | None:
+    if len(data) != meta["size"]:
+        return f"{name}: size {len(data)}, manifest.json says {meta['size']}"
+    if _sha256(data) != meta["sha256"]:
+        return f"{name}: sha256 differs from manifest.json (corrupted object)"
+    return None
+
+
+def read_manifest(storage: Storage, prefix: str) -> dict:
+    return json.loads(storage.read_bytes(join(prefix, MANIFEST)))
+
+
+def verify_step(storage: Storage, prefix: str) -> str | None:
+    """None if the step at `prefix` is complete and intact, else the reason it is not.
+    Reads every object (sha256 needs the bytes)."""
+    try:
+        manifest = read_manifest(storage, prefix)
+    except FileNotFoundError:
+        return "no manifest.json (upload never completed)"
+    except ValueError as e:
+        return f"unreadable manifest.json: {e}"
+    for name, meta in sorted(manifest.get("files", {}).items()):
+        try:
+            data = storage.read_bytes(join(prefix, name))
+        except FileNotFoundError:
+            return f"{name}: listed in manifest.json but missing"
+        if reason := _check(name, data, meta):
+            return reason
+    return None
+
+
+def latest_verified(storage: Storage, uri: str) -> int | None:
+    """The newest step whose manifest verifies; logs a warning for each newer one skipped."""
+    steps = list_steps(storage, uri)
+    for step in sorted(steps, reverse=True):
+        reason = verify_step(storage, steps[step][0])
+        if reason is None:
+            return step
+        log.warning("checkpoint step %d skipped (%s): %s", step, steps[step][0], reason)
+    return None
+
+
+def apply_retention(storage: Storage, uri: str, keep: int) -> list[int]:
+    """Delete all but the newest `keep` committed steps, and uncommitted prefixes older
+    than the newest committed step. Returns the deleted steps."""
+    steps = list_steps(storage, uri)
+    committed = sorted((s for s, (_, names) in steps.items() if MANIFEST in names), reverse=True)
+    if not committed:
+        return []
+    doomed = set(committed[keep:]) | {s for s, (_, names) in steps.items()
+                                      if MANIFEST not in names and s < committed[0]}
+    for s in sorted(doomed):
+        prefix, names = steps[s]
+        for name in sorted(names, key=lambda n: n != MANIFEST):  # the manifest goes first
+            storage.delete(join(prefix, name))
+        log.info("checkpoint retention: deleted step %d", s)
+    return sorted(doomed)
+
+
+# ---------------------------------------------------------------- what is saved
+
+
+def _all_gather(obj: Any, group) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _rng_states(group) -> dict[str, list[bytes]]:
+    """Every rank's RNG states, gathered so the (deduplicated) saved value holds all."""
+    mine = {"cpu": torch.get_rng_state().numpy().tobytes(),
+            "cuda": torch.cuda.get_rng_state().numpy().tobytes() if torch.cuda.is_available() else b""}
+    per_rank = _all_gather(mine, group)
+    return {k: [r[k] for r in per_rank] for k in ("cpu", "cuda")}
+
+
+def _restore_rng(states: dict[str, list[bytes]], rank: int) -> None:
+    """Rank r takes saved rank r's stream (r mod the saved world size when it grew)."""
+    def pick(k: str) -> torch.Tensor | None:
+        saved = states.get(k) or []
+        b = saved[rank % len(saved)] if saved else b""
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else None
+
+    if (cpu := pick("cpu")) is not None:
+        torch.set_rng_state(cpu)
+    if torch.cuda.is_available() and (cuda := pick("cuda")) is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+class AppState(Stateful):
+    """Everything a resume needs, as one DCP `Stateful`.
+
+    roles: name -> object with `.model` (FSDP2), `.optimizer`, `.scheduler` (the engine's
+    Actor and Critic). `get_state_dict`/`set_state_dict` give DTensor shards that DCP
+    reshards on load. `extra` is any JSON-able dict (the buffer position), stored as one
+    string so its shape may change between runs.
+    """
+
+    def __init__(self, roles: dict[str, Any], rank: int = 0, group=None):
+        self.roles = {k: v for k, v in roles.items() if v is not None}
+        self.rank, self.group = rank, group
+        self.step, self.extra = 0, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"step": self.step, "extra": json.dumps(self.extra, sort_keys=True),
+                              "rng": _rng_states(self.group)}
+        for name, role in self.roles.items():
+            model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
+            sd[name] = {"model": model_sd, "optim": optim_sd, "scheduler": role.scheduler.state_dict()}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for name, role in self.roles.items():
+            part = sd[name]
+            set_state_dict(role.model, role.optimizer, model_state_dict=part["model"],
+                           optim_state_dict=part["optim"])
+            role.scheduler.load_state_dict(part["scheduler"])
+        self.step, self.extra = int(sd["step"]), json.loads(sd["extra"])
+        _restore_rng(sd["rng"], self.rank)
+
+
+# ---------------------------------------------------------------- the manager
+
+
+class CheckpointManager:
+    """Saves and restores an `AppState` under `<uri>/ckpt/` (see the module docstring).
+
+    Every rank constructs it and calls `save`/`maybe_save`/`resume` at the same steps.
+    """
+
+    def __init__(self, storage: Storage, uri: str, rt: Runtime, keep: int = 3, interval: int = 100,
+                 roles: dict[str, Any] | None = None, staging_dir: str | None = None,
+                 config_hash: str | None = None):
+        self.storage, self.uri, self.rt = storage, uri, rt
+        self.keep, self.interval, self.config_hash = keep, interval, config_hash
+        root = staging_dir or os.environ.get("RFT_CKPT_STAGING") or os.path.join(tempfile.gettempdir(), "rft-ckpt")
+        self.staging = Path(root)
+        # Commit collectives run in the upload thread: a group of their own keeps them
+        # from interleaving with the training loop's collectives on the default group.
+        self.group = dist.new_group(backend="gloo") if rt.world_size > 1 else None
+        self.app = AppState(roles or {}, rt.rank, self.group)
+        self.last_saved: int | None = None  # staged (maybe still uploading)
+        # Called on rank 0 as on_commit(step, prefix_uri) once a manifest is written,
+        # from the upload thread when block=False (e.g. to report status.checkpoint).
+        self.on_commit = None
+        self.last_committed: int | None = None  # manifest written
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config, rt: Runtime, roles: dict[str, Any]) -> "CheckpointManager":
+        """From a `CheckpointConfig` (uri, interval, keep)."""
+        return cls(get_storage(config.uri), config.uri, rt, config.keep, config.interval, roles)
+
+    # ------------------------------------------------------------ save
+
+    def maybe_save(self, step: int, extra: dict | None = None, *, block: bool = False) -> bool:
+        """Save when `step` is a multiple of `interval`; the loop calls this every step."""
+        if step % self.interval:
+            return False
+        self.save(step, extra, block=block)
+        return True
+
+    def save(self, step: int, extra: dict | None = None, *, block: bool = True) -> None:
+        """Write step `step`. With block=False, return after the local write and upload in
+        the background (at most one save in flight: this first waits for the previous)."""
+        self.wait()
+        self.app.step, self.app.extra = step, dict(extra or {})
+        self.staging.mkdir(parents=True, exist_ok=True)
+        local = Path(tempfile.mkdtemp(prefix=f"step-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
+        start = time.perf_counter()
+        try:
+            dcp.save({"app": self.app}, storage_writer=dcp.FileSystemWriter(str(local)),
+                     no_dist=not dist.is_initialized())
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+        self.last_saved = step
+        if self.rt.is_main:
+            log.info("checkpoint step %d staged locally in %.2fs", step, time.perf_counter() - start)
+        if block:
+            self._commit(step, local)
+        else:
+            self._thread = threading.Thread(target=self._commit_in_background, args=(step, local),
+                                            name=f"ckpt-commit-{step}", daemon=True)
+            self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(str(err)) from err
+
+    close = wait
+
+    def _commit_in_background(self, step: int, local: Path) -> None:
+        try:
+            self._commit(step, local)
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+
+    def _commit(self, step: int, local: Path) -> None:
+        prefix = step_uri(self.uri, step)
+        start = time.perf_counter()
+        files, err = {}, None
+        try:
+            for path in sorted(local.iterdir()):
+                data = path.read_bytes()
+                self.storage.write_bytes(join(prefix, path.name), data)
+                files[path.name] = {"size": len(data), "sha256": _sha256(data)}
+        except Exception as e:  # still join the gather, so no rank hangs
+            err = f"rank {self.rt.rank}: {type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        reports = _all_gather((files, err), self.group)  # every rank has uploaded
+        status = None
+        if self.rt.is_main:
+            status = self._write_manifest(step, prefix, reports)
+        if self.group is not None:
+            box = [status]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            status = box[0]
+        if status:
+            raise CheckpointError(f"checkpoint step {step} not committed: {status}")
+        self.last_committed = step
+        if self.rt.is_main:
+            log.info("checkpoint step %d committed to %s in %.2fs", step, prefix, time.perf_counter() - start)
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(step, prefix)
+                except Exception as e:  # reporting must not fail a committed save
+                    log.warning("checkpoint on_commit hook failed: %s", e)
+
+    def _write_manifest(self, step: int, prefix: str, reports: list) -> str | None:
+        """Rank 0: write the manifest (the commit), then apply retention. Returns an
+        error message, or None on success."""
+        errors = [e for _, e in reports if e]
+        if errors:
+            return "; ".join(errors)
+        merged: dict[str, dict] = {}
+        for files, _ in reports:
+            if dup := merged.keys() & files.keys():
+                return f"two ranks wrote {sorted(dup)}"
+            merged.update(files)
+        manifest = {"step": step, "world_size": self.rt.world_size, "format": "torch.distributed.checkpoint",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": merged}
+        if self.config_hash:
+            manifest["config_hash"] = self.config_hash
+        try:
+            self.storage.write_bytes(join(prefix, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        except Exception as e:
+            return f"writing manifest.json: {type(e).__name__}: {e}"
+        try:
+            apply_retention(self.storage, self.uri, self.keep)
+        except Exception as e:  # a failed cleanup must not undo a good commit
+            log.warning("checkpoint retention failed: %s", e)
+        return None
+
+    # ------------------------------------------------------------ load
+
+    def resume(self) -> int | None:
+        """Load the newest verified step into the roles; returns it (and sets
+        `self.app.step`/`.extra`), or None when there is none (a fresh start)."""
+        self.wait()
+        step = latest_verified(self.storage, self.uri) if self.rt.is_main else None
+        if self.group is not None:
+            box = [step]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            step = box[0]
+        if step is None:
+            log.info("no complete checkpoint under %s: starting fresh", self.uri)
+            return None
+        self.load(step)
+        return step
+
+    def load(self, step: int) -> AppState:
+        """Every rank downloads step `step`, checks each file against the manifest, and
+        DCP-loads it (resharding to this world size)."""
+        self.wait()
+        prefix = step_uri(self.uri, step)
+        manifest = read_manifest(self.storage, prefix)
+        self.staging.mkdir(parents=True, exist_ok=True)
+        local = Path(tempfile.mkdtemp(prefix=f"load-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
+        start = time.perf_counter()
+        try:
+            for name, meta in manifest["files"].items():
+                data = self.storage.read_bytes(join(prefix, name))
+                if reason := _check(name, data, meta):
+                    raise CheckpointError(f"checkpoint step {step} ({prefix}): {reason}")
+                (local / name).write_bytes(data)
+            dcp.load({"app": self.app}, storage_reader=dcp.FileSystemReader(str(local)),
+                     no_dist=not dist.is_initialized())
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        if self.rt.is_main:
+            log.info("checkpoint step %d (saved on %s ranks) loaded on %d ranks in %.2fs", step,
+                     manifest.get("world_size"), self.rt.world_size, time.perf_counter() - start)
+        return self.app
