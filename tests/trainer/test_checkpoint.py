@@ -222,6 +222,7 @@ def test_async_save_then_resume_in_one_process(tmp_path):
     assert mgr.maybe_save(2, {"buffer": {"offset": 2}}, block=False)
     mgr.wait()
     assert mgr.last_committed == 2 and mgr.last_saved == 2
+    assert mgr.last_commit_bytes > 0 and mgr.last_commit_seconds > 0  # what status reports
     role.train()  # diverge after the save
     mgr.save(4, {"buffer": {"offset": 4}}, block=False)
     mgr.save(6, {"buffer": {"offset": 6}}, block=False)  # waits for step 4 first

@@ -261,6 +261,7 @@ class CheckpointManager:
             shutil.rmtree(local, ignore_errors=True)
             raise
         self.last_saved = step
+        self._stage_seconds = time.perf_counter() - start
         if self.rt.is_main:
             log.info("checkpoint step %d staged locally in %.2fs", step, time.perf_counter() - start)
         if block:
@@ -311,6 +312,9 @@ class CheckpointManager:
         if status:
             raise CheckpointError(f"checkpoint step {step} not committed: {status}")
         self.last_committed = step
+        # For status reporting: bytes of every rank's files, staging + upload time.
+        self.last_commit_bytes = sum(m["size"] for f, _ in reports for m in f.values())
+        self.last_commit_seconds = getattr(self, "_stage_seconds", 0.0) + time.perf_counter() - start
         if self.rt.is_main:
             log.info("checkpoint step %d committed to %s in %.2fs", step, prefix, time.perf_counter() - start)
             if self.on_commit is not None:

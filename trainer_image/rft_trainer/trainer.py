@@ -256,6 +256,9 @@ class Trainer:
         self.engine.prepare()
         if self.engine.rt.is_main:  # one writer per job: rank 0
             self.reporter = StatusReporter.from_env()
+        ckpt = self.engine.build_checkpointer()
+        ckpt.on_commit = lambda step, prefix: self.reporter.report_checkpoint(
+            step, prefix, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
         extra = self.engine.load_checkpoint()
