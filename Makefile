@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup binaries demo down test unit integration crd bench clean
+.PHONY: setup binaries demo down test unit integration crd bench bench-trainer bench-checkpoint clean
 
 setup: binaries
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
@@ -31,6 +31,12 @@ crd:
 
 bench: setup
 	$(PYTHON) bench/reconcile.py
+
+bench-trainer: setup
+	$(PYTHON) bench/train_step.py
+
+bench-checkpoint: setup
+	$(PYTHON) bench/checkpoint.py
 
 clean: down
 	rm -rf .local
