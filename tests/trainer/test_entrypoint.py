@@ -76,7 +76,8 @@ def test_a_restarted_run_resumes_from_its_last_checkpoint(job):
     assert proc.returncode == 0, err[-3000:]
     ckpt = d / "ckpt-resume" / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]  # keep=2
-    assert (ckpt / "step-00000003" / "manifest.json").exists()
+    manifest = json.loads((ckpt / "step-00000003" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 2 and len(manifest["config_hash"]) == 16
     more = {**config, "trainer": {**config["trainer"], "total_steps": 5}}
     # Same checkpoint directory: this is the gang's next attempt.
     more["checkpoint"] = {**config["checkpoint"], "uri": str(d / "ckpt-resume")}

@@ -8,6 +8,7 @@ the engine decides what a step is, the buffer what data comes next.
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
 import logging
 import sys
@@ -167,8 +168,13 @@ class FSDPTrainEngine(TrainEngineWrapper):
 
     def build_checkpointer(self) -> CheckpointManager:
         if self.checkpointer is None:
-            self.checkpointer = CheckpointManager.from_config(
-                self.config.checkpoint, self.rt, {"actor": self.actor, "critic": self.critic})
+            c = self.config.checkpoint
+            # The manifest records which config produced the state, to explain odd resumes.
+            config_hash = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str)
+                                         .encode()).hexdigest()[:16]
+            self.checkpointer = CheckpointManager(get_storage(c.uri), c.uri, self.rt, c.keep, c.interval,
+                                                  {"actor": self.actor, "critic": self.critic},
+                                                  config_hash=config_hash)
         return self.checkpointer
 
     def load_checkpoint(self) -> dict | None:
