@@ -235,6 +235,8 @@ def _trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
         {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The trainer checkpoints on SIGTERM only if that fits in the grace period.
+        {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
     ]
     env += _s3_env(spec)
     env += [{"name": e.name, "value": e.value} for e in spec.trainer.env]

@@ -249,3 +249,23 @@ def test_failed_upload_commits_nothing_and_surfaces_on_wait(tmp_path):
     assert not LocalStorage().exists(join(step_uri(uri, 1), MANIFEST))
     mgr.wait()  # the error is reported once
     assert one_rank_manager(LocalStorage(), uri, tmp_path, TinyRole()).resume() is None
+
+
+@pytest.mark.parametrize(
+    "since_commit, save_s, grace, elapsed, expected",
+    [
+        (None, None, None, 0, True),      # never committed, grace unknown: save
+        (10, 5, 300, 1, False),           # committed 10 s ago: recent enough
+        (600, 5, 300, 1, True),           # old commit, 5 s save fits 299 s of grace
+        (600, 100, 120, 1, False),        # 150 s with margin does not fit 119 s
+        (600, 60, 300, 250, False),       # most of the grace already spent
+        (600, 60, None, 250, True),       # grace unknown (outside Kubernetes): save
+    ],
+)
+def test_should_save_on_stop(since_commit, save_s, grace, elapsed, expected):
+    from rft_trainer.checkpoint import should_save_on_stop
+
+    now = 10_000.0
+    last = None if since_commit is None else now - since_commit
+    save, why = should_save_on_stop(now, now - elapsed, last, save_s, grace)
+    assert save is expected, why

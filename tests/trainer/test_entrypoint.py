@@ -135,3 +135,4 @@ def test_sigterm_stops_after_the_step_and_exits_nonzero(job, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     assert "SIGTERM: stopping after the current step" in err
+    assert "stopping at step" in err  # the save-on-stop decision is logged with its reason

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_sigterm(signum, frame) -> None:  # finish the current step, then leave
         log.warning("SIGTERM: stopping after the current step")
-        trainer.stop_requested = True
+        trainer.request_stop()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:

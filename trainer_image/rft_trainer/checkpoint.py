@@ -57,6 +57,21 @@ MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
+def should_save_on_stop(now: float, stop_at: float, last_commit_at: float | None,
+                        last_save_seconds: float | None, grace_seconds: float | None,
+                        recent_seconds: float = 60.0) -> tuple[bool, str]:
+    """On SIGTERM: save once more only if the last commit is not recent and the save is
+    expected to finish inside the pod's termination grace period (with a 1.5x margin;
+    a save cut off by SIGKILL commits nothing). Times are monotonic seconds."""
+    if last_commit_at is not None and now - last_commit_at < recent_seconds:
+        return False, f"last checkpoint committed {now - last_commit_at:.0f}s ago"
+    if grace_seconds and last_save_seconds is not None:
+        left = grace_seconds - (now - stop_at)
+        if 1.5 * last_save_seconds > left:
+            return False, f"a save takes ~{last_save_seconds:.0f}s but only {left:.0f}s of grace remain"
+    return True, "saving before exit"
+
+
 class CheckpointError(RuntimeError):
     pass
 
@@ -312,6 +327,7 @@ class CheckpointManager:
         if status:
             raise CheckpointError(f"checkpoint step {step} not committed: {status}")
         self.last_committed = step
+        self.last_commit_at = time.monotonic()
         # For status reporting: bytes of every rank's files, staging + upload time.
         self.last_commit_bytes = sum(m["size"] for f, _ in reports for m in f.values())
         self.last_commit_seconds = getattr(self, "_stage_seconds", 0.0) + time.perf_counter() - start

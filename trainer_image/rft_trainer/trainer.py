@@ -11,6 +11,7 @@ import abc
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from . import engine as eng
 from .algorithms import advantages as advs
 from .algorithms import losses
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, should_save_on_stop
 from .config import Config
 from .experience import BufferReader, Experiences
 from .export import export_hf, weights_uri
@@ -255,6 +256,7 @@ class Trainer:
         self.buffer: BufferReader | None = None
         self._alive = True
         self.stop_requested = False
+        self._stop_at = 0.0
         self.last_metrics: dict[str, Any] = {}
         self.reporter = StatusReporter(None, None)
 
@@ -296,12 +298,28 @@ class Trainer:
     def checkpoint_extra(self) -> dict:
         return {"buffer": self.buffer.state_dict()}
 
+    def request_stop(self) -> None:
+        """SIGTERM: finish the current step, maybe checkpoint, then leave."""
+        self.stop_requested = True
+        self._stop_at = time.monotonic()
+
     def save_final_checkpoint(self) -> None:
-        """On finish or stop: commit the current step unless it is already saved."""
+        """On finish: commit the current step unless it is already saved. On SIGTERM: the
+        same, unless a checkpoint is recent or the save would not fit the grace period
+        (`should_save_on_stop`; the operator passes RFT_TERMINATION_GRACE_SECONDS)."""
         ckpt = self.engine.checkpointer
-        if ckpt.last_saved != self.train_step_num and self.train_step_num > 0:
-            ckpt.save(self.train_step_num, self.checkpoint_extra(), block=True)
-        ckpt.wait()
+        ckpt.wait()  # an upload in flight commits first (it is usually the recent one)
+        if ckpt.last_saved == self.train_step_num or self.train_step_num == 0:
+            return
+        if self.stop_requested:
+            grace = float(os.environ.get("RFT_TERMINATION_GRACE_SECONDS", "0")) or None
+            save, why = should_save_on_stop(time.monotonic(), self._stop_at,
+                                            getattr(ckpt, "last_commit_at", None),
+                                            getattr(ckpt, "last_commit_seconds", None), grace)
+            log.info("stopping at step %d: %s", self.train_step_num, why)
+            if not save:
+                return
+        ckpt.save(self.train_step_num, self.checkpoint_extra(), block=True)
 
     def need_sync(self) -> bool:
         return self.train_step_num % max(1, self.config.sync.interval) == 0
