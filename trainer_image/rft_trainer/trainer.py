@@ -310,6 +310,8 @@ class Trainer:
         ckpt = self.engine.checkpointer
         ckpt.wait()  # an upload in flight commits first (it is usually the recent one)
         if ckpt.last_saved == self.train_step_num or self.train_step_num == 0:
+            if self.stop_requested:
+                log.info("stopping at step %d: nothing new to save", self.train_step_num)
             return
         if self.stop_requested:
             grace = float(os.environ.get("RFT_TERMINATION_GRACE_SECONDS", "0")) or None
