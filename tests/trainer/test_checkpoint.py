@@ -269,3 +269,38 @@ def test_should_save_on_stop(since_commit, save_s, grace, elapsed, expected):
     last = None if since_commit is None else now - since_commit
     save, why = should_save_on_stop(now, now - elapsed, last, save_s, grace)
     assert save is expected, why
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_save_during_an_s3_outage_commits_after_recovery_without_blocking_training(
+        tmp_path, s3_server, s3_env, bucket, monkeypatch):
+    """The whole save path (DCP stage -> background upload -> manifest) through a proxy
+    that refuses every request for a while: the loop gets control back after staging,
+    keeps training, and the step commits once S3 answers again."""
+    from .faultproxy import FaultProxy
+
+    proxy = FaultProxy(s3_server).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        uri = f"s3://{bucket}/outage"
+        role = TinyRole()
+        mgr = one_rank_manager(S3Storage(), uri, tmp_path, role)
+        role.train()
+        outage = 4.0
+        proxy.outage(outage)
+        start = time.monotonic()
+        mgr.save(1, {"buffer": {"offset": 1}}, block=False)
+        returned_after = time.monotonic() - start
+        steps_during_outage = 0
+        while mgr._thread is not None and mgr._thread.is_alive() and time.monotonic() - start < outage:
+            role.train()  # the training loop goes on while the upload retries
+            steps_during_outage += 1
+        assert returned_after < outage / 2, f"save blocked the loop for {returned_after:.1f}s"
+        assert steps_during_outage > 0
+        mgr.wait()  # commits after recovery; raises if the upload gave up
+        assert time.monotonic() - start >= outage * 0.9, "the outage was not in the way"
+        assert proxy.injected > 0
+        assert latest_verified(S3Storage(), uri) == 1
+        assert read_manifest(S3Storage(), step_uri(uri, 1))["step"] == 1
+    finally:
+        proxy.stop()
