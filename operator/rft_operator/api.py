@@ -240,11 +240,27 @@ class FailurePolicy(Model):
 
 
 class InferenceSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "rules": [
+                cel(
+                    "!has(self.engine) || self.engine == 'reference' || has(self.image)",
+                    "spec.inference.image is required for the vllm and sglang engines "
+                    "(the reference engine runs in the trainer image)",
+                    ".image",
+                ),
+            ]
+        }
+    )
+
     replicas: int = Field(default=1, ge=0, le=1024)
-    image: str | None = Field(default=None, max_length=512)
+    image: str | None = Field(
+        default=None, max_length=512,
+        description="Engine image; default: spec.trainer.image (reference engine only).",
+    )
     engine: Literal["reference", "vllm", "sglang"] = "reference"
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=1024, le=65535)
     resources: Resources = Field(default_factory=Resources)
 
 
@@ -269,8 +285,13 @@ class BufferSpec(Model):
 
 
 class SyncSpec(Model):
-    interval: int = Field(default=1, ge=1)
-    pinned_version: int | None = Field(default=None, ge=0)
+    interval: int = Field(default=1, ge=1, description="Export weights every N trainer steps.")
+    pinned_version: int | None = Field(
+        default=None, ge=0,
+        description="Serve this exported version (0 = the base model) instead of the newest.",
+    )
+    keep: int = Field(default=5, ge=1, le=1000, description="Exported versions kept in S3 "
+                      "(a pinned version is kept in addition).")
 
 
 class RFTJobSpec(Model):
@@ -335,6 +356,7 @@ class WeightsRef(Model):
     version: int | None = None
     uri: str | None = None
     time: str | None = None
+    id: str | None = Field(default=None, description="Export id: tells re-exports of a version apart")
 
 
 class TrainerStatus(Model):
@@ -346,17 +368,26 @@ class TrainerStatus(Model):
     progress: str | None = Field(default=None, description="step/totalSteps, for kubectl")
     last_checkpoint: CheckpointRef | None = None
     latest_weights: WeightsRef | None = None
+    weight_versions: list[int] | None = Field(default=None, description="Committed, retained exports")
     metrics: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
 
 
 class ReplicaSync(Model):
+    """Written by the sync agent of one inference pod."""
+
     model_config = ConfigDict(extra="allow")
     version: int | None = None
+    id: str | None = None
     time: str | None = None
     load_seconds: float | None = None
+    download_seconds: float | None = None
+    verify_seconds: float | None = None
+    reload_seconds: float | None = None
     error: str | None = None
+    error_time: str | None = None
+    attempts: int | None = None
 
 
 class WeightSyncStatus(Model):

@@ -88,6 +88,23 @@ def test_a_restarted_run_resumes_from_its_last_checkpoint(job):
     assert steps == [4, 5]  # steps 1-3 were not trained again
 
 
+def test_weights_are_exported_every_sync_interval_and_at_the_end(job):
+    from rft_trainer.export import committed_versions, verify
+    from rft_trainer.storage import LocalStorage
+
+    d, config = job
+    cfg = {**config, "trainer": {**config["trainer"], "total_steps": 5}, "sync": {"interval": 2, "keep": 2}}
+    proc = torchrun(write(d, "sync.json", cfg))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    root = str(d / "ckpt-sync")
+    # Exported at 2 and 4 (interval) and 5 (the end); keep=2 dropped version 2.
+    assert committed_versions(LocalStorage(), root) == [4, 5]
+    assert "weights retention: deleted version 2" in err
+    manifest = verify(LocalStorage(), f"{root}/weights/step-00000005")
+    assert manifest["step"] == 5 and len(manifest["id"]) == 16 and "config.json" in manifest["files"]
+
+
 def test_config_typo_exits_78_naming_the_key(job):
     d, config = job
     bad = {**config, "algorithm": {**config["algorithm"], "lerning_rate": 1e-4}}

@@ -108,12 +108,18 @@ class BufferConfig:
     max_staleness: int = _f(1, ge=0)
     # Experiences per training step; None in the file means trainer.batch_size.
     batch_size: int | None = _f(None, ge=1)
+    # Wait for explorers to write more data instead of finishing when the buffer runs
+    # dry. None means: wait iff the job has explorers (`explorer` section present).
+    wait: bool | None = None
+    poll_seconds: float = _f(2.0, gt=0)
 
 
 @dataclass(frozen=True)
 class SyncConfig:
     interval: int = _f(1, ge=1)
     pinned_version: int | None = _f(None, ge=0)
+    # Exported weights versions kept in S3 (the pinned one is kept in addition).
+    keep: int = _f(5, ge=1)
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,8 @@ def load_config(
         if name == "job":
             section.update(_job_from_env(env))
         parts[name] = _build(cls, section, name, _OPERATOR_KEYS.get(name, frozenset()))
+    if parts["buffer"].wait is None:
+        parts["buffer"] = dataclasses.replace(parts["buffer"], wait=bool(data.get("explorer")))
     return _resolve(Config(**parts))
 
 

@@ -14,7 +14,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import uuid
 import tempfile
 import time
 from pathlib import Path
@@ -33,10 +35,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
                    "chat_template.jinja")
 MANIFEST = "manifest.json"
+_VERSION_DIR = re.compile(r"step-(\d{8,})")
 
 
 def weights_uri(root: str, step: int) -> str:
     return join(root, "weights", f"step-{step:08d}")
+
+
+def list_versions(storage: Storage, root: str) -> dict[int, tuple[str, set[str]]]:
+    """version -> (its prefix URI, names of the objects under it), from one listing."""
+    base = join(root, "weights") + "/"
+    out: dict[int, tuple[str, set[str]]] = {}
+    for obj in storage.list(base):
+        head, _, name = obj[len(base):].partition("/")
+        m = _VERSION_DIR.fullmatch(head)
+        if m and name:
+            out.setdefault(int(m.group(1)), (base + head, set()))[1].add(name)
+    return out
+
+
+def committed_versions(storage: Storage, root: str) -> list[int]:
+    """Exported versions whose manifest exists (the commit marker), ascending."""
+    return sorted(v for v, (_, names) in list_versions(storage, root).items() if MANIFEST in names)
+
+
+def apply_weights_retention(storage: Storage, root: str, keep: int,
+                            protect: set[int] = frozenset()) -> list[int]:
+    """Delete all but the newest `keep` committed versions (and `protect`, e.g. a pinned
+    version), plus uncommitted leftovers older than the newest commit. Manifests go
+    first, so a reader never sees a committed version with missing files."""
+    found = list_versions(storage, root)
+    committed = sorted((v for v, (_, n) in found.items() if MANIFEST in n), reverse=True)
+    if not committed:
+        return []
+    doomed = ({v for v in committed[keep:]} | {v for v, (_, n) in found.items()
+                                               if MANIFEST not in n and v < committed[0]}) - set(protect)
+    for v in sorted(doomed):
+        prefix, names = found[v]
+        for name in sorted(names, key=lambda n: n != MANIFEST):
+            storage.delete(join(prefix, name))
+        log.info("weights retention: deleted version %d", v)
+    return sorted(doomed)
 
 
 def sha256_file(path: Path) -> str:
@@ -101,7 +140,9 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
             return None
         writer.flush()
         _write_small_files(writer, model, model_dir, dtype)
-        manifest = {"step": step, "format": "hf-safetensors", "dtype": dtype,
+        # `id` tells two exports of the same step apart (a resumed attempt re-exports
+        # the steps it replays): sync agents reload when (version, id) changes.
+        manifest = {"step": step, "id": uuid.uuid4().hex[:16], "format": "hf-safetensors", "dtype": dtype,
                     "files": writer.files, "bytes": writer.total_bytes,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "export_seconds": round(time.perf_counter() - start, 3)}

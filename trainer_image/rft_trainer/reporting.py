@@ -84,8 +84,15 @@ class StatusReporter:
         self._submit({"lastCheckpoint": {"step": step, "uri": uri, "time": now(), "bytes": nbytes,
                                          "saveSeconds": round(save_seconds, 3)}}, urgent=True)
 
-    def report_weights(self, version: int, uri: str) -> None:
-        self._submit({"latestWeights": {"version": version, "uri": uri, "time": now()}}, urgent=True)
+    def report_weights(self, version: int, uri: str, export_id: str | None = None,
+                       versions: list[int] | None = None) -> None:
+        """A committed weights export; `versions` are all retained committed versions
+        (the operator checks a pinned version against them)."""
+        patch: dict[str, Any] = {"latestWeights": {"version": version, "uri": uri, "time": now(),
+                                                   "id": export_id}}
+        if versions is not None:
+            patch["weightVersions"] = sorted(versions)
+        self._submit(patch, urgent=True)
 
     # ------------------------------------------------------------ delivery
 

@@ -24,7 +24,7 @@ from .algorithms import losses
 from .checkpoint import CheckpointManager, should_save_on_stop
 from .config import Config
 from .experience import BufferReader, Experiences
-from .export import export_hf, weights_uri
+from .export import apply_weights_retention, committed_versions, export_hf, weights_uri
 from .parallelize import Runtime, build_model, fetch_model, init_distributed
 from .storage import get_storage
 from .reporting import StatusReporter
@@ -194,10 +194,13 @@ class FSDPTrainEngine(TrainEngineWrapper):
         if self.checkpointer is not None:
             self.checkpointer.wait()
 
-    # ------------------------------------------------------------ later issues
+    # ------------------------------------------------------------ weights for inference
 
-    def sync_weight(self) -> None:
-        raise NotImplementedError("weight export/sync arrives with the weight-sync milestone (issue 5)")
+    def sync_weight(self) -> dict | None:
+        """Publish the current policy for the inference pods: export it (collective) to
+        `<checkpoint.uri>/weights/step-N/`. The sync agents pick it up once the trainer
+        reports it in the job status (Trainer.sync_weight). Returns the manifest on rank 0."""
+        return self.upload_state_dict()
 
     def upload_state_dict(self) -> dict | None:
         """Export the policy for inference to `<checkpoint.uri>/weights/step-N/` (collective;
@@ -259,6 +262,7 @@ class Trainer:
         self._stop_at = 0.0
         self.last_metrics: dict[str, Any] = {}
         self.reporter = StatusReporter(None, None)
+        self.last_synced: int | None = None
 
     def prepare(self) -> None:
         self.engine.prepare()
@@ -276,24 +280,43 @@ class Trainer:
     async def train(self) -> str:
         while not self.stop_requested and await self.train_step():
             pass
+        if not self.stop_requested and self.last_synced != self.train_step_num and self.train_step_num:
+            self.sync_weight()  # the inference pods end on the final policy
         self.save_final_checkpoint()
         return "stopped" if self.stop_requested else "finished"
 
     async def train_step(self) -> bool:
-        batch = self.buffer.next_batch(current_version=self.train_step_num)
+        batch = self.next_batch()
         if batch is None:
-            log.info("buffer exhausted at step %d", self.train_step_num)
             return False
         cont, metrics = self.engine.train_step(batch)
+        metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
         self.last_metrics = metrics
         self.engine.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
-        self._report(metrics)
         if self.need_sync():
-            try:
-                self.sync_weight()
-            except NotImplementedError as e:
-                log.debug("%s", e)
+            self.sync_weight()
+        self._report(metrics)
         return cont and self.train_step_num < self.config.trainer.total_steps
+
+    def next_batch(self) -> Experiences | None:
+        """The next batch no staler than buffer.max_staleness versions. Train-only jobs
+        end when the buffer runs dry; with explorers the trainer waits for them."""
+        b, step = self.config.buffer, self.train_step_num
+        if not b.wait:
+            batch = self.buffer.next_batch(current_version=step)
+            if batch is None:
+                log.info("buffer exhausted at step %d", step)
+            return batch
+        waited = 0.0
+        while not self.stop_requested:
+            batch = self.buffer.next_batch(current_version=step, wait=True, timeout=b.poll_seconds)
+            if batch is not None:
+                return batch
+            waited += b.poll_seconds
+            if waited % 60 < b.poll_seconds:
+                log.info("step %d: waiting for experiences in %s (%.0fs so far, %d stale dropped)",
+                         step, b.uri, waited, self.buffer.stats["dropped_stale"])
+        return None
 
     def checkpoint_extra(self) -> dict:
         return {"buffer": self.buffer.state_dict()}
@@ -324,10 +347,27 @@ class Trainer:
         ckpt.save(self.train_step_num, self.checkpoint_extra(), block=True)
 
     def need_sync(self) -> bool:
-        return self.train_step_num % max(1, self.config.sync.interval) == 0
+        step = self.train_step_num
+        return step % self.config.sync.interval == 0 or step >= self.config.trainer.total_steps
 
     def sync_weight(self) -> None:
-        self.engine.sync_weight()
+        """Export the policy (all ranks), then on rank 0: drop old versions and report
+        `status.trainer.latestWeights`, which the operator promotes to the sync target."""
+        step = self.train_step_num
+        manifest = self.engine.sync_weight()
+        self.last_synced = step
+        if manifest is None:  # not rank 0
+            return
+        root, sync = self.config.checkpoint.uri, self.config.sync
+        storage = get_storage(root)
+        protect = {sync.pinned_version} if sync.pinned_version is not None else set()
+        try:
+            apply_weights_retention(storage, root, sync.keep, protect)
+            versions = committed_versions(storage, root)
+        except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training
+            log.warning("weights retention failed: %s", e)
+            versions = None
+        self.reporter.report_weights(step, weights_uri(root, step), manifest.get("id"), versions)
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
