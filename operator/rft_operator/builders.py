@@ -58,6 +58,28 @@ def trainer_service_account(job: str, spec: RFTJobSpec) -> str:
     return spec.trainer.service_account_name or own_service_account_name(job)
 
 
+def inference_service_name(job: str) -> str:
+    return f"{job}-inference"
+
+
+def inference_pod_name(job: str, index: int) -> str:
+    return f"{job}-inference-{index}"
+
+
+def explorer_pod_name(job: str, index: int) -> str:
+    return f"{job}-explorer-{index}"
+
+
+def inference_endpoints(ref: "JobRef", spec: RFTJobSpec) -> list[str]:
+    """Stable per-replica URLs (headless Service DNS); explorers balance over them."""
+    inf = spec.inference
+    if inf is None:
+        return []
+    svc = inference_service_name(ref.name)
+    return [f"http://{inference_pod_name(ref.name, i)}.{svc}.{ref.namespace}.svc:{inf.port}"
+            for i in range(inf.replicas)]
+
+
 def master_addr(job: str, attempt: int, namespace: str) -> str:
     """Stable DNS name of rank 0 through the headless Service."""
     return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
@@ -152,7 +174,15 @@ def build_status_role(ref: JobRef) -> Obj:
                 "resources": [f"{c.PLURAL}/status"],
                 "resourceNames": [ref.name],
                 "verbs": ["get", "patch"],
-            }
+            },
+            {
+                # Sync agents watch their job (list/watch need a metadata.name field
+                # selector to match resourceNames).
+                "apiGroups": [c.GROUP],
+                "resources": [c.PLURAL],
+                "resourceNames": [ref.name],
+                "verbs": ["get", "list", "watch"],
+            },
         ],
     }
 
@@ -354,6 +384,172 @@ def build_trainer_pods(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]
     return [build_trainer_pod(ref, spec, attempt, r) for r in range(spec.trainer.nodes)]
 
 
+# ------------------------------------------------------------------ inference and explorers
+
+
+def _identity_env(ref: JobRef) -> list[Obj]:
+    return [
+        {"name": c.ENV_JOB_NAME, "value": ref.name},
+        {"name": c.ENV_JOB_NAMESPACE, "value": ref.namespace},
+        {"name": c.ENV_JOB_UID, "value": ref.uid},
+        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _gpu_resources(res, gpus: int) -> Obj:
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
+    if gpus > 0:
+        limits["nvidia.com/gpu"] = requests["nvidia.com/gpu"] = str(gpus)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
+    """The inference engine. The reference engine starts empty and is loaded by the sync
+    agent; vLLM/SGLang start from the weights an init container fetched."""
+    inf = spec.inference
+    port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
+    commands = {
+        "reference": (["python", "-m", "rft_trainer.serve"],
+                      ["--port", port, "--served-model-name", ref.name]),
+        "vllm": (["vllm", "serve"], [initial, "--host", "0.0.0.0", "--port", port,
+                                     "--served-model-name", ref.name]),
+        "sglang": (["python", "-m", "sglang.launch_server"],
+                   ["--model-path", initial, "--host", "0.0.0.0", "--port", port,
+                    "--served-model-name", ref.name]),
+    }
+    command, args = commands[inf.engine]
+    env = [{"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if inf.engine == "vllm":
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # weight-update endpoints
+    return {
+        "name": "engine",
+        "image": inf.image or spec.trainer.image,
+        "command": command,
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": inf.port}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": inf.port},
+                           "periodSeconds": 5, "failureThreshold": 2},
+        "resources": _gpu_resources(inf.resources, inf.gpus_per_replica),
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+    }
+
+
+def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[str]) -> Obj:
+    inf = spec.inference
+    return {
+        "name": name,
+        "image": spec.trainer.image,
+        "command": ["python", "-m", "rft_trainer.sync_agent"],
+        "args": ["--engine", inf.engine, "--engine-port", str(inf.port),
+                 "--dest", c.WEIGHTS_MOUNT, *extra_args],
+        "env": _identity_env(ref) + _s3_env(spec),
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+    }
+
+
+def _with_hash(pod: Obj) -> Obj:
+    """Stamp the rendered pod's hash: the operator replaces a pod whose spec drifted."""
+    pod["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = spec_hash(pod["spec"])
+    return pod
+
+
+def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
+    """One inference replica: the engine plus its sync agent, sharing a weights volume.
+    Stable names (`<job>-inference-<i>`) key the replica entries in status.weightSync."""
+    name = inference_pod_name(ref.name, index)
+    lbls = labels(ref.name, c.ROLE_INFERENCE) | {c.LABEL_REPLICA: str(index)}
+    pod_spec: Obj = {
+        "hostname": name,
+        "subdomain": inference_service_name(ref.name),
+        "restartPolicy": "Always",
+        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "securityContext": build_pod_security_context(spec),
+        "containers": [_engine_container(ref, spec), _agent_container(ref, spec, "sync-agent", [])],
+        "volumes": [{"name": "weights", "emptyDir": {}}],
+    }
+    if spec.inference.engine != "reference":
+        pod_spec["initContainers"] = [_agent_container(ref, spec, "fetch-weights",
+                                                       ["--fetch-only", f"{c.WEIGHTS_MOUNT}/initial"])]
+    _placement(pod_spec, spec)
+    return _with_hash({"apiVersion": "v1", "kind": "Pod", "metadata": _meta(ref, name, lbls), "spec": pod_spec})
+
+
+def build_explorer_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
+    ex = spec.explorer
+    name = explorer_pod_name(ref.name, index)
+    lbls = labels(ref.name, c.ROLE_EXPLORER) | {c.LABEL_REPLICA: str(index)}
+    env = _identity_env(ref) + [
+        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
+        {"name": c.ENV_EXPLORER_INDEX, "value": str(index)},
+        {"name": c.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
+        {"name": c.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
+    ] + _s3_env(spec)
+    container: Obj = {
+        "name": "explorer",
+        "image": ex.image or spec.trainer.image,
+        "command": ["python", "-m", "rft_trainer.explorer"],
+        "args": ["--config", f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"],
+        "env": env,
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True}],
+    }
+    pod_spec: Obj = {
+        # Exit 0 once the trainer is done; a crash restarts in place and resumes.
+        "restartPolicy": "OnFailure",
+        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "securityContext": build_pod_security_context(spec),
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": configmap_name(ref.name)}}],
+    }
+    _placement(pod_spec, spec)
+    return _with_hash({"apiVersion": "v1", "kind": "Pod", "metadata": _meta(ref, name, lbls), "spec": pod_spec})
+
+
+def _placement(pod_spec: Obj, spec: RFTJobSpec) -> None:
+    """Inference and explorer pods share the trainer's placement constraints."""
+    t = spec.trainer
+    if t.node_selector:
+        pod_spec["nodeSelector"] = dict(t.node_selector)
+    if t.tolerations:
+        pod_spec["tolerations"] = [tol.model_dump(by_alias=True, exclude_none=True) for tol in t.tolerations]
+    if t.priority_class_name:
+        pod_spec["priorityClassName"] = t.priority_class_name
+    if t.scheduler_name:
+        pod_spec["schedulerName"] = t.scheduler_name
+
+
+def build_inference_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
+    """Headless: DNS names per replica (`<pod>.<job>-inference`) for explorers, and the
+    Service for anything else that wants to query the policy."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, inference_service_name(ref.name), labels(ref.name, c.ROLE_INFERENCE)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {c.LABEL_JOB: ref.name, c.LABEL_ROLE: c.ROLE_INFERENCE},
+            "ports": [{"name": "http", "port": spec.inference.port, "targetPort": spec.inference.port}],
+        },
+    }
+
+
+def build_rollout_pods(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
+    """Desired inference and explorer pods (they live across trainer attempts)."""
+    out = []
+    if spec.inference is not None:
+        out += [build_inference_pod(ref, spec, i) for i in range(spec.inference.replicas)]
+    if spec.explorer is not None:
+        out += [build_explorer_pod(ref, spec, i) for i in range(spec.explorer.replicas)]
+    return out
+
+
 def build_static_children(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
     """Everything but the pods: these live as long as the job, across attempts."""
     out = []
@@ -365,4 +561,6 @@ def build_static_children(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
         build_configmap(ref, spec),
         build_headless_service(ref, spec),
     ]
+    if spec.inference is not None:
+        out.append(build_inference_service(ref, spec))
     return out

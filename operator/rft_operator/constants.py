@@ -14,6 +14,7 @@ LABEL_JOB = "rft.dev/job"
 LABEL_ROLE = "rft.dev/role"
 LABEL_ATTEMPT = "rft.dev/attempt"
 LABEL_RANK = "rft.dev/rank"
+LABEL_REPLICA = "rft.dev/replica"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "rftjob-operator"
 
@@ -59,6 +60,11 @@ REASON_INVALID_SPEC = "InvalidSpec"
 REASON_NOT_SUSPENDED = "NotSuspended"
 REASON_CHECKPOINT_SAVED = "CheckpointSaved"
 REASON_NO_CHECKPOINT = "NoCheckpointYet"
+REASON_SYNCED = "AllReplicasSynced"
+REASON_SYNCING = "Syncing"
+REASON_SYNC_ERROR = "SyncError"
+REASON_PIN_MISSING = "PinnedVersionNotFound"
+REASON_NO_REPLICAS = "NoInferenceReplicas"
 
 # Environment given to trainer containers.
 ENV_JOB_NAME = "RFT_JOB_NAME"
@@ -68,7 +74,16 @@ ENV_ATTEMPT = "RFT_ATTEMPT"
 ENV_CONFIG = "RFT_CONFIG"
 ENV_POD_NAME = "RFT_POD_NAME"
 
+ENV_POD_IP = "RFT_POD_IP"
+ENV_INFERENCE_PORT = "RFT_INFERENCE_PORT"
+ENV_INFERENCE_ENDPOINTS = "RFT_INFERENCE_ENDPOINTS"
+ENV_EXPLORER_INDEX = "RFT_EXPLORER_INDEX"
+ENV_EXPLORER_REPLICAS = "RFT_EXPLORER_REPLICAS"
+
 CONFIG_MOUNT = "/etc/rft"
+WEIGHTS_MOUNT = "/var/lib/rft/weights"
+# Inference pods stay after success until they serve the final weights, at most this long.
+FINAL_SYNC_GRACE_SECONDS = 600
 CONFIG_FILE = "config.json"
 
 # Exit code the trainer uses for errors that a restart cannot fix (sysexits EX_CONFIG).

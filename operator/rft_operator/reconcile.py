@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import builders, constants as c, policy
+from . import builders, constants as c, policy, sync
 from .api import RFTJobSpec, parse_spec
 from .policy import Cond
 
@@ -26,7 +26,7 @@ OPERATOR_STATUS_KEYS = (
 
 @dataclass(frozen=True)
 class PodView:
-    """What the operator needs to know about one trainer pod."""
+    """What the operator needs to know about one child pod."""
 
     name: str
     attempt: int
@@ -35,6 +35,8 @@ class PodView:
     deleting: bool = False
     exit_code: int | None = None
     reason: str | None = None
+    role: str = c.ROLE_TRAINER
+    spec_hash: str = ""
 
     @classmethod
     def from_pod(cls, pod: Obj) -> "PodView":
@@ -53,6 +55,8 @@ class PodView:
             deleting=bool(meta.get("deletionTimestamp")),
             exit_code=exit_code,
             reason=reason,
+            role=lbls.get(c.LABEL_ROLE, c.ROLE_TRAINER),
+            spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
         )
 
     @property
@@ -100,6 +104,11 @@ class _Pass:
         self.st["restarts"] = self.st.get("restarts") or 0
         self.plan = Plan(status=self.st, status_changed=False)
         self.old_trainer = old.get("trainer") or {}
+        self.old_sync = old.get("weightSync") or {}
+        self.sync: Obj = {}  # operator-owned weightSync fields (+ prunes as None)
+        self.sync_cond: Cond | None = None
+        self.trainer_pods = [x for x in observed.pods if x.role == c.ROLE_TRAINER]
+        self.rollout_pods = [x for x in observed.pods if x.role != c.ROLE_TRAINER]
         self.failed_reason = next(
             (x.get("reason") for x in self.old["conditions"] or []
              if x.get("type") == c.COND_FAILED and x.get("status") == "True"),
@@ -135,7 +144,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
         return _finish(p, None)
 
     if p.st.get("phase") in c.TERMINAL_PHASES:
-        p.delete([x for x in observed.pods if x.active])
+        p.delete([x for x in p.trainer_pods if x.active])
         return _finish(p, spec)
 
     _ensure_static_children(p, spec)
@@ -165,7 +174,7 @@ def _ensure_static_children(p: _Pass, spec: RFTJobSpec) -> None:
 
 
 def _suspend(p: _Pass) -> None:
-    p.delete([x for x in p.observed.pods if x.active])
+    p.delete([x for x in p.trainer_pods if x.active])
     p.set_phase(c.SUSPENDED, "suspended: pods removed, checkpoints kept", c.REASON_SUSPENDED)
 
 
@@ -174,7 +183,7 @@ def _restart_due(p: _Pass, spec: RFTJobSpec) -> bool:
 
     Terminated pods are kept (they hold no resources, and their logs explain the
     failure); the garbage collector removes them with the job."""
-    active = [x for x in p.observed.pods if x.active or x.deleting]
+    active = [x for x in p.trainer_pods if x.active or x.deleting]
     p.delete(active)
     failed_at = policy.parse_time((p.st.get("lastFailure") or {}).get("time"))
     wait = policy.backoff_remaining(failed_at, spec.failure_policy.backoff_seconds, p.now)
@@ -192,8 +201,8 @@ def _run_gang(p: _Pass, spec: RFTJobSpec) -> None:
     """Pending/Running: create the gang, watch it, apply the failure policy."""
     nodes = spec.trainer.nodes
     # Pods of earlier attempts: stop the live ones; keep terminated ones for their logs.
-    stale = [x for x in p.observed.pods if x.attempt != p.attempt and (x.active or x.deleting)]
-    gang = {x.rank: x for x in p.observed.pods if x.attempt == p.attempt}
+    stale = [x for x in p.trainer_pods if x.attempt != p.attempt and (x.active or x.deleting)]
+    gang = {x.rank: x for x in p.trainer_pods if x.attempt == p.attempt}
     p.delete(stale)
 
     failure = _first_failure(p, gang, nodes)
@@ -260,10 +269,73 @@ def _handle_failure(p: _Pass, spec: RFTJobSpec, failure: Obj, gang: list[PodView
 
 
 def _fail(p: _Pass, reason: str, message: str) -> None:
-    p.delete([x for x in p.observed.pods if x.active])
+    p.delete([x for x in p.trainer_pods if x.active])
     p.set_phase(c.FAILED, message, reason, warn=True)
     p.st["completionTime"] = p.st.get("completionTime") or policy.format_time(p.now)
     p.failed_reason = reason
+
+
+# ------------------------------------------------------------------ rollouts and weight sync
+
+
+def _rollouts(p: _Pass, spec: RFTJobSpec | None) -> None:
+    """Inference and explorer pods live across trainer attempts. They go with suspend and
+    failure; after success explorers stop at once and inference pods once they serve the
+    final weights (bounded by FINAL_SYNC_GRACE_SECONDS)."""
+    phase = p.st.get("phase")
+    if spec is None or phase in (c.SUSPENDED, c.FAILED):
+        p.delete([x for x in p.rollout_pods if x.active])
+        return
+    desired = {obj["metadata"]["name"]: obj for obj in builders.build_rollout_pods(p.ref, spec)}
+    if phase == c.SUCCEEDED:
+        p.delete([x for x in p.rollout_pods if x.active and x.role == c.ROLE_EXPLORER])
+        if _final_sync_done(p, spec):
+            p.delete([x for x in p.rollout_pods if x.active])
+        return
+    seen = {x.name: x for x in p.rollout_pods}
+    for x in p.rollout_pods:
+        want = desired.get(x.name)
+        drifted = want is not None and x.spec_hash != want["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        if want is None or drifted or x.phase in ("Failed", "Unknown"):
+            p.delete([x] if not x.deleting else [])  # recreated by a later pass
+    for name, obj in desired.items():
+        if name not in seen:
+            p.plan.create.append(obj)
+
+
+def _final_sync_done(p: _Pass, spec: RFTJobSpec) -> bool:
+    if p.sync_cond is None or p.sync_cond.status:
+        return True
+    done_at = policy.parse_time(p.st.get("completionTime"))
+    left = policy.backoff_remaining(done_at, c.FINAL_SYNC_GRACE_SECONDS, p.now)
+    if left > 0:
+        p.plan.requeue_after = left
+        return False
+    return True
+
+
+def _weight_sync(p: _Pass, spec: RFTJobSpec | None) -> None:
+    """Promote the trainer's export (or the pin) to the target and count the replicas."""
+    if spec is None or spec.inference is None:
+        return
+    t = sync.compute_target(spec, p.old_trainer, p.old_sync.get("target"))
+    pods = [builders.inference_pod_name(p.ref.name, i) for i in range(spec.inference.replicas)]
+    replicas = p.old_sync.get("replicas") or {}
+    n = sync.count_synced(replicas, pods, t.target, p.old_trainer.get("step"))
+    p.sync = {"target": t.target, "desiredReplicas": n.desired, "syncedReplicas": n.synced,
+              "synced": f"{n.synced}/{n.desired}", "lagSteps": n.lag_steps}
+    prune = sync.stale_replica_entries(replicas, pods)
+    if prune:
+        p.sync["replicas"] = {name: None for name in prune}  # merge patch: delete
+    if t.target != p.old_sync.get("target"):
+        p.event("Normal", "WeightsTarget", f"serving target is now version {t.target['version']}"
+                + (f" ({t.target.get('uri')})" if t.target.get("uri") else ""))
+    status, reason, message = sync.sync_condition(n, t.target, t.problem)
+    p.sync_cond = Cond(c.COND_WEIGHTS_SYNCED, status, reason, message)
+
+
+def _sync_changed(p: _Pass) -> bool:
+    return any(p.old_sync.get(k) != v for k, v in p.sync.items())
 
 
 def _conditions(p: _Pass) -> list[Cond]:
@@ -283,10 +355,12 @@ def _conditions(p: _Pass) -> list[Cond]:
              msg if phase == c.SUCCEEDED else ""),
         Cond(c.COND_FAILED, phase == c.FAILED, failed_reason if phase == c.FAILED else phase or c.PENDING,
              msg if phase == c.FAILED else ""),
-    ]
+    ] + ([p.sync_cond] if p.sync_cond is not None else [])
 
 
 def _finish(p: _Pass, spec: RFTJobSpec | None) -> Plan:
+    _weight_sync(p, spec)
+    _rollouts(p, spec)
     p.st["observedGeneration"] = p.generation
     p.st["conditions"] = policy.compute_conditions(
         p.old.get("conditions"), _conditions(p), p.generation, p.now
@@ -295,7 +369,9 @@ def _finish(p: _Pass, spec: RFTJobSpec | None) -> Plan:
     if spec is not None and not p.old_trainer.get("progress"):
         total = spec.trainer.total_steps
         p.plan.status["trainer"] = {"totalSteps": total, "progress": f"0/{total}"}
+    if p.sync and _sync_changed(p):
+        p.plan.status["weightSync"] = p.sync
     p.plan.status_changed = any(p.st.get(k) != p.old.get(k) for k in OPERATOR_STATUS_KEYS) or (
-        "trainer" in p.plan.status
+        "trainer" in p.plan.status or "weightSync" in p.plan.status
     )
     return p.plan

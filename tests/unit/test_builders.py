@@ -99,8 +99,12 @@ def test_security_context_relaxed_only_explicitly():
 
 def test_status_role_is_limited_to_this_job(spec):
     role = builders.build_status_role(REF)
-    assert role["rules"] == [{"apiGroups": ["rft.dev"], "resources": ["rftjobs/status"],
-                              "resourceNames": ["demo"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": ["rft.dev"], "resources": ["rftjobs/status"], "resourceNames": ["demo"],
+         "verbs": ["get", "patch"]},
+        {"apiGroups": ["rft.dev"], "resources": ["rftjobs"], "resourceNames": ["demo"],
+         "verbs": ["get", "list", "watch"]},  # sync agents watch their own job only
+    ]
 
 
 def test_user_service_account_is_bound_instead_of_created():
@@ -118,3 +122,58 @@ def test_config_hash_changes_with_spec(spec):
     more = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "totalSteps": 200}})
     b = builders.build_configmap(REF, more)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
     assert a != b
+
+
+LOOP = {**SPEC, "inference": {"replicas": 2, "gpusPerReplica": 1, "port": 8000},
+        "explorer": {"replicas": 1, "tasksetUri": "s3://data/arith.jsonl", "rolloutsPerTask": 4}}
+
+
+def test_golden_inference_and_explorer_pods():
+    spec = parse_spec(LOOP)
+    check_golden("inference-pod-1", builders.build_inference_pod(REF, spec, 1))
+    check_golden("explorer-pod-0", builders.build_explorer_pod(REF, spec, 0))
+
+
+def test_inference_pods_pair_the_engine_with_a_sync_agent_on_one_weights_volume():
+    spec = parse_spec(LOOP)
+    pod = builders.build_inference_pod(REF, spec, 0)
+    engine, agent = pod["spec"]["containers"]
+    assert pod["metadata"]["name"] == "demo-inference-0" and pod["spec"]["subdomain"] == "demo-inference"
+    assert pod["metadata"]["labels"][c.LABEL_ROLE] == c.ROLE_INFERENCE
+    assert engine["command"] == ["python", "-m", "rft_trainer.serve"] and engine["image"] == SPEC["trainer"]["image"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert agent["command"] == ["python", "-m", "rft_trainer.sync_agent"] and "resources" not in agent
+    assert {m["mountPath"] for m in engine["volumeMounts"]} == {m["mountPath"] for m in agent["volumeMounts"]}
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert env[c.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "initContainers" not in pod["spec"]  # the reference engine starts empty
+
+
+def test_vllm_engine_needs_its_image_and_fetches_weights_before_start():
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "vllm/vllm-openai:v0.11"}})
+    pod = builders.build_inference_pod(REF, spec, 0)
+    assert pod["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.11"
+    assert pod["spec"]["containers"][0]["command"] == ["vllm", "serve"]
+    assert "--fetch-only" in pod["spec"]["initContainers"][0]["args"]
+
+
+def test_explorers_get_every_replica_endpoint_and_their_index():
+    spec = parse_spec({**LOOP, "explorer": {**LOOP["explorer"], "replicas": 3}})
+    pods = [builders.build_explorer_pod(REF, spec, i) for i in range(3)]
+    env = {e["name"]: e.get("value") for e in pods[2]["spec"]["containers"][0]["env"]}
+    assert env[c.ENV_INFERENCE_ENDPOINTS] == (
+        "http://demo-inference-0.demo-inference.team-a.svc:8000,"
+        "http://demo-inference-1.demo-inference.team-a.svc:8000")
+    assert env[c.ENV_EXPLORER_INDEX] == "2" and env[c.ENV_EXPLORER_REPLICAS] == "3"
+    assert pods[0]["spec"]["restartPolicy"] == "OnFailure"
+
+
+def test_rollout_pod_hash_changes_with_the_spec_but_not_with_the_pin():
+    a = builders.build_explorer_pod(REF, parse_spec(LOOP), 0)
+    pinned = builders.build_explorer_pod(REF, parse_spec({**LOOP, "sync": {"pinnedVersion": 2}}), 0)
+    hotter = builders.build_explorer_pod(REF, parse_spec(
+        {**LOOP, "explorer": {**LOOP["explorer"], "image": "other:1"}}), 0)
+    h = lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]  # noqa: E731
+    assert h(a) == h(pinned) and h(a) != h(hotter)

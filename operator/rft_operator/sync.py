@@ -1,0 +1,106 @@
+"""Weight-sync policies: which weights the inference replicas should serve, and how many
+do. Pure functions over the status subtrees the trainer and the sync agents write.
+
+    status.trainer.latestWeights   {version, uri, id}   trainer rank 0, after each export
+    status.trainer.weightVersions  [v, ...]             trainer: committed, retained exports
+    status.weightSync.replicas     {pod: {version, id, error, ...}}   one sync agent per pod
+    status.weightSync.target       {version, uri, id}   the operator (this module)
+
+Version 0 is the base model (`spec.model.path`): replicas serve it until the first
+export, and `spec.sync.pinnedVersion: 0` rolls back to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import constants as c
+from .api import RFTJobSpec
+
+Obj = dict[str, Any]
+
+
+def weights_uri(root: str, version: int) -> str:
+    """Same layout as the trainer's export (`<checkpoint.uri>/weights/step-NNNNNNNN`)."""
+    return f"{root.rstrip('/')}/weights/step-{version:08d}"
+
+
+def base_target(spec: RFTJobSpec) -> Obj:
+    return {"version": 0, "uri": spec.model.path}
+
+
+@dataclass(frozen=True)
+class Target:
+    target: Obj
+    problem: str | None = None  # why the wanted version cannot be served (pin missing)
+
+
+def compute_target(spec: RFTJobSpec, trainer: Obj, old_target: Obj | None) -> Target:
+    """The pinned version if it was exported and is still kept, else the newest export,
+    else the base model. A missing pin keeps the current target: nothing breaks."""
+    latest = trainer.get("latestWeights") or {}
+    pinned = spec.sync.pinned_version
+    if pinned is None:
+        if latest.get("version") is None:
+            return Target(base_target(spec))
+        return Target({k: latest.get(k) for k in ("version", "uri", "id") if latest.get(k) is not None})
+    if pinned == 0:
+        return Target(base_target(spec))
+    if pinned == latest.get("version"):
+        return Target({k: latest.get(k) for k in ("version", "uri", "id") if latest.get(k) is not None})
+    available = sorted(trainer.get("weightVersions") or [])
+    if pinned in available:
+        return Target({"version": pinned, "uri": weights_uri(spec.checkpoint.uri, pinned)})
+    have = ", ".join(map(str, available)) or "none yet"
+    return Target(old_target or base_target(spec),
+                  f"spec.sync.pinnedVersion={pinned} is not an exported version "
+                  f"(available: 0 (base model), {have}); still serving version "
+                  f"{(old_target or base_target(spec))['version']}")
+
+
+def is_synced(entry: Obj | None, target: Obj) -> bool:
+    if not entry or entry.get("version") != target.get("version"):
+        return False
+    # Two exports of one version (a resumed attempt replays steps) differ by id.
+    return target.get("id") is None or entry.get("id") in (None, target.get("id"))
+
+
+@dataclass(frozen=True)
+class SyncCount:
+    desired: int
+    synced: int
+    lag_steps: int | None
+    errors: list[str]
+
+
+def count_synced(replicas: Obj, desired_pods: list[str], target: Obj, trainer_step: int | None) -> SyncCount:
+    entries = [replicas.get(name) or {} for name in desired_pods]
+    synced = sum(1 for e in entries if is_synced(e, target))
+    served = [e["version"] for e in entries if e.get("version") is not None]
+    lag = None
+    if served and trainer_step is not None:
+        lag = max(0, trainer_step - min(served))
+    errors = [f"{name}: {e['error']}" for name, e in zip(desired_pods, entries)
+              if e.get("error") and not is_synced(e, target)]
+    return SyncCount(len(desired_pods), synced, lag, errors)
+
+
+def sync_condition(count: SyncCount, target: Obj, problem: str | None) -> tuple[bool, str, str]:
+    """(status, reason, message) of the WeightsSynced condition."""
+    v = target.get("version")
+    if problem:
+        return False, c.REASON_PIN_MISSING, problem
+    if count.desired == 0:
+        return False, c.REASON_NO_REPLICAS, "spec.inference.replicas is 0"
+    if count.synced == count.desired:
+        return True, c.REASON_SYNCED, f"{count.synced}/{count.desired} replicas serve version {v}"
+    msg = f"{count.synced}/{count.desired} replicas serve version {v}"
+    if count.errors:
+        return False, c.REASON_SYNC_ERROR, msg + "; " + "; ".join(count.errors[:3])
+    return False, c.REASON_SYNCING, msg
+
+
+def stale_replica_entries(replicas: Obj, desired_pods: list[str]) -> list[str]:
+    """Entries of pods that are not (or no longer) desired replicas, to prune."""
+    return sorted(set(replicas) - set(desired_pods))
