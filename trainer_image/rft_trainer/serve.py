@@ -1,0 +1,433 @@
+"""The reference inference server: OpenAI-compatible completions on transformers, with hot
+weight reload. Inference pods run `python -m rft_trainer.serve`; the sync agent beside it
+downloads each exported version and POSTs `/weights/load`.
+
+Atomicity is the point: the served (model, tokenizer, version) is one immutable `Weights`
+object behind one attribute. A request reads that attribute once, at its start, and uses
+only that snapshot, so a request in flight during a reload finishes on the old weights and
+reports the old version; the old model is freed by refcounting once no request holds it.
+Loads build a new model off the event loop and are serialized by a lock.
+
+Sampling is our own loop (not `model.generate`) for two reasons the RL trainer depends on:
+a per-request `torch.Generator` makes `seed` reproducible even with concurrent requests,
+and the returned logprobs are log_softmax of the raw logits (before temperature/top-p).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+MAX_N = 64
+# Fields OpenAI clients commonly send that change nothing here; any other unknown field is
+# a 400, so a typo such as "max_token" is not silently ignored.
+IGNORED_FIELDS = {"user", "stream"}
+COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
+                     "logprobs", "model"} | IGNORED_FIELDS
+CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "logprobs"}) | {"messages"}
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+    def response(self) -> web.Response:
+        err = {"message": self.message, "type": self.type, "param": self.param}
+        return web.json_response({"error": err}, status=self.status)
+
+
+@dataclass(frozen=True)
+class Weights:
+    model: torch.nn.Module
+    tokenizer: object
+    version: int
+    path: str
+    loaded_at: str
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+def _is_int(v, kinds=(int,)) -> bool:
+    return isinstance(v, kinds) and not isinstance(v, bool)  # JSON true is not 1
+
+
+def _is_num(v) -> bool:
+    return _is_int(v, (int, float))
+
+
+def parse_sampling(body: dict, allowed: set[str]) -> Sampling:
+    """OpenAI sampling fields -> `Sampling`; RequestError(400) names the bad field."""
+    for key in body:
+        if key not in allowed:
+            raise RequestError(400, f"unsupported field {key!r}", key)
+    if body.get("stream"):
+        raise RequestError(400, "streaming is not supported", "stream")
+
+    def get(key, default, ok, why):
+        v = body.get(key)
+        if v is None:
+            return default
+        if not ok(v):
+            raise RequestError(400, f"{key} must be {why}", key)
+        return v
+    stop = get("stop", (), lambda v: isinstance(v, str) and v or isinstance(v, list) and all(
+        isinstance(s, str) and s for s in v), "a non-empty string or a list of them")
+    return Sampling(
+        max_tokens=get("max_tokens", 16, lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+        temperature=float(get("temperature", 1.0, lambda v: _is_num(v) and v >= 0, "a number >= 0")),
+        top_p=float(get("top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")),
+        n=get("n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
+        seed=get("seed", None, _is_int, "an integer"),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        logprobs=get("logprobs", None, lambda v: _is_int(v) and v >= 0, "an integer >= 0") is not None,
+    )
+
+
+def choose_tokens(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
+    """(R, V) raw logits -> (R,) next tokens: greedy at temperature 0, else nucleus sampling."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / s.temperature, -1)
+    if s.top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        # Drop a token once the mass before it already reaches top_p; the top one always stays.
+        sorted_p[(sorted_p.cumsum(-1) - sorted_p) >= s.top_p] = 0
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+@torch.inference_mode()
+def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Generator) -> list[dict]:
+    """n samples of one prompt, batched as n identical rows sharing one KV cache."""
+    model, tok = w.model, w.tokenizer
+    config_eos = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    eos = {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])} - {None}
+    # transformers 5 renamed `past_key_values` to `cache`; the old name still works but warns.
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.tensor([prompt_ids] * s.n, device=model.device)
+    out = model(input_ids=ids, use_cache=True)
+    rows = [{"token_ids": [], "logprobs": [], "finish_reason": None} for _ in range(s.n)]
+    for _ in range(s.max_tokens):
+        logits = out.logits[:, -1, :].float()
+        nxt = choose_tokens(logits, s, gen)
+        chosen_lp = torch.log_softmax(logits, -1).gather(1, nxt[:, None])[:, 0].tolist()
+        for row, t, lp in zip(rows, nxt.tolist(), chosen_lp):
+            if row["finish_reason"]:
+                continue
+            if t in eos:  # eos ends the sample and is not part of it
+                row["finish_reason"] = "stop"
+                continue
+            row["token_ids"].append(t)
+            row["logprobs"].append(lp)
+            if s.stop and any(x in tok.decode(row["token_ids"], skip_special_tokens=True) for x in s.stop):
+                row["finish_reason"] = "stop"
+        if all(r["finish_reason"] for r in rows):
+            break
+        out = model(input_ids=nxt[:, None], use_cache=True, **{cache: out[cache]})
+    for row in rows:
+        text = tok.decode(row["token_ids"], skip_special_tokens=True)
+        cuts = [text.find(x) for x in s.stop if x in text]
+        # token_ids keep the token that completed a stop string; the text ends before it.
+        row["text"] = text[:min(cuts)] if cuts else text
+        row["finish_reason"] = row["finish_reason"] or "length"
+        row["tokens"] = tok.convert_ids_to_tokens(row["token_ids"])
+    return rows
+
+
+def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int]], list[dict]]:
+    """Runs in a worker thread. Returns per-prompt ids and the choices, prompt-major."""
+    gen = torch.Generator(device=w.model.device)
+    gen.manual_seed(s.seed % 2**63 if s.seed is not None else secrets.randbits(63))
+    limit = getattr(w.model.config, "max_position_embeddings", None)
+    prompt_ids, choices = [], []
+    for p in prompts:
+        ids = w.tokenizer(p)["input_ids"]
+        if not ids:
+            raise RequestError(400, "prompt is empty after tokenization", "prompt")
+        if limit and len(ids) + s.max_tokens > limit:
+            raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens exceeds the "
+                               f"model's context of {limit}", "max_tokens")
+        prompt_ids.append(ids)
+        choices += sample_prompt(w, ids, s, gen)
+    return prompt_ids, choices
+
+
+def load_weights(path: str, version: int, device: str) -> Weights:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    # CPU runs fp32 (bf16 matmuls there are slow and lossy); accelerators keep the config dtype.
+    dtype = torch.float32 if device == "cpu" else "auto"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Weights(model, tokenizer, version, path, datetime.now(timezone.utc).isoformat(),
+                   time.monotonic() - t0)
+
+
+class ReferenceServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, served_model_name: str = "policy",
+                 device: str = "cpu", max_concurrency: int = 4):
+        self.host, self.port, self.name, self.device = host, port, served_model_name, device
+        self.max_concurrency = max_concurrency
+        self.current: Weights | None = None  # the snapshot requests read, swapped whole
+        self.loading = False
+        self._load_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rft-generate")
+        # Set by start(): the semaphore must be created on the server's own loop.
+        self._sem = self._loop = self._runner = self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- weights -------------------------------------------------------------------------
+    def load(self, path: str, version: int) -> float:
+        """Validate, load into a new model, swap. Same path as POST /weights/load."""
+        if not isinstance(path, str) or not path:
+            raise RequestError(400, "path is required (a local HF model directory)", "path")
+        if not os.path.isdir(path):
+            raise RequestError(400, f"path {path!r} is not a directory", "path")
+        if not _is_int(version) or version < 0:
+            raise RequestError(400, "version must be an integer >= 0", "version")
+        path = os.path.abspath(path)
+        with self._load_lock:
+            cur = self.current
+            if cur is not None and (cur.version, cur.path) == (version, path):
+                return 0.0
+            self.loading = True
+            try:
+                new = load_weights(path, version, self.device)
+            except Exception as e:
+                log.error(json.dumps({"event": "load_failed", "version": version, "path": path,
+                                      "error": f"{type(e).__name__}: {e}"[:500]}))
+                raise RequestError(500, f"loading version {version} failed: {type(e).__name__}: "
+                                   f"{e}"[:1000], "path", "load_error") from e
+            finally:
+                self.loading = False
+            self.current = new
+        log.info(json.dumps({"event": "weights_loaded", "version": version, "path": path,
+                             "load_seconds": round(new.load_seconds, 3)}))
+        return new.load_seconds
+
+    # -- HTTP ----------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/weights", self.weights)
+        app.router.add_post("/weights/load", self.load_endpoint)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        w = self.current  # the readiness probe: ready once any weights are served
+        return web.json_response({"status": "ok" if w else "loading", "version": w and w.version},
+                                 status=200 if w else 503)
+
+    async def weights(self, request: web.Request) -> web.Response:
+        w = self.current
+        return web.json_response({
+            "version": w and w.version, "path": w and w.path, "loaded_at": w and w.loaded_at,
+            "load_seconds": w and w.load_seconds, "loading": self.loading})
+
+    async def load_endpoint(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        seconds = await asyncio.to_thread(self.load, body.get("path"), body.get("version"))
+        return web.json_response({"version": body["version"], "load_seconds": seconds})
+
+    async def models(self, request: web.Request) -> web.Response:
+        w = self.current
+        return web.json_response({"object": "list", "data": [{
+            "id": self.name, "object": "model", "owned_by": "rft",
+            "weights_version": w and w.version}]})
+
+    async def _run(self, body: dict, allowed: set[str], build_prompts) -> tuple:
+        """Snapshot the weights, validate, generate in a worker thread."""
+        w = self.current  # the one snapshot this request uses, start to finish
+        if w is None:
+            raise RequestError(503, "no weights loaded yet (POST /weights/load first)", None,
+                               "service_unavailable")
+        if body.get("model") not in (None, self.name):
+            raise RequestError(404, f"The model {body['model']!r} does not exist", "model",
+                               "model_not_found")
+        s = parse_sampling(body, allowed)
+        prompts = build_prompts(w)
+        async with self._sem:
+            prompt_ids, choices = await asyncio.get_running_loop().run_in_executor(
+                self._pool, generate, w, prompts, s)
+        return w, s, prompt_ids, choices
+
+    def _respond(self, w: Weights, prefix: str, obj: str, choices: list[dict],
+                 prompt_ids: list[list[int]]) -> web.Response:
+        num_prompt = sum(map(len, prompt_ids))
+        num_completion = sum(len(c["token_ids"]) for c in choices)
+        out = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+               "model": self.name, "weights_version": w.version, "choices": choices,
+               "prompt_token_ids": prompt_ids,
+               "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                         "total_tokens": num_prompt + num_completion}}
+        return web.json_response(out, headers={"X-RFT-Weights-Version": str(w.version)})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        w, s, prompt_ids, rows = await self._run(body, COMPLETION_FIELDS,
+                                                 lambda w: _prompts(body.get("prompt")))
+        choices = [{"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
+                    "token_ids": r["token_ids"],
+                    "logprobs": {"tokens": r["tokens"], "token_logprobs": r["logprobs"]}
+                    if s.logprobs else None} for i, r in enumerate(rows)]
+        return self._respond(w, "cmpl", "text_completion", choices, prompt_ids)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        w, s, prompt_ids, rows = await self._run(
+            body, CHAT_FIELDS, lambda w: [_chat_prompt(w.tokenizer, body.get("messages"))])
+        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
+                    "finish_reason": r["finish_reason"], "token_ids": r["token_ids"]}
+                   for i, r in enumerate(rows)]
+        return self._respond(w, "chatcmpl", "chat.completion", choices, prompt_ids)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Serve from a background thread with its own loop; returns once the socket is bound."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rft-serve", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._bind(), self._loop).result(timeout=60)
+        except BaseException:
+            self.stop()
+            raise
+        log.info(json.dumps({"event": "listening", "url": self.url, "model": self.name,
+                             "device": self.device, "max_concurrency": self.max_concurrency}))
+
+    async def _bind(self) -> None:
+        self._sem = asyncio.Semaphore(self.max_concurrency)
+        self._runner = web.AppRunner(self.build_app(), shutdown_timeout=30, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]  # the real one when asked for port 0
+
+    def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to 30 s), then stop the loop."""
+        if self._loop is None:
+            return
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=60)
+        self._loop.close()
+        self._pool.shutdown(wait=True)
+        self._loop = self._runner = None
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return e.response()
+    except web.HTTPException:
+        raise
+    except Exception as e:  # a bug, not the client's fault: say so in JSON, keep serving
+        log.exception("request failed")
+        return RequestError(500, f"{type(e).__name__}: {e}"[:1000], None, "server_error").response()
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RequestError(400, "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "body must be a JSON object")
+    return body
+
+
+def _prompts(prompt) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    raise RequestError(400, "prompt is required: a string or a non-empty list of strings", "prompt")
+
+
+def _chat_prompt(tokenizer, messages) -> str:
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise RequestError(400, "messages must be a non-empty list of {role, content} strings", "messages")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rft_trainer.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default=os.environ.get("RFT_POD_IP") or "0.0.0.0")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("RFT_INFERENCE_PORT") or 8000))
+    ap.add_argument("--model-dir", help="HF model directory to serve at start")
+    ap.add_argument("--version", type=int, default=0, help="weights version of --model-dir")
+    ap.add_argument("--served-model-name", default="policy")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--max-concurrency", type=int, default=4)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    server = ReferenceServer(args.host, args.port, args.served_model_name, args.device,
+                             args.max_concurrency)
+    server.start()  # bind first: /health answers 503 while the first weights load
+    rc = 0
+    if args.model_dir:
+        try:
+            server.load(args.model_dir, args.version)
+        except RequestError as e:
+            log.error(json.dumps({"event": "startup_load_failed", "error": e.message}))
+            stopping.set()
+            rc = 1
+    while not stopping.wait(0.5):  # a timed wait lets the signal handler run promptly
+        pass
+    log.info(json.dumps({"event": "shutting_down"}))
+    server.stop()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
