@@ -1,0 +1,439 @@
+"""The explorer: rolls out tasks against the inference pods, scores them, and commits
+experience shards to the buffer the trainer reads.
+
+    python -m rft_trainer.explorer --config /etc/rft/config.json
+
+Environment (set by the operator; flags win): RFT_EXPLORER_INDEX (default 0),
+RFT_EXPLORER_REPLICAS (default explorer.replicas), RFT_INFERENCE_ENDPOINTS
+(comma-separated base URLs), RFT_JOB_NAME / RFT_JOB_NAMESPACE (trainer progress is read
+from the RFTJob status to throttle).
+
+Work split. Epoch e shuffles all task indices with `random.Random(e)`, so every explorer
+computes the same order; explorer i takes positions i, i+R, i+2R, ... of it. A sample's
+group id is `epoch * num_tasks + task_index`: unique per (epoch, task) across explorers.
+
+Shards and resume. Every `tasks_per_shard` tasks become one shard named
+`<seq:010d>-e<index:03d>`, then `<buffer>/_explorer/e<index:03d>.json` records the next
+seq and task position. Delivery is at-least-once and idempotent: after a crash between
+the shard and the state write, the restarted explorer finds the shard already committed
+and skips those tasks instead of writing them again. A partial shard is dropped on
+SIGTERM (its tasks are redone after the restart). Only the current shard is in memory.
+
+Throttle. Before generating a shard the explorer waits while the samples it has written
+reach its share of what the trainer may still use,
+`ceil((trainer_step + max_staleness + 1) * batch_size / replicas)`, so rollouts are
+generated with weights at most `max_staleness` versions old when the trainer reads them
+(generating only after the wait, rather than waiting with a finished shard, keeps them
+fresh). It stops (exit 0) once trainer_step >= total_steps.
+
+Exit codes: 0 when done, after --max-shards, or on SIGTERM; 78 for a bad config (a restart
+cannot fix it); 1 otherwise (retryable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .config import (BufferConfig, CheckpointConfig, ConfigError, JobIdentity, ModelConfig,
+                     TrainerConfig, _build, _f, _mapping, _read)
+from .experience import read_shard_meta, write_shard
+from .rewards import get_reward
+from .rollouts import (ClientError, InferenceClient, Sample, Stopped, build_experiences,
+                       build_samples, load_tokenizer)
+from .storage import Storage, get_storage, join
+from .tasksets import load_taskset
+
+log = logging.getLogger("rft_trainer.explorer")
+
+EX_CONFIG = 78
+# Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
+# is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
+MAX_REJECTED_IN_ROW = 8
+Progress = Callable[[], "tuple[int, int] | None"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = _f(1.0, ge=0, le=10)
+    top_p: float = _f(1.0, gt=0, le=1)
+    max_tokens: int = _f(256, ge=1)
+
+
+@dataclass(frozen=True)
+class ExplorerSection:
+    """`spec.explorer`, plus explorer-only knobs (defaults; a hand-written config may set them)."""
+
+    taskset_uri: str = _f(min_len=1)
+    replicas: int = _f(1, ge=0)
+    rollouts_per_task: int = _f(8, ge=1)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    reward: str = _f("math_accuracy", min_len=1)
+    tasks_per_shard: int | None = _f(None, ge=1)  # None: max(1, batch_size // rollouts_per_task)
+    request_timeout: float = _f(300.0, gt=0)
+    concurrency: int | None = _f(None, ge=1)  # requests in flight; None: one per endpoint
+    max_n: int = _f(64, ge=1)  # rollouts per request (the reference server caps n at 64)
+    poll_interval: float = _f(5.0, gt=0)  # seconds between trainer-progress checks
+    served_model_name: str = _f("policy", min_len=1)
+
+
+@dataclass(frozen=True)
+class ExplorerConfig:
+    model: ModelConfig
+    trainer: TrainerConfig
+    buffer: BufferConfig  # uri and batch_size resolved
+    explorer: ExplorerSection
+    job: JobIdentity = field(default_factory=JobIdentity)
+
+
+_EXPLORER_OPERATOR_KEYS = frozenset({"image", "resources", "env"})
+
+
+def load_explorer_config(source: str | Path | Mapping[str, Any]) -> ExplorerConfig:
+    """The explorer's slice of the job config (the RFTJob spec, snake_case). Other
+    components' keys are ignored; the `explorer` section is checked strictly."""
+    data = _read(source)
+
+    def pick(name: str, cls: type, keys: Sequence[str]) -> Any:
+        section = _mapping(data.get(name) or {}, name)
+        return _build(cls, {k: section[k] for k in keys if k in section}, name)
+
+    if data.get("explorer") is None:
+        raise ConfigError("explorer: required section is missing")
+    model = pick("model", ModelConfig, ("path", "tokenizer_path"))
+    trainer = pick("trainer", TrainerConfig, ("total_steps", "batch_size"))
+    buffer = pick("buffer", BufferConfig, ("uri", "max_staleness", "batch_size"))
+    job = pick("job", JobIdentity, ("name", "namespace"))
+    section = dict(_mapping(data["explorer"], "explorer"))
+    sampling = _build(SamplingConfig, section.pop("sampling", None) or {}, "explorer.sampling")
+    explorer = _build(ExplorerSection, section, "explorer", _EXPLORER_OPERATOR_KEYS)
+    if buffer.uri is None:
+        checkpoint = pick("checkpoint", CheckpointConfig, ("uri",))
+        buffer = dataclasses.replace(buffer, uri=checkpoint.uri.rstrip("/") + "/buffer")
+    buffer = dataclasses.replace(buffer, batch_size=buffer.batch_size or trainer.batch_size)
+    return ExplorerConfig(model, trainer, buffer, dataclasses.replace(explorer, sampling=sampling), job)
+
+
+def shard_name(seq: int, index: int) -> str:
+    return f"{seq:010d}-e{index:03d}"
+
+
+@dataclass(frozen=True)
+class ExplorerState:
+    seq: int = 0  # next shard number
+    epoch: int = 0
+    position: int = 0  # next position in this explorer's share of the epoch
+    samples: int = 0  # samples committed so far
+
+
+class Explorer:
+    def __init__(self, config: ExplorerConfig, endpoints: Sequence[str], index: int = 0,
+                 replicas: int = 1, storage: Storage | None = None, progress: Progress | None = None,
+                 tokenizer: Any = None, tasks: list[dict[str, str]] | None = None):
+        if replicas < 1 or not 0 <= index < replicas:
+            raise ValueError(f"explorer index {index} must lie in [0, replicas={replicas})")
+        self.config, self.section = config, config.explorer
+        self.index, self.replicas, self.progress = index, replicas, progress
+        self.buffer_uri = config.buffer.uri
+        self.storage = storage or get_storage(self.buffer_uri)
+        self.state_uri = join(self.buffer_uri, "_explorer", f"e{index:03d}.json")
+        self.tasks = tasks if tasks is not None else load_taskset(self.section.taskset_uri)
+        if len(self.tasks) <= index:
+            raise ValueError(f"taskset has {len(self.tasks)} tasks: explorer {index} of "
+                             f"{replicas} would have none; use fewer explorer replicas")
+        self.reward_fn = get_reward(self.section.reward)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.tokenizer = tokenizer
+        self.tasks_per_shard = self.section.tasks_per_shard or max(
+            1, config.buffer.batch_size // self.section.rollouts_per_task)
+        self.concurrency = self.section.concurrency or len(endpoints)
+        self._stop = threading.Event()
+        self.waiting = threading.Event()  # set while throttled (for tests and metrics)
+        self.client = InferenceClient(endpoints, self.section.request_timeout, self._stop)
+        self.finished = False  # the trainer reached total_steps
+        self.rejected_in_row = 0
+        self.state = ExplorerState()
+        self._order: tuple[int, list[int]] = (-1, [])
+
+    def stop(self) -> None:
+        """Ask run() to return soon (signal-safe: only sets an event)."""
+        self._stop.set()
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, max_shards: int | None = None) -> int:
+        """Commit shards until the trainer is done, `max_shards` are written or stop();
+        returns the number written by this call."""
+        state = self.state = self.load_state()
+        log.info(json.dumps({"event": "explorer_start", "index": self.index, "replicas": self.replicas,
+                             "buffer": self.buffer_uri, "tasks": len(self.tasks),
+                             "tasks_per_shard": self.tasks_per_shard, **dataclasses.asdict(state)}))
+        written = 0
+        while (max_shards is None or written < max_shards) and self._wait_for_trainer(state.samples):
+            name = shard_name(state.seq, self.index)
+            jobs, (epoch, position) = self._next_tasks(state.epoch, state.position)
+            if self.storage.exists(join(self.buffer_uri, f"{name}.json")):
+                log.warning("shard %s is already committed (restart after a crash): skipping its tasks", name)
+                num = self._committed_samples(name)
+                state = ExplorerState(state.seq + 1, epoch, position, state.samples + num)
+            else:
+                start = time.monotonic()
+                try:
+                    samples = self._rollouts(jobs)
+                except Stopped:
+                    log.info("stopping: dropping the partial shard %s (its tasks are redone on restart)", name)
+                    break
+                if samples:
+                    write_shard(self.buffer_uri, name, build_experiences(samples), self.storage)
+                    written += 1
+                    self._log_shard(name, state.seq, samples, start)
+                state = ExplorerState(state.seq + bool(samples), epoch, position, state.samples + len(samples))
+            self.save_state(state)
+            self.state = state
+        return written
+
+    def _next_tasks(self, epoch: int, position: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        """The next `tasks_per_shard` (epoch, task index) pairs and the position after them."""
+        jobs = []
+        for _ in range(self.tasks_per_shard):
+            mine = self._my_tasks(epoch)
+            if position >= len(mine):
+                epoch, position = epoch + 1, 0
+                mine = self._my_tasks(epoch)
+            jobs.append((epoch, mine[position]))
+            position += 1
+        if position >= len(self._my_tasks(epoch)):
+            epoch, position = epoch + 1, 0
+        return jobs, (epoch, position)
+
+    def _my_tasks(self, epoch: int) -> list[int]:
+        """This explorer's task indices in epoch `epoch` (same permutation on every explorer)."""
+        if self._order[0] != epoch:
+            order = list(range(len(self.tasks)))
+            random.Random(epoch).shuffle(order)
+            self._order = (epoch, order[self.index::self.replicas])
+        return self._order[1]
+
+    def _rollouts(self, jobs: list[tuple[int, int]]) -> list[Sample]:
+        """Samples for `jobs` in order. Requests run in `concurrency` threads; tokenizing and
+        scoring stay on this thread (fast tokenizers and user rewards need not be
+        thread-safe). Raises Stopped."""
+        responses: list[list[tuple[dict, int | None]] | None] = [None] * len(jobs)
+        errors: list[BaseException] = []
+        claimed = iter(range(len(jobs)))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while not self._stop.is_set() and not errors:
+                with lock:
+                    i = next(claimed, None)
+                if i is None:
+                    return
+                try:
+                    responses[i] = self._generate(self.tasks[jobs[i][1]])
+                except Stopped:
+                    return
+                except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                    errors.append(e)
+
+        threads = [threading.Thread(target=worker, daemon=True, name=f"rft-rollout-{k}")
+                   for k in range(min(self.concurrency, len(jobs)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive() and not self._stop.is_set():
+                t.join(0.2)  # a timed join keeps the main thread responsive to signals
+        if errors:
+            raise errors[0]
+        if self._stop.is_set():
+            raise Stopped()
+        samples = []
+        for (epoch, task_index), answers in zip(jobs, responses):
+            self.rejected_in_row = 0 if answers else self.rejected_in_row + 1
+            if self.rejected_in_row >= max(MAX_REJECTED_IN_ROW, self.tasks_per_shard):
+                raise RuntimeError(f"inference rejected {self.rejected_in_row} tasks in a row (see the "
+                                   "errors above): check explorer.sampling and the taskset")
+            task = self.tasks[task_index]
+            info = {"task_id": task["id"], "explorer": self.index, "epoch": epoch}
+            for response, header_version in answers:
+                samples += build_samples(response, task, self.tokenizer, self.reward_fn,
+                                         epoch * len(self.tasks) + task_index, info, header_version)
+        return samples
+
+    def _generate(self, task: dict[str, str]) -> list[tuple[dict, int | None]]:
+        """The server's responses for all rollouts of one task (up to max_n per request);
+        [] when the server rejects the task (logged, the task is skipped)."""
+        section, out = self.section, []
+        for start in range(0, section.rollouts_per_task, section.max_n):
+            body = {"model": section.served_model_name, "prompt": task["prompt"],
+                    "n": min(section.max_n, section.rollouts_per_task - start),
+                    "max_tokens": section.sampling.max_tokens,
+                    "temperature": section.sampling.temperature,
+                    "top_p": section.sampling.top_p, "logprobs": 0}
+            try:
+                out.append(self.client.complete(body))
+            except ClientError as e:
+                log.error("task %s skipped: %s", task["id"], e)
+                return []
+        return out
+
+    # ------------------------------------------------------------ throttle
+
+    def _wait_for_trainer(self, samples_written: int) -> bool:
+        """Wait while we are ahead of the trainer; False once it finished or on stop()."""
+        waited_since = None
+        while not self._stop.is_set():
+            progress = self.progress() if self.progress else None
+            if progress is None:
+                break
+            step, total = progress
+            if step >= total:
+                log.info("trainer finished (step %d of %d): explorer done", step, total)
+                self.finished = True
+                return False
+            allowed = -(-(step + self.config.buffer.max_staleness + 1) * self.config.buffer.batch_size
+                        // self.replicas)
+            if samples_written < allowed:
+                break
+            now = time.monotonic()
+            if waited_since is None or now - waited_since >= 60:
+                log.info("ahead of the trainer (step %d of %d; %d samples written, %d allowed): waiting",
+                         step, total, samples_written, allowed)
+                waited_since = now
+            self.waiting.set()
+            self._stop.wait(self.section.poll_interval)
+        self.waiting.clear()
+        return not self._stop.is_set()
+
+    # ------------------------------------------------------------ state
+
+    def load_state(self) -> ExplorerState:
+        try:
+            raw = self.storage.read_bytes(self.state_uri)
+        except FileNotFoundError:
+            return ExplorerState()
+        try:
+            data = json.loads(raw)
+            return ExplorerState(**{f.name: int(data[f.name]) for f in dataclasses.fields(ExplorerState)})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.state_uri}: invalid explorer state: {e}") from None
+
+    def save_state(self, state: ExplorerState) -> None:
+        body = {**dataclasses.asdict(state), "updated": datetime.now(timezone.utc).isoformat()}
+        self.storage.write_bytes(self.state_uri, json.dumps(body).encode())
+
+    def _committed_samples(self, name: str) -> int:
+        try:
+            return read_shard_meta(join(self.buffer_uri, f"{name}.json"), self.storage)["num_samples"]
+        except ValueError as e:  # unreadable: count it as a full shard, for the throttle only
+            log.error("%s", e)
+            return self.tasks_per_shard * self.section.rollouts_per_task
+
+    def _log_shard(self, name: str, seq: int, samples: list[Sample], start: float) -> None:
+        versions = [s.weights_version for s in samples]
+        log.info(json.dumps({
+            "event": "shard", "name": name, "seq": seq, "samples": len(samples),
+            "reward_mean": round(sum(s.reward for s in samples) / len(samples), 6),
+            "version_min": min(versions), "version_max": max(versions),
+            "seconds": round(time.monotonic() - start, 3), "retries": self.client.failures}))
+
+
+# ------------------------------------------------------------------ trainer progress
+
+
+class KubeProgress:
+    """(trainer step, total steps) from the RFTJob's `status.trainer`; the last known value
+    on API errors. A missing step is 0; a missing totalSteps is the config's."""
+
+    def __init__(self, api: Any, name: str, namespace: str, total_steps: int):
+        self.api, self.name, self.namespace, self.total_steps = api, name, namespace, total_steps
+        self.last: tuple[int, int] | None = None
+
+    def __call__(self) -> tuple[int, int] | None:
+        from .reporting import GROUP, PLURAL, VERSION
+
+        try:
+            obj = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        except Exception as e:  # noqa: BLE001 - keep exploring on the last known progress
+            log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
+            return self.last
+        trainer = (obj.get("status") or {}).get("trainer") or {}
+        self.last = (int(trainer.get("step") or 0), int(trainer.get("totalSteps") or self.total_steps))
+        return self.last
+
+
+def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress | None:
+    """KubeProgress with in-cluster or KUBECONFIG credentials; None (no throttle) without."""
+    from .reporting import SA_TOKEN
+
+    if not (name and namespace):
+        return None
+    import kubernetes
+
+    if os.path.exists(SA_TOKEN):
+        kubernetes.config.load_incluster_config()
+    elif os.environ.get("KUBECONFIG"):
+        kubernetes.config.load_kube_config()
+    else:
+        log.warning("no in-cluster credentials and no KUBECONFIG: not throttling to the trainer")
+        return None
+    return KubeProgress(kubernetes.client.CustomObjectsApi(), name, namespace, total_steps)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rft_trainer.explorer")
+    ap.add_argument("--config", default=os.environ.get("RFT_CONFIG", "/etc/rft/config.json"))
+    ap.add_argument("--endpoints", help="comma-separated inference base URLs (default $RFT_INFERENCE_ENDPOINTS)")
+    ap.add_argument("--index", type=int, help="this explorer's index (default $RFT_EXPLORER_INDEX or 0)")
+    ap.add_argument("--max-shards", type=int, help="stop after writing this many shards")
+    ap.add_argument("--tokenizer", help="tokenizer directory (default model.tokenizer_path or model.path)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = os.environ
+    try:
+        config = load_explorer_config(args.config)
+        index = args.index if args.index is not None else int(env.get("RFT_EXPLORER_INDEX") or 0)
+        replicas = int(env.get("RFT_EXPLORER_REPLICAS") or config.explorer.replicas)
+        endpoints = [e.strip() for e in (args.endpoints or env.get("RFT_INFERENCE_ENDPOINTS", "")).split(",")
+                     if e.strip()]
+        if not endpoints:
+            raise ValueError("no inference endpoints: set RFT_INFERENCE_ENDPOINTS or --endpoints")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        progress = progress_from_env(env.get("RFT_JOB_NAME") or config.job.name,
+                                     env.get("RFT_JOB_NAMESPACE") or config.job.namespace,
+                                     config.trainer.total_steps)
+        explorer = Explorer(config, endpoints, index, replicas, progress=progress, tokenizer=tokenizer)
+    except ValueError as e:  # ConfigError included: a restart cannot fix these
+        log.error("%s", e)
+        return EX_CONFIG
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping after the current step", signum)
+        explorer.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    written = explorer.run(max_shards=args.max_shards)
+    log.info(json.dumps({"event": "explorer_exit", "shards_written": written,
+                         "trainer_finished": explorer.finished, **dataclasses.asdict(explorer.state)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
