@@ -1,5 +1,6 @@
-"""A real S3-compatible server (moto in server mode, over HTTP on loopback) for the
-trainer's S3 paths. The environment variables are the ones the operator sets."""
+"""A real S3-compatible server (moto in server mode, over HTTP on loopback) for every
+S3 path (trainer, sync agents, explorers). The environment variables are the ones the
+operator sets."""
 
 import socket
 

@@ -327,7 +327,7 @@ def _weight_sync(p: _Pass, spec: RFTJobSpec | None) -> None:
     prune = sync.stale_replica_entries(replicas, pods)
     if prune:
         p.sync["replicas"] = {name: None for name in prune}  # merge patch: delete
-    if t.target != p.old_sync.get("target"):
+    if not sync.same_target(t.target, p.old_sync.get("target")):
         p.event("Normal", "WeightsTarget", f"serving target is now version {t.target['version']}"
                 + (f" ({t.target.get('uri')})" if t.target.get("uri") else ""))
     status, reason, message = sync.sync_condition(n, t.target, t.problem)
@@ -335,7 +335,8 @@ def _weight_sync(p: _Pass, spec: RFTJobSpec | None) -> None:
 
 
 def _sync_changed(p: _Pass) -> bool:
-    return any(p.old_sync.get(k) != v for k, v in p.sync.items())
+    return any(not sync.same_target(p.old_sync.get(k), v) if k == "target" else p.old_sync.get(k) != v
+               for k, v in p.sync.items())
 
 
 def _conditions(p: _Pass) -> list[Cond]:

@@ -27,7 +27,18 @@ def weights_uri(root: str, version: int) -> str:
 
 
 def base_target(spec: RFTJobSpec) -> Obj:
-    return {"version": 0, "uri": spec.model.path}
+    return {"version": 0, "uri": spec.model.path, "id": None}
+
+
+def _ref(weights: Obj) -> Obj:
+    """A target with every key present: the status is merge-patched, so a key left out
+    would keep the old target's value (`id: None` deletes it)."""
+    return {"version": weights.get("version"), "uri": weights.get("uri"), "id": weights.get("id")}
+
+
+def same_target(a: Obj | None, b: Obj | None) -> bool:
+    strip = lambda d: {k: v for k, v in (d or {}).items() if v is not None}  # noqa: E731
+    return strip(a) == strip(b)
 
 
 @dataclass(frozen=True)
@@ -44,16 +55,16 @@ def compute_target(spec: RFTJobSpec, trainer: Obj, old_target: Obj | None) -> Ta
     if pinned is None:
         if latest.get("version") is None:
             return Target(base_target(spec))
-        return Target({k: latest.get(k) for k in ("version", "uri", "id") if latest.get(k) is not None})
+        return Target(_ref(latest))
     if pinned == 0:
         return Target(base_target(spec))
     if pinned == latest.get("version"):
-        return Target({k: latest.get(k) for k in ("version", "uri", "id") if latest.get(k) is not None})
+        return Target(_ref(latest))
     available = sorted(trainer.get("weightVersions") or [])
     if pinned in available:
-        return Target({"version": pinned, "uri": weights_uri(spec.checkpoint.uri, pinned)})
+        return Target({"version": pinned, "uri": weights_uri(spec.checkpoint.uri, pinned), "id": None})
     have = ", ".join(map(str, available)) or "none yet"
-    return Target(old_target or base_target(spec),
+    return Target(_ref(old_target) if old_target else base_target(spec),
                   f"spec.sync.pinnedVersion={pinned} is not an exported version "
                   f"(available: 0 (base model), {have}); still serving version "
                   f"{(old_target or base_target(spec))['version']}")

@@ -44,7 +44,7 @@ def test_new_loop_job_creates_inference_and_explorer_pods_and_targets_the_base_m
     names = [o["metadata"]["name"] for o in plan.create]
     assert names == ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
     ws = plan.status["weightSync"]
-    assert ws["target"] == {"version": 0, "uri": "s3://models/tiny-qwen"}
+    assert ws["target"] == {"version": 0, "uri": "s3://models/tiny-qwen", "id": None}
     assert ws["synced"] == "0/2" and ws["desiredReplicas"] == 2
     assert cond(plan, c.COND_WEIGHTS_SYNCED)["reason"] == c.REASON_SYNCING
 
@@ -88,7 +88,8 @@ def test_pinned_version(pin, versions, want, ok):
         assert c_["status"] == "False" and c_["reason"] == c.REASON_PIN_MISSING
         assert "pinnedVersion=7" in c_["message"] and "1, 2, 3" in c_["message"]
     elif pin == 2:
-        assert plan.status["weightSync"]["target"]["uri"] == W + "00000002"
+        # Every key is sent: `id: None` deletes the old target's id in the merge patch.
+        assert plan.status["weightSync"]["target"] == {"version": 2, "uri": W + "00000002", "id": None}
 
 
 def test_replica_errors_show_in_the_condition():

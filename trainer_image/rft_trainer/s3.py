@@ -82,6 +82,12 @@ class S3Storage:
         bucket, key = split_uri(uri)
         self.client.delete_object(Bucket=bucket, Key=key)
 
+    def download_file(self, uri: str, path: str | os.PathLike) -> None:
+        """Stream one object to a local file (multipart, parallel ranges): multi-GB
+        shards never sit in memory."""
+        bucket, key = split_uri(uri)
+        self.client.download_file(bucket, key, str(path), Config=self.transfer)
+
     def download_prefix(self, prefix: str, dest: str | os.PathLike) -> Path:
         """Copy every object under `prefix` into `dest`, keeping relative paths."""
         dest = Path(dest)

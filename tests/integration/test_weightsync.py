@@ -1,0 +1,175 @@
+"""The weight-sync protocol end to end against the local control plane and a real S3
+server: the trainer's exporter writes versions, its reporter (as the job's own
+ServiceAccount) announces them, the operator promotes them, and two sync agents (each
+with a real reference inference server, as the job's ServiceAccount) load them and
+report back. Inference pods are KWOK pods; the agents stand in for their containers by
+using the pods' names."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import boto3
+import kubernetes
+import pytest
+import requests
+from botocore.config import Config
+
+from rft_operator import constants as c
+from rft_trainer.export import export_hf, weights_uri
+from rft_trainer.parallelize import Runtime
+from rft_trainer.reporting import StatusReporter
+from rft_trainer.s3 import S3Storage
+from rft_trainer.serve import ReferenceServer
+from rft_trainer.sync_agent import ReferenceEngine, SyncAgent
+from rft_trainer.testing import save_tiny_model
+from tests.trainer.faultproxy import FaultProxy
+
+from .conftest import wait_for
+from .operator_fixtures import (  # noqa: F401
+    api, create_job, get_job, installed, job_manifest, namespace, operator, patch_spec, wait_status,
+)
+
+pytestmark = pytest.mark.integration
+JOB = "sync"
+PODS = [f"{JOB}-inference-0", f"{JOB}-inference-1"]
+
+
+class Replica:
+    """A reference server plus its sync agent, running as one inference pod would."""
+
+    def __init__(self, pod: str, as_job, tmp: Path, storage=None):
+        self.pod, self.as_job, self.tmp, self.storage = pod, as_job, tmp, storage
+        self.server = ReferenceServer(max_concurrency=1)
+        self.server.start()
+        self.start_agent()
+
+    def start_agent(self) -> None:
+        self.agent = SyncAgent(JOB, self.as_job.namespace, self.pod, ReferenceEngine(self.server.url),
+                               self.tmp / self.pod, api=self.as_job.api, resync_seconds=2,
+                               max_backoff=2, storage=self.storage)
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread.start()
+
+    def stop_agent(self) -> None:
+        self.agent.stop()
+        self.thread.join(10)
+
+    def served(self) -> int | None:
+        return requests.get(self.server.url + "/weights", timeout=5).json()["version"]
+
+    def close(self) -> None:
+        self.stop_agent()
+        self.server.stop()
+
+
+class JobClient:
+    def __init__(self, api, namespace):
+        self.api, self.namespace = api, namespace
+
+
+@pytest.fixture
+def setup(operator, api, namespace, cluster, bucket, s3_env, tmp_path):
+    base = save_tiny_model(tmp_path / "base", seed=0)
+    s3 = S3Storage()
+    for f in base.iterdir():  # the base model, as a user uploads it: no manifest
+        s3.write_bytes(f"s3://{bucket}/models/tiny/{f.name}", f.read_bytes())
+    spec = job_manifest(JOB, model={"path": f"s3://{bucket}/models/tiny"},
+                        checkpoint={"uri": f"s3://{bucket}/run", "endpoint": s3_env["AWS_ENDPOINT_URL"]},
+                        inference={"replicas": 2, "gpusPerReplica": 1})
+    create_job(api, namespace, spec)
+    wait_for(lambda: len([p for p in kubernetes.client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"{c.LABEL_ROLE}={c.ROLE_INFERENCE}").items
+        if p.status.phase == "Running"]) == 2, 90, "2 inference pods running")
+    kc = cluster.service_account_kubeconfig(namespace, f"{JOB}-rftjob", tmp_path / "job.kubeconfig")
+    as_job = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
+    proxy = FaultProxy(s3_env["AWS_ENDPOINT_URL"]).start()
+    # Replica 0 reaches S3 through the fault proxy, with few retries, so faults show.
+    flaky = S3Storage(client=boto3.client("s3", endpoint_url=proxy.url,
+                                          config=Config(retries={"max_attempts": 2, "mode": "standard"})))
+    replicas = [Replica(PODS[0], JobClient(as_job, namespace), tmp_path, flaky),
+                Replica(PODS[1], JobClient(as_job, namespace), tmp_path)]
+    reporter = StatusReporter(JOB, namespace, as_job, min_interval=0)
+    ctx = {"api": api, "ns": namespace, "root": f"s3://{bucket}/run", "replicas": replicas,
+           "reporter": reporter, "proxy": proxy, "tmp": tmp_path, "versions": []}
+    yield ctx
+    for r in replicas:
+        r.close()
+    reporter.close()
+    proxy.stop()
+
+
+def export(ctx, version: int) -> None:
+    """What the trainer's sync_weight does: export (the real exporter), then report."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_model(ctx["tmp"] / f"v{version}", seed=version)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    rt = Runtime(rank=0, world_size=1, local_rank=0, device=__import__("torch").device("cpu"))
+    manifest = export_hf(model, rt, S3Storage(), weights_uri(ctx["root"], version), str(model_dir),
+                         version, dtype="fp32")
+    ctx["versions"].append(version)
+    ctx["reporter"].report_weights(version, weights_uri(ctx["root"], version), manifest["id"],
+                                   list(ctx["versions"]))
+
+
+def wait_synced(ctx, version: int, timeout: float = 90) -> dict:
+    status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: (
+        (s.get("weightSync") or {}).get("target", {}).get("version") == version
+        and s["weightSync"].get("synced") == "2/2"), timeout, f"2/2 replicas at version {version}")
+    assert [r.served() for r in ctx["replicas"]] == [version, version]
+    return status
+
+
+def sync_condition(status: dict) -> dict:
+    return next(x for x in status["conditions"] if x["type"] == c.COND_WEIGHTS_SYNCED)
+
+
+def test_versions_pins_faults_and_restarts(setup, kubectl):
+    ctx = setup
+    status = wait_synced(ctx, 0)  # the base model (no manifest) before any export
+    assert status["weightSync"]["target"]["uri"].endswith("/models/tiny")
+
+    for v in (1, 2, 3):
+        export(ctx, v)
+        status = wait_synced(ctx, v)
+        entry = status["weightSync"]["replicas"][PODS[1]]
+        assert entry["id"] == status["weightSync"]["target"]["id"] and entry.get("error") is None
+        assert entry["loadSeconds"] >= entry["downloadSeconds"] > 0 and entry["reloadSeconds"] > 0
+    assert sync_condition(status)["status"] == "True"
+    row = kubectl("get", "rftjob", JOB, "-n", ctx["ns"]).stdout.splitlines()[1].split()
+    assert row[-3:-1] == ["3", "2/2"], row  # Weights and Synced columns (no checkpoint yet)
+
+    # Roll back from git: pin version 2; both replicas serve it again.
+    patch_spec(ctx["api"], ctx["ns"], JOB, {"sync": {"pinnedVersion": 2}})
+    wait_synced(ctx, 2)
+
+    # A pin to a version that does not exist: condition False, nothing breaks.
+    patch_spec(ctx["api"], ctx["ns"], JOB, {"sync": {"pinnedVersion": 99}})
+    status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: sync_condition(s)["reason"] == c.REASON_PIN_MISSING,
+                         30, "PinnedVersionNotFound")
+    assert "pinnedVersion=99" in sync_condition(status)["message"]
+    assert status["weightSync"]["target"]["version"] == 2 and [r.served() for r in ctx["replicas"]] == [2, 2]
+    patch_spec(ctx["api"], ctx["ns"], JOB, {"sync": {"pinnedVersion": None}})
+    wait_synced(ctx, 3)
+
+    # S3 refuses replica 0's downloads: the error shows in its entry, then it recovers.
+    ctx["proxy"].fail_fraction = 1.0
+    export(ctx, 4)
+    status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: (s["weightSync"]["replicas"].get(PODS[0]) or {})
+                         .get("error"), 60, "an error in replica 0's entry")
+    entry = status["weightSync"]["replicas"][PODS[0]]
+    assert "download" in entry["error"] and entry["version"] == 3 and entry["attempts"] >= 1
+    assert "test-secret" not in str(status)
+    ctx["proxy"].fail_fraction = 0.0
+    status = wait_synced(ctx, 4)
+    assert status["weightSync"]["replicas"][PODS[0]].get("error") is None
+
+    # An agent that is down misses a version; restarted, it converges.
+    ctx["replicas"][1].stop_agent()
+    export(ctx, 5)
+    wait_status(ctx["api"], ctx["ns"], JOB, lambda s: s["weightSync"].get("synced") == "1/2"
+                and s["weightSync"]["target"]["version"] == 5, 60, "1/2 while an agent is down")
+    ctx["replicas"][1].start_agent()
+    wait_synced(ctx, 5)
