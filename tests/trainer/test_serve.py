@@ -157,6 +157,21 @@ def test_logprobs_are_raw_logits_of_the_chosen_tokens(server, versions):
         assert torch.allclose(torch.tensor(c["logprobs"]["token_logprobs"]), expect, atol=1e-4)
 
 
+def test_the_eos_that_ended_a_sample_is_reported_with_its_raw_logprob(server, versions):
+    server.load(versions[0][0], 0)
+    _, model, tok = versions[0]
+    out = completion(server, prompt="1+1=", n=8, max_tokens=60, temperature=1.0, seed=3, logprobs=0)
+    stopped = [c for c in out["choices"] if c["finish_reason"] == "stop"]
+    assert stopped, "seeded sampling should end some samples with eos"
+    for c in stopped:
+        assert c["stop_token_id"] == tok.eos_token_id and tok.eos_token_id not in c["token_ids"]
+        ids = torch.tensor([out["prompt_token_ids"][0] + c["token_ids"]])
+        with torch.inference_mode():
+            expect = torch.log_softmax(model(ids).logits[0, -1].float(), -1)[c["stop_token_id"]]
+        assert abs(c["stop_token_logprob"] - float(expect)) < 1e-4
+    assert all(c["stop_token_id"] is None for c in out["choices"] if c["finish_reason"] == "length")
+
+
 def test_stop_string_truncates_text(server, versions):
     server.load(versions[0][0], 0)
     text = versions[0][2].decode(greedy(versions, 0, "1+2=", 12), skip_special_tokens=True)

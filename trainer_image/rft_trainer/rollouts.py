@@ -160,9 +160,11 @@ def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any
         if logprobs is None or len(logprobs) != len(ids):
             logprobs = [0.0] * len(ids)  # unknown: keep the field's shape (see module doc)
         logprobs = [0.0 if lp is None else float(lp) for lp in logprobs]
-        if choice.get("finish_reason") == "stop" and eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            logprobs.append(0.0)  # the server does not report the EOS token's logprob
+        stop_id = choice.get("stop_token_id", eos)
+        if choice.get("finish_reason") == "stop" and stop_id is not None and (not ids or ids[-1] != stop_id):
+            ids.append(stop_id)  # the policy chose to stop: train on that choice too
+            lp = choice.get("stop_token_logprob")
+            logprobs.append(0.0 if lp is None else float(lp))  # 0.0: engine did not report it
         reward = reward_fn(prompt, text, answer)
         samples.append(Sample(prompt_ids, ids, logprobs, reward, group_id, version, {
             **(info or {}), "reward": reward, "response": text,

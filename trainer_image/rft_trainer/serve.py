@@ -135,7 +135,7 @@ def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Gen
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.tensor([prompt_ids] * s.n, device=model.device)
     out = model(input_ids=ids, use_cache=True)
-    rows = [{"token_ids": [], "logprobs": [], "finish_reason": None} for _ in range(s.n)]
+    rows = [{"token_ids": [], "logprobs": [], "finish_reason": None, "stop_token": None} for _ in range(s.n)]
     for _ in range(s.max_tokens):
         logits = out.logits[:, -1, :].float()
         nxt = choose_tokens(logits, s, gen)
@@ -143,8 +143,10 @@ def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Gen
         for row, t, lp in zip(rows, nxt.tolist(), chosen_lp):
             if row["finish_reason"]:
                 continue
-            if t in eos:  # eos ends the sample and is not part of it
+            if t in eos:  # eos ends the sample and is not part of it...
                 row["finish_reason"] = "stop"
+                # ...but the policy chose it: RL trainers score that choice too.
+                row["stop_token"] = {"id": t, "logprob": lp}
                 continue
             row["token_ids"].append(t)
             row["logprobs"].append(lp)
@@ -304,6 +306,9 @@ class ReferenceServer:
                                                  lambda w: _prompts(body.get("prompt")))
         choices = [{"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
                     "token_ids": r["token_ids"],
+                    # Non-standard: the eos token that ended the sample (not in token_ids).
+                    "stop_token_id": (r["stop_token"] or {}).get("id"),
+                    "stop_token_logprob": (r["stop_token"] or {}).get("logprob") if s.logprobs else None,
                     "logprobs": {"tokens": r["tokens"], "token_logprobs": r["logprobs"]}
                     if s.logprobs else None} for i, r in enumerate(rows)]
         return self._respond(w, "cmpl", "text_completion", choices, prompt_ids)
