@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup binaries demo down test unit integration crd bench bench-trainer bench-checkpoint clean
+.PHONY: setup binaries demo down test unit integration crd bench bench-trainer bench-checkpoint bench-weightsync clean
 
 setup: binaries
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
@@ -37,6 +37,9 @@ bench-trainer: setup
 
 bench-checkpoint: setup
 	$(PYTHON) bench/checkpoint.py
+
+bench-weightsync: setup
+	$(PYTHON) bench/weightsync.py
 
 clean: down
 	rm -rf .local
