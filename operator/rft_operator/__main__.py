@@ -1,9 +1,11 @@
 """`python -m rft_operator` / `rftjob-operator`: run the operator.
 
     rftjob-operator [--namespace NS ...] [--liveness http://0.0.0.0:8080/healthz]
+                    [--metrics-port 9090]
 
 Without --namespace it watches the whole cluster. Credentials: in a pod, its
-ServiceAccount; elsewhere $KUBECONFIG.
+ServiceAccount; elsewhere $KUBECONFIG. Prometheus metrics are served at
+http://0.0.0.0:<metrics-port>/metrics (0 disables them).
 """
 
 from __future__ import annotations
@@ -11,10 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from urllib.parse import urlsplit
 
 import kopf
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
+from . import metrics
+
+# Not 8080: the image's default --liveness endpoint already listens there.
+DEFAULT_METRICS_PORT = 9090
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,9 +31,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="watch only this namespace (repeatable); default: all")
     ap.add_argument("--liveness", default=None,
                     help="serve liveness probes here, e.g. http://0.0.0.0:8080/healthz")
+    ap.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                    help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 disables)")
     ap.add_argument("--log-format", choices=["plain", "json"], default="plain")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.metrics_port and args.liveness and urlsplit(args.liveness).port == args.metrics_port:
+        ap.error(f"--metrics-port {args.metrics_port} is the --liveness port; pick another")
 
     kopf.configure(
         verbose=args.verbose,
@@ -34,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not args.verbose:  # one line per handled event is noise at hundreds of pods
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 
 from . import reconcile as rc
 from .kube import Conflict, Kube
+from .metrics import OperatorMetrics
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -83,8 +84,11 @@ class Controller:
         get_children: Callable[[Key], Iterable[tuple[str, str, str]]],
         workers: int = 4,
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+        metrics: OperatorMetrics | None = None,
     ):
         self.kube, self.clock = kube, clock
+        self.metrics = metrics or OperatorMetrics()
+        self.metrics.track_writes(kube)
         self.get_job, self.get_pods, self.get_children = get_job, get_pods, get_children
         self.queue = WorkQueue()
         self.num_workers = workers
@@ -115,6 +119,7 @@ class Controller:
                 self._failures.pop(key, None)
             except Exception as e:  # keep the worker alive; retry with backoff
                 self.errors += 1
+                self.metrics.reconcile_errors.inc()
                 tries = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(60.0, 0.5 * 2 ** min(tries, 7)) * (0.5 + random.random() / 2)
                 log.error("reconcile %s/%s failed (%s); retry in %.1fs", *key, _describe(e), delay)
@@ -124,6 +129,7 @@ class Controller:
 
     async def sync(self, key: Key) -> None:
         body = self.get_job(key)
+        self.metrics.observe_job(key, body)
         if body is None:  # deleted: children go with the garbage collector
             self._stale_rv.pop(key, None)
             return
@@ -132,12 +138,17 @@ class Controller:
             log.debug("%s/%s: waiting for our status write to reach the watch", *key)
             return  # our last status write has not reached the watch yet; its event requeues
         self._stale_rv.pop(key, None)
+        with self.metrics.reconcile_seconds.time():
+            await self._reconcile(key, body)
+
+    async def _reconcile(self, key: Key, body: dict[str, Any]) -> None:
         observed = rc.Observed(
             pods=list(self.get_pods(key)),
             children={(kind, name): h for kind, name, h in self.get_children(key)},
         )
         plan = rc.reconcile(body, observed, self.clock())
         self.reconciles += 1
+        self.metrics.reconciles.inc()
         log.debug("%s/%s: %d pods seen, phase %s -> %s, %d creates, %d deletes", *key,
                   len(observed.pods), (body.get("status") or {}).get("phase"),
                   plan.status.get("phase"), len(plan.create), len(plan.delete_pods))

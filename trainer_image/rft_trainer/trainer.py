@@ -25,6 +25,7 @@ from .checkpoint import CheckpointManager, should_save_on_stop
 from .config import Config
 from .experience import BufferReader, Experiences
 from .export import apply_weights_retention, committed_versions, export_hf, weights_uri
+from .metrics import MetricsLog
 from .parallelize import Runtime, build_model, fetch_model, init_distributed
 from .storage import get_storage
 from .reporting import StatusReporter
@@ -262,12 +263,14 @@ class Trainer:
         self._stop_at = 0.0
         self.last_metrics: dict[str, Any] = {}
         self.reporter = StatusReporter(None, None)
+        self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.last_synced: int | None = None
 
     def prepare(self) -> None:
         self.engine.prepare()
         if self.engine.rt.is_main:  # one writer per job: rank 0
             self.reporter = StatusReporter.from_env()
+            self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
         ckpt = self.engine.build_checkpointer()
         ckpt.on_commit = lambda step, prefix: self.reporter.report_checkpoint(
             step, prefix, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
@@ -371,6 +374,8 @@ class Trainer:
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
+        if self.metrics_log is not None:
+            self.metrics_log.append(self.train_step_num, metrics)
         if self.engine.rt is not None and self.engine.rt.is_main:
             every = max(1, getattr(self.config.reporting, "log_every", 1))
             if self.train_step_num % every == 0 or self.train_step_num == 1:
@@ -382,6 +387,8 @@ class Trainer:
         if getattr(self.engine, "checkpointer", None) is not None:
             self.engine.wait_on_save_thread()
         self.reporter.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -1,0 +1,168 @@
+"""Prometheus metrics of the operator.
+
+Counters and the reconcile histogram are updated by the controller as it works. Job-level
+gauges are not: they are computed at scrape time from the last body the controller saw of
+each job (`observe_job`), so every job is counted in exactly one phase, and a deleted job's
+series vanish with it instead of lingering at their last value.
+
+Each `OperatorMetrics` has its own registry (tests stay hermetic); `serve` exposes the
+running controller's over HTTP, with the process collectors (memory, CPU, open files).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from . import constants as c
+
+log = logging.getLogger("rft_operator")
+Key = tuple[str, str]  # (namespace, name)
+
+# A reconcile is CPU work plus a few API writes: milliseconds, seconds when the server is slow.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class WriteCounts(Protocol):
+    """What `kube.Kube` counts about its API calls (all of them are writes)."""
+
+    requests: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """What the gauges report about one RFTJob, taken from its status."""
+
+    phase: str
+    restarts: int
+    step: int | None = None
+    lag_steps: int | None = None
+    synced_replicas: int | None = None
+    desired_replicas: int | None = None
+
+
+def compute_job_sample(body: dict[str, Any]) -> JobSample:
+    """A job the operator has not written a status for yet counts as Pending."""
+    st = body.get("status") or {}
+    ws = st.get("weightSync") or {}
+    return JobSample(
+        phase=st.get("phase") or c.PENDING,
+        restarts=int(st.get("restarts") or 0),
+        step=(st.get("trainer") or {}).get("step"),
+        lag_steps=ws.get("lagSteps"),
+        synced_replicas=ws.get("syncedReplicas"),
+        desired_replicas=ws.get("desiredReplicas"),
+    )
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.reconciles = Counter("rftjob_reconciles", "Reconcile passes (reconcile + apply).", registry=r)
+        self.reconcile_errors = Counter(
+            "rftjob_reconcile_errors", "Reconcile passes that raised (the key is retried with backoff).",
+            registry=r)
+        self.reconcile_seconds = Histogram(
+            "rftjob_reconcile_duration_seconds", "Time of one reconcile pass, API writes included.",
+            buckets=DURATION_BUCKETS, registry=r)
+        self._jobs: dict[Key, JobSample] = {}
+        self._lock = threading.Lock()  # scrapes run in the HTTP server's thread
+        self._writes: WriteCounts | None = None
+        r.register(self)
+
+    def track_writes(self, kube: WriteCounts) -> None:
+        """Export the API client's own call counters (read at scrape time)."""
+        self._writes = kube
+
+    def observe_job(self, key: Key, body: dict[str, Any] | None) -> None:
+        """Record the job's current status; `None` (deleted) forgets it."""
+        with self._lock:
+            if body is None:
+                self._jobs.pop(key, None)
+            else:
+                self._jobs[key] = compute_job_sample(body)
+
+    # ------------------------------------------------------------ scrape time
+
+    def describe(self) -> list[Metric]:
+        return []  # names vary with what is observed; nothing to check for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            jobs = sorted(self._jobs.items())
+        yield from _job_metrics(jobs)
+        if self._writes is not None:
+            yield CounterMetricFamily("rftjob_api_writes", "Kubernetes API write calls made.",
+                                      value=self._writes.requests)
+            yield CounterMetricFamily("rftjob_api_write_seconds", "Seconds spent waiting on API writes.",
+                                      value=self._writes.seconds)
+
+
+def _job_metrics(jobs: list[tuple[Key, JobSample]]) -> Iterator[Metric]:
+    per_phase = dict.fromkeys(c.PHASES, 0)  # every phase, so a job leaving one shows a 0
+    for _, s in jobs:
+        per_phase[s.phase] = per_phase.get(s.phase, 0) + 1
+    phases = GaugeMetricFamily("rftjob_jobs", "RFTJobs by status.phase.", labels=["phase"])
+    for phase, n in per_phase.items():
+        phases.add_metric([phase], n)
+    yield phases
+
+    job = ["namespace", "job"]
+    restarts = GaugeMetricFamily("rftjob_job_restarts", "status.restarts of each RFTJob.", labels=job)
+    step = GaugeMetricFamily("rftjob_trainer_step", "status.trainer.step of each RFTJob.", labels=job)
+    lag = GaugeMetricFamily("rftjob_weight_sync_lag_steps",
+                            "Trainer step minus the oldest weights version served (status.weightSync.lagSteps).",
+                            labels=job)
+    replicas = GaugeMetricFamily("rftjob_weight_sync_replicas",
+                                 "Inference replicas serving the target weights (synced) and in total (desired).",
+                                 labels=[*job, "state"])
+    for (ns, name), s in jobs:
+        restarts.add_metric([ns, name], s.restarts)
+        if s.step is not None:
+            step.add_metric([ns, name], s.step)
+        if s.lag_steps is not None:
+            lag.add_metric([ns, name], s.lag_steps)
+        if s.synced_replicas is not None:
+            replicas.add_metric([ns, name, "synced"], s.synced_replicas)
+        if s.desired_replicas is not None:
+            replicas.add_metric([ns, name, "desired"], s.desired_replicas)
+    yield from (restarts, step, lag, replicas)
+
+
+class _Current:
+    """Delegates a scrape to whichever controller is running (none before startup)."""
+
+    def __init__(self, get_metrics: Callable[[], OperatorMetrics | None]):
+        self.get_metrics = get_metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.get_metrics()
+        if m is not None:
+            yield from m.registry.collect()
+
+
+def serve(port: int, get_metrics: Callable[[], OperatorMetrics | None], addr: str = "0.0.0.0") -> bool:
+    """Serve /metrics on `port` from a daemon thread. A port in use is logged, not fatal:
+    metrics are not worth stopping reconciliation for (and local test runs may overlap)."""
+    registry = CollectorRegistry()
+    for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        collector(registry=registry)
+    registry.register(_Current(get_metrics))
+    try:
+        start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        log.error("metrics disabled: cannot listen on %s:%d (%s)", addr, port, e)
+        return False
+    log.info("serving metrics on %s:%d/metrics", addr, port)
+    return True
