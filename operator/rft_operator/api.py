@@ -365,6 +365,7 @@ class TrainerStatus(Model):
     model_config = ConfigDict(extra="allow")
     step: int | None = None
     total_steps: int | None = None
+    attempt: int | None = Field(default=None, description="The gang attempt that reported `step`")
     progress: str | None = Field(default=None, description="step/totalSteps, for kubectl")
     last_checkpoint: CheckpointRef | None = None
     latest_weights: WeightsRef | None = None

@@ -265,6 +265,8 @@ def _trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
         {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The base model is downloaded once per pod into its own volume, not the image's /tmp.
+        {"name": "RFT_MODEL_CACHE", "value": c.MODEL_CACHE_MOUNT},
         # The trainer checkpoints on SIGTERM only if that fits in the grace period.
         {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
     ]
@@ -345,6 +347,7 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
         "volumeMounts": [
             {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": c.MODEL_CACHE_MOUNT},
         ],
     }
     if t.image_pull_policy:
@@ -360,6 +363,7 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
         "volumes": [
             {"name": "config", "configMap": {"name": configmap_name(ref.name)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.shm_size}},
+            {"name": "model-cache", "emptyDir": {}},
         ],
     }
     if t.node_selector:

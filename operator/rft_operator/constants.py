@@ -82,6 +82,7 @@ ENV_EXPLORER_REPLICAS = "RFT_EXPLORER_REPLICAS"
 
 CONFIG_MOUNT = "/etc/rft"
 WEIGHTS_MOUNT = "/var/lib/rft/weights"
+MODEL_CACHE_MOUNT = "/var/cache/rft/models"
 # Inference pods stay after success until they serve the final weights, at most this long.
 FINAL_SYNC_GRACE_SECONDS = 600
 CONFIG_FILE = "config.json"

@@ -52,6 +52,8 @@ class StatusReporter:
         self.sent = 0
         self.failures = 0
         self._thread = None
+        # Which gang attempt is reporting: a resumed attempt's steps are told apart.
+        self.attempt = int(os.environ.get("RFT_ATTEMPT", "0") or 0) or None
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="rft-status", daemon=True)
             self._thread.start()
@@ -77,8 +79,11 @@ class StatusReporter:
     def report_step(self, step: int, total: int, metrics: dict[str, float] | None = None) -> None:
         summary = {k.replace("/", "_"): round(float(v), 6) for k, v in (metrics or {}).items()
                    if k in SUMMARY_KEYS}
-        self._submit({"step": step, "totalSteps": total, "progress": f"{step}/{total}",
-                      "metrics": summary, "updated": now()}, urgent=step >= total)
+        patch = {"step": step, "totalSteps": total, "progress": f"{step}/{total}",
+                 "metrics": summary, "updated": now()}
+        if self.attempt is not None:
+            patch["attempt"] = self.attempt
+        self._submit(patch, urgent=step >= total or not metrics)
 
     def report_checkpoint(self, step: int, uri: str, nbytes: int, save_seconds: float) -> None:
         self._submit({"lastCheckpoint": {"step": step, "uri": uri, "time": now(), "bytes": nbytes,

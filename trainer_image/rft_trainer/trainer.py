@@ -279,6 +279,8 @@ class Trainer:
         extra = self.engine.load_checkpoint()
         if extra and "buffer" in extra:
             self.buffer.load_state_dict(extra["buffer"])
+        if self.train_step_num:  # resumed: the status shows where this attempt starts
+            self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps)
 
     async def train(self) -> str:
         while not self.stop_requested and await self.train_step():
