@@ -1,10 +1,26 @@
-"""A real S3-compatible server (moto in server mode, over HTTP on loopback) for every
-S3 path (trainer, sync agents, explorers). The environment variables are the ones the
-operator sets."""
+"""Fixtures shared by every test layer.
 
+* A real S3-compatible server (moto in server mode, over HTTP on loopback) for every S3
+  path (trainer, sync agents, explorers), with the environment variables the operator sets.
+* The local control plane (see e2e/cluster.py), one per session for tests/integration and
+  tests/e2e. By default the session starts its own cluster in a temp dir and stops it at
+  the end. Set RFT_KUBECONFIG to reuse a running one instead (e.g. the demo's, from
+  `python -m e2e.cluster env`). Missing binaries are an error, never a skip: a CI run
+  that silently skips every integration test would look green while proving nothing.
+"""
+
+import json
+import os
 import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+
+from e2e.cluster import Cluster, ExistingCluster
 
 
 def _free_port() -> int:
@@ -42,3 +58,92 @@ def bucket(s3_env, request):
     name = f"t-{uuid.uuid4().hex[:10]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60, message: str = "condition",
+             interval: float = 0.5) -> Any:
+    """Polls `predicate` until it returns something truthy, and returns that.
+
+    Exceptions from the predicate count as "not yet" (the object may not exist yet);
+    the last one is reported if the deadline passes.
+    """
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - reported on timeout
+            last_error = e
+        if time.monotonic() > deadline:
+            detail = f" (last error: {last_error})" if last_error else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{detail}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """The cluster under test: RFT_KUBECONFIG's, or a fresh one for this session."""
+    existing = os.environ.get("RFT_KUBECONFIG")
+    if existing:
+        yield ExistingCluster(existing)
+        return
+    local = Cluster(tmp_path_factory.mktemp("cluster"))
+    local.up()  # cleans up after itself if it fails
+    try:
+        yield local
+    finally:
+        local.down()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(cluster) -> Path:
+    """Path of the admin kubeconfig."""
+    return Path(cluster.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def admin_env(kubeconfig: Path) -> dict[str, str]:
+    """os.environ with KUBECONFIG pointing at the admin kubeconfig (for subprocesses)."""
+    return {**os.environ, "KUBECONFIG": str(kubeconfig)}
+
+
+@pytest.fixture(scope="session")
+def kubectl(admin_env: dict[str, str]):
+    """Runs kubectl as admin (or with `kubeconfig=`); raises with stderr on failure."""
+
+    def run(*args: str, input: str | None = None, kubeconfig: str | os.PathLike | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(admin_env)
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
+        proc = subprocess.run(["kubectl", *args], input=input, env=env, capture_output=True,
+                              text=True, timeout=60)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def kubectl_json(kubectl):
+    """kubectl ... -o json, parsed."""
+    return lambda *args, **kw: json.loads(kubectl(*args, "-o", "json", **kw).stdout)
+
+
+@pytest.fixture(name="wait_for")
+def wait_for_fixture():
+    """The wait_for helper, for tests that prefer fixtures to imports."""
+    return wait_for
+
+
+@pytest.fixture
+def namespace(kubectl, kubectl_json) -> str:
+    """A fresh namespace per test, ready for pods (its default ServiceAccount exists)."""
+    name = f"it-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    wait_for(lambda: kubectl_json("get", "serviceaccount", "default", "-n", name),
+             30, f"ServiceAccount {name}/default")
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -417,12 +417,12 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
     commands = {
         "reference": (["python", "-m", "rft_trainer.serve"],
-                      ["--port", port, "--served-model-name", ref.name]),
+                      ["--port", port, "--served-model-name", c.SERVED_MODEL_NAME]),
         "vllm": (["vllm", "serve"], [initial, "--host", "0.0.0.0", "--port", port,
-                                     "--served-model-name", ref.name]),
+                                     "--served-model-name", c.SERVED_MODEL_NAME]),
         "sglang": (["python", "-m", "sglang.launch_server"],
                    ["--model-path", initial, "--host", "0.0.0.0", "--port", port,
-                    "--served-model-name", ref.name]),
+                    "--served-model-name", c.SERVED_MODEL_NAME]),
     }
     command, args = commands[inf.engine]
     env = [{"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

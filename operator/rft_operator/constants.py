@@ -82,6 +82,8 @@ ENV_EXPLORER_REPLICAS = "RFT_EXPLORER_REPLICAS"
 
 CONFIG_MOUNT = "/etc/rft"
 WEIGHTS_MOUNT = "/var/lib/rft/weights"
+# The `model` name inference replicas answer to (explorers send it, as OpenAI clients do).
+SERVED_MODEL_NAME = "policy"
 MODEL_CACHE_MOUNT = "/var/cache/rft/models"
 # Inference pods stay after success until they serve the final weights, at most this long.
 FINAL_SYNC_GRACE_SECONDS = 600

@@ -1,0 +1,293 @@
+"""End to end: the sample RFTJob on the local cluster, its pods run as real processes by
+the pod runner, talking to a real S3 server through a fault-injecting proxy. Each test
+records what it saw (lost steps, recovery seconds) in `RESULTS`, printed at the end.
+
+Jobs are the sample (manifests/samples/rftjob.yaml) with fewer steps, each in its own
+namespace and S3 prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import kubernetes
+import psutil
+import pytest
+import yaml
+
+from e2e import demo
+from e2e.background import Background, python
+from rft_operator import constants as c
+from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
+from rft_trainer.s3 import S3Storage
+from tests.integration.conftest import wait_for
+from tests.integration.operator_fixtures import OperatorProcess
+from tests.trainer.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = yaml.safe_load((ROOT / "manifests/samples/rftjob.yaml").read_text())
+STEPS, INTERVAL = 12, 3
+RESULTS: dict[str, dict] = {}
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    """The S3 server behind a fault proxy; pods reach it on 127.0.0.1 (host network)."""
+    proxy = FaultProxy(s3_server).start()
+    demo.prepare_data(proxy.url, bucket="rft-e2e", num_tasks=128)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(cluster, kubectl, s3, tmp_path_factory):
+    """CRD + RBAC, the pod runner (a subprocess, as in the demo), the operator as its SA."""
+    d = tmp_path_factory.mktemp("e2e")
+    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
+        kubectl("apply", "--server-side", "-f", str(ROOT / f))
+    kubectl("wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
+    runner = Background("podrunner", d, python("-m", "e2e.podrunner", "--kubeconfig", str(cluster.kubeconfig),
+                                               "--state-dir", str(d / "podrunner")), marker="e2e.podrunner")
+    runner.start()
+    api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+    wait_for(lambda: kubernetes.client.CoreV1Api(api).read_node("local"), 60, "node local")
+    kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
+    op = OperatorProcess(Path(kc), d / "operator.log")
+    op.start()
+    yield {"api": api, "operator": op, "runner": runner, "dir": d, "s3": s3}
+    op.stop()
+    runner.stop()
+    for name, figures in RESULTS.items():
+        print(f"[e2e] {name}: {json.dumps(figures)}")
+
+
+@pytest.fixture
+def job(stack, kubectl):
+    """A fresh namespace with the S3 Secret; returns a function that creates the job."""
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    kubectl("apply", "-n", ns, "-f", str(ROOT / "manifests/samples/s3-secret.example.yaml"))
+
+    def create(steps: int = STEPS, **overrides) -> dict:
+        m = copy.deepcopy(SAMPLE)
+        spec = m["spec"]
+        spec["model"]["path"] = "s3://rft-e2e/models/tiny"
+        spec["explorer"]["tasksetUri"] = "s3://rft-e2e/data/arith.jsonl"
+        spec["checkpoint"].update(uri=f"s3://rft-e2e/runs/{ns}", endpoint=stack["s3"].url, interval=INTERVAL)
+        spec["trainer"]["totalSteps"] = steps
+        for k, v in overrides.items():
+            spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
+        kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
+            c.GROUP, c.VERSION, ns, c.PLURAL, m)
+        return {"ns": ns, "name": m["metadata"]["name"], "uri": spec["checkpoint"]["uri"], **stack}
+
+    yield create
+    kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def get(j) -> dict:
+    return kubernetes.client.CustomObjectsApi(j["api"]).get_namespaced_custom_object(
+        c.GROUP, c.VERSION, j["ns"], c.PLURAL, j["name"])
+
+
+def status(j) -> dict:
+    return get(j).get("status") or {}
+
+
+def wait_status(j, predicate, timeout: float, what: str) -> dict:
+    try:
+        return wait_for(lambda: (s := status(j)) and predicate(s) and s, timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nstatus: {yaml.safe_dump(status(j))}\noperator:\n{j['operator'].tail(20)}") from None
+
+
+def step(s: dict) -> int:
+    return (s.get("trainer") or {}).get("step") or 0
+
+
+def ckpt_step(s: dict) -> int:
+    return ((s.get("trainer") or {}).get("lastCheckpoint") or {}).get("step") or 0
+
+
+def pods(j, role: str | None = None) -> list:
+    sel = f"{c.LABEL_JOB}={j['name']}" + (f",{c.LABEL_ROLE}={role}" if role else "")
+    return kubernetes.client.CoreV1Api(j["api"]).list_namespaced_pod(j["ns"], label_selector=sel).items
+
+
+def container_pids(pod) -> list[int]:
+    return [int(cs.container_id.split("://")[1]) for cs in (pod.status.container_statuses or [])
+            if cs.container_id and cs.state.running]
+
+
+def trainer_worker(j, rank: int = 0) -> psutil.Process:
+    """The torch worker process (a child of the launcher) of a running trainer pod."""
+    pod = next(p for p in pods(j, c.ROLE_TRAINER) if p.metadata.name.endswith(f"-{rank}")
+               and p.status.phase == "Running")
+    launcher = psutil.Process(container_pids(pod)[0])
+    return next(p for p in launcher.children(recursive=True) if "rft_trainer" in " ".join(p.cmdline())
+                and "launch" not in " ".join(p.cmdline()))
+
+
+def committed_steps_verify(uri: str) -> list[int]:
+    storage = S3Storage()
+    steps = list_steps(storage, uri)
+    good = [s for s in sorted(steps) if "manifest.json" in steps[s][1]]
+    for s in good:
+        assert verify_step(storage, steps[s][0]) is None, f"committed step {s} does not verify"
+    return good
+
+
+@pytest.fixture(autouse=True)
+def s3_client_env(stack, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", stack["s3"].upstream.geturl())
+    for k, v in demo.CREDS.items():
+        monkeypatch.setenv(k, v)
+
+
+# ------------------------------------------------------------------ the tests
+
+
+def test_demo_job_trains_checkpoints_and_serves_the_final_weights(job):
+    from rft_trainer.metrics import read_metrics
+
+    t0 = time.monotonic()
+    j = job()
+    wait_status(j, lambda s: s.get("phase") == "Running", 180, "Running")
+    running_at = time.monotonic() - t0
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    assert step(s) == STEPS and ckpt_step(s) == STEPS
+    final = wait_status(j, lambda s: s["weightSync"]["target"]["version"] == STEPS
+                        and s["weightSync"]["synced"] == "2/2", 120, "final weights on both replicas")
+    assert {e["version"] for e in final["weightSync"]["replicas"].values()} == {STEPS}
+    assert latest_verified(S3Storage(), j["uri"]) == STEPS
+    assert committed_steps_verify(j["uri"])[-1] == STEPS
+    rows = read_metrics(j["uri"])
+    rewards = [r["critic/rewards/mean"] for r in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first, f"reward did not rise: {rewards}"
+    wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 120,
+             "inference and explorer pods gone after success")
+    RESULTS["demo"] = {"seconds_to_running": round(running_at, 1),
+                       "seconds_to_succeeded": round(time.monotonic() - t0, 1),
+                       "reward_first3": round(first, 3), "reward_last3": round(last, 3)}
+
+
+def test_killed_trainer_resumes_from_the_last_checkpoint_and_operator_restart_is_harmless(job):
+    j = job()
+    s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
+    at_kill, ckpt_at_kill = step(s), ckpt_step(s)
+    trainer_worker(j, rank=1).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    s = wait_status(j, lambda s: s.get("attempt") == 2 and s.get("phase") == "Running", 180, "attempt 2 running")
+    # The resumed trainer first reports the step it resumed at: the last checkpoint, not 0.
+    s = wait_status(j, lambda s: (s.get("trainer") or {}).get("attempt") == 2, 300, "attempt 2 reporting")
+    resumed_at = step(s)
+    assert ckpt_at_kill <= resumed_at <= ckpt_at_kill + 1, (ckpt_at_kill, resumed_at)
+    s = wait_status(j, lambda s: step(s) > resumed_at, 300, "attempt 2 training")
+    recovered = time.monotonic() - killed
+    assert s["restarts"] == 1 and s["lastFailure"]["exitCode"] not in (None, 0)
+
+    # Now the operator dies mid-run and comes back: no duplicate pods, the job finishes.
+    j["operator"].kill()
+    j["operator"].start()
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    names = [p.metadata.name for p in pods(j, c.ROLE_TRAINER)]
+    assert sorted(n for n in names if "-trainer-2-" in n) == [f"{j['name']}-trainer-2-0", f"{j['name']}-trainer-2-1"]
+    assert len(pods(j, c.ROLE_INFERENCE)) <= 2 and len(pods(j, c.ROLE_EXPLORER)) <= 1
+    assert step(s) == STEPS and s["restarts"] == 1
+    RESULTS["trainer_sigkill"] = {"step_at_kill": at_kill, "resumed_from": resumed_at,
+                                  "lost_steps": at_kill - resumed_at, "interval": INTERVAL,
+                                  "seconds_to_training_again": round(recovered, 1)}
+
+
+def test_s3_outage_of_30s_mid_run(job):
+    j = job()
+    wait_status(j, lambda s: step(s) >= 2, 400, "training")
+    proxy = j["s3"]
+    proxy.outage(30)
+    began, at = time.monotonic(), step(status(j))
+    s = wait_status(j, lambda s: s.get("phase") in ("Succeeded", "Failed"), 600, "the end")
+    proxy.outage_until = 0
+    assert s["phase"] == "Succeeded", s.get("message")
+    assert committed_steps_verify(j["uri"])[-1] == STEPS
+    RESULTS["s3_outage"] = {"outage_seconds": 30, "step_at_outage": at, "restarts": s.get("restarts"),
+                            "seconds_to_finish_after_outage": round(time.monotonic() - began, 1),
+                            "injected_failures": proxy.injected}
+
+
+def test_suspend_removes_pods_keeps_checkpoints_and_resume_continues(job, kubectl):
+    j = job()
+    s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL, 400, "a checkpoint")
+    kubectl("patch", "rftjob", j["name"], "-n", j["ns"], "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_status(j, lambda s: s.get("phase") == "Suspended", 60, "Suspended")
+    wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 120, "pods gone")
+    kept = committed_steps_verify(j["uri"])
+    assert kept, "checkpoints were kept"
+    kubectl("patch", "rftjob", j["name"], "-n", j["ns"], "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    resumed = time.monotonic()
+    s = wait_status(j, lambda s: (s.get("trainer") or {}).get("attempt") == 2, 300, "attempt 2 reporting")
+    assert step(s) >= kept[-1], "resumed from the checkpoint, not from 0"
+    s = wait_status(j, lambda s: step(s) > kept[-1], 300, "training after resume")
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    RESULTS["suspend_resume"] = {"checkpoint_at_suspend": kept[-1],
+                                 "seconds_resume_to_training": round(time.monotonic() - resumed, 1)}
+
+
+def test_deleting_the_job_mid_run_ends_every_child_and_process(job, stack):
+    j = job()
+    wait_status(j, lambda s: s.get("phase") == "Running", 180, "Running")
+    wait_for(lambda: len([p for p in pods(j) if container_pids(p)]) >= 5, 120, "processes running")
+    pids = [pid for p in pods(j) for pid in container_pids(p)]
+    kubernetes.client.CustomObjectsApi(j["api"]).delete_namespaced_custom_object(
+        c.GROUP, c.VERSION, j["ns"], c.PLURAL, j["name"])
+    gone = time.monotonic()
+    wait_for(lambda: not pods(j), 120, "every pod deleted")
+    wait_for(lambda: not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"],
+             60, "every process ended")
+    core = kubernetes.client.CoreV1Api(j["api"])
+    wait_for(lambda: not core.list_namespaced_config_map(j["ns"], label_selector=c.LABEL_JOB).items, 60,
+             "children garbage-collected")
+    RESULTS["delete"] = {"seconds_to_all_gone": round(time.monotonic() - gone, 1), "processes": len(pids)}
+
+
+def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
+    """Simulated pods on KWOK GPU nodes: losing a node ends the attempt like a failure."""
+    from tests.integration.operator_fixtures import job_manifest
+
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    api, core = stack["api"], kubernetes.client.CoreV1Api(stack["api"])
+    j = {"api": api, "ns": ns, "name": "sim", "operator": stack["operator"]}
+    kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
+        c.GROUP, c.VERSION, ns, c.PLURAL, job_manifest("sim"))
+    wait_status(j, lambda s: s.get("phase") == "Running", 120, "Running on KWOK nodes")
+    pod = next(p for p in pods(j, c.ROLE_TRAINER) if p.metadata.name.endswith("-0"))
+    node = core.read_node(pod.spec.node_name)
+    saved = api.sanitize_for_serialization(node)
+    try:
+        core.delete_node(node.metadata.name)
+        lost = time.monotonic()
+        s = wait_status(j, lambda s: s.get("attempt") == 2 and s.get("phase") == "Running", 240,
+                        "attempt 2 running after the node was deleted")
+        assert s["lastFailure"]["pod"] == pod.metadata.name
+        RESULTS["kwok_node_deleted"] = {"seconds_to_attempt_2_running": round(time.monotonic() - lost, 1),
+                                        "reason": s["lastFailure"]["reason"]}
+    finally:
+        meta = saved["metadata"]
+        body = {"apiVersion": "v1", "kind": "Node", "spec": saved.get("spec", {}),
+                "metadata": {k: meta[k] for k in ("name", "labels", "annotations") if k in meta}}
+        if not core.list_node(field_selector=f"metadata.name={meta['name']}").items:
+            core.create_node(body)
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)
