@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -49,12 +48,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .parallelize import Runtime
-from .storage import Storage, get_storage, join
+from .storage import Storage, get_storage, join, list_step_dirs
 
 log = logging.getLogger("rft_trainer.checkpoint")
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def should_save_on_stop(now: float, stop_at: float, last_commit_at: float | None,
@@ -82,14 +80,7 @@ def step_uri(uri: str, step: int) -> str:
 
 def list_steps(storage: Storage, uri: str) -> dict[int, tuple[str, set[str]]]:
     """step -> (its prefix URI, names of the objects under it), from one listing."""
-    base = join(uri, "ckpt") + "/"
-    out: dict[int, tuple[str, set[str]]] = {}
-    for obj in storage.list(base):
-        head, _, name = obj[len(base):].partition("/")
-        m = _STEP_DIR.fullmatch(head)
-        if m and name:
-            out.setdefault(int(m.group(1)), (base + head, set()))[1].add(name)
-    return out
+    return list_step_dirs(storage, join(uri, "ckpt"))
 
 
 def _sha256(data: bytes) -> str:

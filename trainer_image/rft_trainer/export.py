@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 import tempfile
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .parallelize import Runtime
-from .storage import Storage, join
+from .storage import Storage, join, list_step_dirs
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
                    "chat_template.jinja")
 MANIFEST = "manifest.json"
-_VERSION_DIR = re.compile(r"step-(\d{8,})")
 
 
 def weights_uri(root: str, step: int) -> str:
@@ -44,14 +42,7 @@ def weights_uri(root: str, step: int) -> str:
 
 def list_versions(storage: Storage, root: str) -> dict[int, tuple[str, set[str]]]:
     """version -> (its prefix URI, names of the objects under it), from one listing."""
-    base = join(root, "weights") + "/"
-    out: dict[int, tuple[str, set[str]]] = {}
-    for obj in storage.list(base):
-        head, _, name = obj[len(base):].partition("/")
-        m = _VERSION_DIR.fullmatch(head)
-        if m and name:
-            out.setdefault(int(m.group(1)), (base + head, set()))[1].add(name)
-    return out
+    return list_step_dirs(storage, join(root, "weights"))
 
 
 def committed_versions(storage: Storage, root: str) -> list[int]:
