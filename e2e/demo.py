@@ -4,7 +4,7 @@
     python -m e2e.demo down    # stop everything it started
 
 What runs: the local control plane (e2e/cluster.py), an S3-compatible server (moto) on
-127.0.0.1:$RFT_DEMO_S3_PORT (default 39000), the pod runner (e2e/podrunner.py: the
+127.0.0.1:$RFT_DEMO_S3_PORT (default 39000), the pod runner (e2e/podrunner/: the
 kubelet of node `local`, running pods as host processes), and the operator as a host
 process with the identity of its Deployment (the `rftjob-operator` ServiceAccount from
 manifests/rbac.yaml). The sample RFTJob (manifests/samples/) trains a tiny random Qwen2

@@ -1,5 +1,5 @@
 """Fixtures for end-to-end tests: the integration tests' local cluster plus a pod runner
-(e2e/podrunner.py) that runs the pods bound to its node as host processes."""
+(e2e/podrunner/) that runs the pods bound to its node as host processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End-to-end tests of the pod runner (e2e/podrunner.py) on the local control plane.
+"""End-to-end tests of the pod runner (e2e/podrunner/) on the local control plane.
 
 Every pod runs `python -c ...` as a real process on this host, tolerates the local node's
 taint and selects it. Waits poll the API with timeouts; nothing sleeps to synchronise.
