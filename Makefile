@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup binaries demo down test unit integration crd bench bench-trainer bench-checkpoint bench-weightsync clean
+.PHONY: setup binaries demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync clean
 
 setup: binaries
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
@@ -17,14 +17,18 @@ demo: setup
 down:
 	$(PYTHON) -m e2e.demo down
 
+# Fast layers first; the end-to-end tests (which run whole jobs) last.
 test: setup
-	$(PYTHON) -m pytest tests -v --durations=15
+	$(PYTHON) -m pytest tests/unit tests/trainer tests/integration tests/e2e -v --durations=15
 
 unit:
 	$(PYTHON) -m pytest tests/unit -q
 
 integration: setup
 	$(PYTHON) -m pytest tests/integration -v
+
+e2e: setup
+	$(PYTHON) -m pytest tests/e2e -v -s
 
 crd:
 	$(PYTHON) -m rft_operator.crdgen > crds/rftjob.yaml

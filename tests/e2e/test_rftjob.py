@@ -285,9 +285,16 @@ def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
         RESULTS["kwok_node_deleted"] = {"seconds_to_attempt_2_running": round(time.monotonic() - lost, 1),
                                         "reason": s["lastFailure"]["reason"]}
     finally:
-        meta = saved["metadata"]
-        body = {"apiVersion": "v1", "kind": "Node", "spec": saved.get("spec", {}),
-                "metadata": {k: meta[k] for k in ("name", "labels", "annotations") if k in meta}}
+        # Put the node back as the cluster made it (status may be set on create for
+        # nodes) and wait until KWOK has it Ready and schedulable: later tests share it.
+        meta, st = saved["metadata"], saved.get("status", {})
+        body = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {k: meta[k] for k in ("name", "labels", "annotations") if k in meta},
+                "status": {"capacity": st.get("capacity"), "allocatable": st.get("allocatable")}}
         if not core.list_node(field_selector=f"metadata.name={meta['name']}").items:
             core.create_node(body)
+        wait_for(lambda: (n := core.read_node(meta["name"])).status.conditions
+                 and {x.type: x.status for x in n.status.conditions}.get("Ready") == "True"
+                 and not [t for t in (n.spec.taints or []) if t.key.startswith("node.kubernetes.io/")],
+                 90, f"node {meta['name']} back and Ready")
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
