@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
+from e2e.demo import install  # noqa: E402
 from rft_operator import constants as c  # noqa: E402
 
 
@@ -141,11 +142,7 @@ def main() -> None:
     cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=8)
     print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s")
     kc = str(cluster.kubeconfig)
-    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
-        subprocess.run(["kubectl", f"--kubeconfig={kc}", "apply", "--server-side", "-f", str(ROOT / f)],
-                       check=True, capture_output=True)
-    subprocess.run(["kubectl", f"--kubeconfig={kc}", "wait", "--for=condition=Established",
-                    "crd/rftjobs.rft.dev"], check=True, capture_output=True)
+    install(cluster)
     subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", "bench"], check=True,
                    capture_output=True)
     op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", state / "op.kubeconfig")

@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
+from e2e.demo import install  # noqa: E402
 from rft_operator import constants as c  # noqa: E402
 from rft_trainer.export import export_hf, weights_uri  # noqa: E402
 from rft_trainer.parallelize import Runtime  # noqa: E402
@@ -320,11 +321,7 @@ def main() -> None:
         stack.callback(cluster.down)
         print(f"cluster up in {time.monotonic() - t:.1f}s")
         kc = str(cluster.kubeconfig)
-        for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
-            subprocess.run(["kubectl", f"--kubeconfig={kc}", "apply", "--server-side", "-f", str(ROOT / f)],
-                           check=True, capture_output=True)
-        subprocess.run(["kubectl", f"--kubeconfig={kc}", "wait", "--for=condition=Established",
-                        "crd/rftjobs.rft.dev"], check=True, capture_output=True)
+        install(cluster)
         subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", NS], check=True, capture_output=True)
         op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp / "op.kubeconfig")
         op = subprocess.Popen([sys.executable, "-m", "rft_operator"], env={**os.environ, "KUBECONFIG": str(op_kc)},

@@ -76,7 +76,7 @@ def s3_client(endpoint: str = ENDPOINT):
 
 def prepare_data(endpoint: str = ENDPOINT, bucket: str = BUCKET, num_tasks: int = 256) -> None:
     """The tiny model and the taskset the sample job reads, created here (no downloads)."""
-    from rft_trainer.tasksets import arithmetic, parse_taskset  # noqa: F401
+    from rft_trainer.tasksets import arithmetic
     from rft_trainer.testing import save_tiny_model
 
     s3 = s3_client(endpoint)

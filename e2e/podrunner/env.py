@@ -153,25 +153,24 @@ class _EnvMixin:
         raise _ConfigError(f"unsupported valueFrom {sorted(src)}")
 
     def _secret(self, name: str, optional: bool, error: type) -> dict[str, bytes] | None:
-        try:
-            obj = self.api.get(f"/api/v1/namespaces/{self.ns}/secrets/{name}")
-        except Exception as e:  # noqa: BLE001
-            if _status_code(e) == 404:
-                if optional:
-                    return None
-                raise error(f'secret "{name}" not found') from None
-            raise
-        return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        obj = self._read("secrets", "secret", name, optional, error)
+        return None if obj is None else {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
 
     def _config_map(self, name: str, optional: bool, error: type) -> dict[str, bytes] | None:
-        try:
-            obj = self.api.get(f"/api/v1/namespaces/{self.ns}/configmaps/{name}")
-        except Exception as e:  # noqa: BLE001
-            if _status_code(e) == 404:
-                if optional:
-                    return None
-                raise error(f'configmap "{name}" not found') from None
-            raise
+        obj = self._read("configmaps", "configmap", name, optional, error)
+        if obj is None:
+            return None
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
         return data
+
+    def _read(self, plural: str, what: str, name: str, optional: bool, error: type) -> dict | None:
+        """The object, or None when it is missing and optional (else `error`)."""
+        try:
+            return self.api.get(f"/api/v1/namespaces/{self.ns}/{plural}/{name}")
+        except Exception as e:  # noqa: BLE001
+            if _status_code(e) == 404:
+                if optional:
+                    return None
+                raise error(f'{what} "{name}" not found') from None
+            raise

@@ -276,19 +276,7 @@ def _trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
 
 
 def _resources(spec: RFTJobSpec) -> Obj:
-    # Quantities go out as strings: the API accepts both, typed clients only strings.
-    res = spec.trainer.resources
-    requests = {k: str(v) for k, v in res.requests.items()}
-    limits = {k: str(v) for k, v in res.limits.items()}
-    if spec.trainer.gpus_per_node > 0:
-        limits["nvidia.com/gpu"] = str(spec.trainer.gpus_per_node)
-        requests["nvidia.com/gpu"] = str(spec.trainer.gpus_per_node)
-    out: Obj = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
+    return _gpu_resources(spec.trainer.resources, spec.trainer.gpus_per_node)
 
 
 def build_pod_security_context(spec: RFTJobSpec) -> Obj:
@@ -366,16 +354,7 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
             {"name": "model-cache", "emptyDir": {}},
         ],
     }
-    if t.node_selector:
-        pod_spec["nodeSelector"] = dict(t.node_selector)
-    if t.tolerations:
-        pod_spec["tolerations"] = [
-            tol.model_dump(by_alias=True, exclude_none=True) for tol in t.tolerations
-        ]
-    if t.priority_class_name:
-        pod_spec["priorityClassName"] = t.priority_class_name
-    if t.scheduler_name:
-        pod_spec["schedulerName"] = t.scheduler_name
+    _placement(pod_spec, spec)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -403,6 +382,7 @@ def _identity_env(ref: JobRef) -> list[Obj]:
 
 
 def _gpu_resources(res, gpus: int) -> Obj:
+    # Quantities go out as strings: the API accepts both, typed clients only strings.
     requests = {k: str(v) for k, v in res.requests.items()}
     limits = {k: str(v) for k, v in res.limits.items()}
     if gpus > 0:
@@ -517,7 +497,7 @@ def build_explorer_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
 
 
 def _placement(pod_spec: Obj, spec: RFTJobSpec) -> None:
-    """Inference and explorer pods share the trainer's placement constraints."""
+    """Trainer, inference and explorer pods share the trainer's placement constraints."""
     t = spec.trainer
     if t.node_selector:
         pod_spec["nodeSelector"] = dict(t.node_selector)

@@ -286,12 +286,12 @@ def _rollouts(p: _Pass, spec: RFTJobSpec | None) -> None:
     if spec is None or phase in (c.SUSPENDED, c.FAILED):
         p.delete([x for x in p.rollout_pods if x.active])
         return
-    desired = {obj["metadata"]["name"]: obj for obj in builders.build_rollout_pods(p.ref, spec)}
     if phase == c.SUCCEEDED:
         p.delete([x for x in p.rollout_pods if x.active and x.role == c.ROLE_EXPLORER])
         if _final_sync_done(p, spec):
             p.delete([x for x in p.rollout_pods if x.active])
         return
+    desired = {obj["metadata"]["name"]: obj for obj in builders.build_rollout_pods(p.ref, spec)}
     seen = {x.name: x for x in p.rollout_pods}
     for x in p.rollout_pods:
         want = desired.get(x.name)

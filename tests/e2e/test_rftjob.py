@@ -52,9 +52,7 @@ def s3(s3_server):
 def stack(cluster, kubectl, s3, tmp_path_factory):
     """CRD + RBAC, the pod runner (a subprocess, as in the demo), the operator as its SA."""
     d = tmp_path_factory.mktemp("e2e")
-    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
-        kubectl("apply", "--server-side", "-f", str(ROOT / f))
-    kubectl("wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
+    demo.install(cluster)
     runner = Background("podrunner", d, python("-m", "e2e.podrunner", "--kubeconfig", str(cluster.kubeconfig),
                                                "--state-dir", str(d / "podrunner")), marker="e2e.podrunner")
     runner.start()

@@ -66,12 +66,12 @@ class OperatorProcess:
 
 
 @pytest.fixture(scope="session")
-def installed(cluster, kubectl) -> None:
+def installed(cluster) -> None:
     """Namespace, CRD and operator RBAC from the real manifests (not the Deployment:
     the operator runs here as a host process with the Deployment's identity)."""
-    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
-        kubectl("apply", "--server-side", "-f", str(ROOT / f))
-    kubectl("wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
+    from e2e.demo import install
+
+    install(cluster)
 
 
 @pytest.fixture(scope="session")

@@ -377,20 +377,16 @@ class KubeProgress:
 
 def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress | None:
     """KubeProgress with in-cluster or KUBECONFIG credentials; None (no throttle) without."""
-    from .reporting import SA_TOKEN
+    from .reporting import job_api
 
     if not (name and namespace):
         return None
-    import kubernetes
-
-    if os.path.exists(SA_TOKEN):
-        kubernetes.config.load_incluster_config()
-    elif os.environ.get("KUBECONFIG"):
-        kubernetes.config.load_kube_config()
-    else:
-        log.warning("no in-cluster credentials and no KUBECONFIG: not throttling to the trainer")
+    try:
+        api = job_api()
+    except RuntimeError as e:
+        log.warning("%s: not throttling to the trainer", e)
         return None
-    return KubeProgress(kubernetes.client.CustomObjectsApi(), name, namespace, total_steps)
+    return KubeProgress(api, name, namespace, total_steps)
 
 
 # ------------------------------------------------------------------ CLI

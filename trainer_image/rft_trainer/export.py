@@ -54,7 +54,8 @@ def apply_weights_retention(storage: Storage, root: str, keep: int,
                             protect: set[int] = frozenset()) -> list[int]:
     """Delete all but the newest `keep` committed versions (and `protect`, e.g. a pinned
     version), plus uncommitted leftovers older than the newest commit. Manifests go
-    first, so a reader never sees a committed version with missing files."""
+    first, so a reader never sees a committed version with missing files. Returns the
+    committed versions that remain, ascending (from the same listing)."""
     found = list_versions(storage, root)
     committed = sorted((v for v, (_, n) in found.items() if MANIFEST in n), reverse=True)
     if not committed:
@@ -66,7 +67,7 @@ def apply_weights_retention(storage: Storage, root: str, keep: int,
         for name in sorted(names, key=lambda n: n != MANIFEST):
             storage.delete(join(prefix, name))
         log.info("weights retention: deleted version %d", v)
-    return sorted(doomed)
+    return sorted(set(committed) - doomed)
 
 
 def sha256_file(path: Path) -> str:

@@ -64,7 +64,7 @@ class StatusReporter:
         if not (name and ns):
             return cls(None, None)
         try:
-            api = _client()
+            api = job_api()
         except Exception as e:  # noqa: BLE001 - no credentials: reporting is off
             log.warning("status reporting off: %s", e)
             return cls(None, None)
@@ -148,17 +148,19 @@ class StatusReporter:
                 self.failures += 1
                 delay = min(30.0, 0.5 * 2 ** attempt)
                 log.warning("status patch failed (%s); retry %d/%d in %.1fs",
-                            _describe(e), attempt + 1, self.retries, delay)
+                            describe(e), attempt + 1, self.retries, delay)
                 time.sleep(delay)
         log.error("giving up on a status update after %d attempts", self.retries)
 
 
-def _describe(e: Exception) -> str:
+def describe(e: Exception) -> str:
     status = getattr(e, "status", None)
     return f"HTTP {status} {getattr(e, 'reason', '')}".strip() if status else type(e).__name__
 
 
-def _client():
+def job_api():
+    """CustomObjectsApi with the pod's ServiceAccount (or $KUBECONFIG outside a cluster);
+    RuntimeError when there are no credentials at all."""
     import kubernetes
 
     if os.path.exists(SA_TOKEN):

@@ -33,7 +33,7 @@ from typing import Any
 
 import requests
 
-from .reporting import GROUP, PLURAL, VERSION, _client, _describe, now
+from .reporting import GROUP, PLURAL, VERSION, describe, job_api, now
 from .storage import get_storage, join
 
 log = logging.getLogger("rft_trainer.sync_agent")
@@ -221,7 +221,7 @@ class SyncAgent:
                  api=None, resync_seconds: float = 10.0, max_backoff: float = 30.0, storage=None):
         self.job, self.namespace, self.pod = job, namespace, pod
         self.engine, self.dest, self.storage = engine, Path(dest), storage
-        self.api = api if api is not None else _client()
+        self.api = api if api is not None else job_api()
         self.resync_seconds, self.max_backoff = resync_seconds, max_backoff
         self.dest.mkdir(parents=True, exist_ok=True)
         self._status: dict[str, Any] = {}
@@ -253,15 +253,15 @@ class SyncAgent:
                     if ev["type"] in ("ADDED", "MODIFIED"):
                         self._update(ev["object"])
             except Exception as e:  # noqa: BLE001 - reconnect with a pause
-                log.warning("watching rftjob %s/%s: %s; reconnecting", self.namespace, self.job, _describe(e))
+                log.warning("watching rftjob %s/%s: %s; reconnecting", self.namespace, self.job, describe(e))
                 self._stop.wait(2.0)
 
     def _update(self, obj: dict) -> None:
         status = obj.get("status") or {}
-        if (status.get("weightSync") or {}).get("target") != self.target():
-            self._status = status
-            self._changed.set()
+        changed = (status.get("weightSync") or {}).get("target") != self.target()
         self._status = status
+        if changed:
+            self._changed.set()
 
     # --- converging
     def run(self) -> None:
@@ -347,7 +347,7 @@ class SyncAgent:
                     _content_type="application/merge-patch+json", _preload_content=False)
                 return
             except Exception as e:  # noqa: BLE001 - the next pass reports again
-                log.warning("status patch failed (%s); retry %d/5", _describe(e), attempt + 1)
+                log.warning("status patch failed (%s); retry %d/5", describe(e), attempt + 1)
                 self._stop.wait(min(10.0, 0.5 * 2 ** attempt))
 
 

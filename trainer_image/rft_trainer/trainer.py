@@ -24,7 +24,7 @@ from .algorithms import losses
 from .checkpoint import CheckpointManager, should_save_on_stop
 from .config import Config
 from .experience import BufferReader, Experiences
-from .export import apply_weights_retention, committed_versions, export_hf, weights_uri
+from .export import apply_weights_retention, export_hf, weights_uri
 from .metrics import MetricsLog
 from .parallelize import Runtime, build_model, fetch_model, init_distributed
 from .storage import get_storage
@@ -70,6 +70,14 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.ref: eng.Reference | None = None
         self.critic: eng.Critic | None = None
         self.checkpointer: CheckpointManager | None = None
+        self._storage = None
+
+    @property
+    def storage(self):
+        """The checkpoint URI's storage, built once (an S3 client is not free per step)."""
+        if self._storage is None:
+            self._storage = get_storage(self.config.checkpoint.uri)
+        return self._storage
 
     # ------------------------------------------------------------ setup
 
@@ -174,7 +182,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
             # The manifest records which config produced the state, to explain odd resumes.
             config_hash = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str)
                                          .encode()).hexdigest()[:16]
-            self.checkpointer = CheckpointManager(get_storage(c.uri), c.uri, self.rt, c.keep, c.interval,
+            self.checkpointer = CheckpointManager(self.storage, c.uri, self.rt, c.keep, c.interval,
                                                   {"actor": self.actor, "critic": self.critic},
                                                   config_hash=config_hash)
         return self.checkpointer
@@ -210,7 +218,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
 
     def save_state_dict(self, dtype: str = "bf16") -> dict | None:
         uri = self.config.checkpoint.uri
-        return export_hf(self.actor.model, self.rt, get_storage(uri), weights_uri(uri, self.step),
+        return export_hf(self.actor.model, self.rt, self.storage, weights_uri(uri, self.step),
                          fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype)
 
 
@@ -364,11 +372,10 @@ class Trainer:
         if manifest is None:  # not rank 0
             return
         root, sync = self.config.checkpoint.uri, self.config.sync
-        storage = get_storage(root)
+        storage = self.engine.storage
         protect = {sync.pinned_version} if sync.pinned_version is not None else set()
         try:
-            apply_weights_retention(storage, root, sync.keep, protect)
-            versions = committed_versions(storage, root)
+            versions = apply_weights_retention(storage, root, sync.keep, protect)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training
             log.warning("weights retention failed: %s", e)
             versions = None
