@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from rft_trainer.checkpoint import CheckpointManager  # noqa: E402
 from rft_trainer.parallelize import Runtime  # noqa: E402
-from rft_trainer.s3 import S3Storage  # noqa: E402
+from rft_contract.s3 import S3Storage  # noqa: E402
 
 
 class Role:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import install  # noqa: E402
-from rft_operator import constants as c  # noqa: E402
+from rft_contract import names as c  # noqa: E402
 
 
 def manifest(name: str, pods: int) -> dict:

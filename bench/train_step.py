@@ -45,10 +45,10 @@ import torch
 
 from rft_trainer.algorithms import advantages as advs
 from rft_trainer.algorithms import losses
-from rft_trainer.config import Config, load_config
-from rft_trainer.engine import token_logprobs
-from rft_trainer.testing import save_tiny_model, tiny_vocab
-from rft_trainer.testing_batches import synthetic_batch
+from rft_contract.config import JobConfig as Config, load_config
+from rft_trainer.roles import token_logprobs
+from tests.fixtures.models import save_tiny_model, tiny_vocab
+from tests.fixtures.batches import synthetic_batch
 
 # Arguments of save_tiny_model. medium: ~99M parameters, almost all in the 12 blocks
 # (the tiny vocabulary is 24 tokens, so embeddings and lm_head are ~37K).
@@ -102,7 +102,7 @@ def sync(device: torch.device) -> None:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from rft_trainer.trainer import FSDPTrainEngine
+    from rft_trainer.engine import FSDPTrainEngine
 
     config = make_config(args.model, args)
     engine = FSDPTrainEngine(config)

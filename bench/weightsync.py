@@ -63,14 +63,16 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import install  # noqa: E402
-from rft_operator import constants as c  # noqa: E402
-from rft_trainer.export import export_hf, weights_uri  # noqa: E402
+from rft_contract import names as c  # noqa: E402
+from rft_contract.layout import weights_uri  # noqa: E402
+from rft_trainer.export import export_hf  # noqa: E402
 from rft_trainer.parallelize import Runtime  # noqa: E402
 from rft_trainer.reporting import StatusReporter  # noqa: E402
-from rft_trainer.s3 import S3Storage, split_uri  # noqa: E402
-from rft_trainer.serve import ReferenceServer  # noqa: E402
-from rft_trainer.sync_agent import ReferenceEngine, SyncAgent  # noqa: E402
-from rft_trainer.testing import save_tiny_model  # noqa: E402
+from rft_contract.s3 import S3Storage, split_uri  # noqa: E402
+from rft_serving.serve import ReferenceServer  # noqa: E402
+from rft_serving.engines import ReferenceEngine  # noqa: E402
+from rft_serving.sync_agent import SyncAgent  # noqa: E402
+from tests.fixtures.models import save_tiny_model  # noqa: E402
 
 NS = "bench-ws"
 PHASES = ("promote", "notice", "download", "verify", "reload", "report", "count")
@@ -296,7 +298,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     # The base model (version 0) has no manifest by design: one warning per replica is noise.
-    logging.getLogger("rft_trainer.sync_agent").addFilter(lambda r: "has no manifest.json" not in r.getMessage())
+    logging.getLogger("rft_serving.sync_agent").addFilter(lambda r: "has no manifest.json" not in r.getMessage())
 
     tmp = Path(tempfile.mkdtemp(prefix="rft-bench-ws-"))
     ok = False

@@ -76,8 +76,8 @@ def s3_client(endpoint: str = ENDPOINT):
 
 def prepare_data(endpoint: str = ENDPOINT, bucket: str = BUCKET, num_tasks: int = 256) -> None:
     """The tiny model and the taskset the sample job reads, created here (no downloads)."""
-    from rft_trainer.tasksets import arithmetic
-    from rft_trainer.testing import save_tiny_model
+    from rft_rollout.tasksets import arithmetic
+    from tests.fixtures.models import save_tiny_model
 
     s3 = s3_client(endpoint)
     wait_until(lambda: _reachable(s3), 30, f"the S3 server at {endpoint}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from . import constants as c
+from rft_contract import names as c
 from .controller import Controller, Key
 from .kube import Kube, load_config
 from .reconcile import PodView

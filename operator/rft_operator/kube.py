@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from . import constants as c
+from rft_contract import names as c
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]

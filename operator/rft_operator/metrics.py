@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import constants as c
+from rft_contract import names as c
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .api import FailurePolicy
+from rft_contract.spec import FailurePolicy
 
 FATAL = "fatal"
 RETRYABLE = "retryable"

@@ -22,9 +22,9 @@ import yaml
 
 from e2e import demo
 from e2e.background import Background, python
-from rft_operator import constants as c
+from rft_contract import names as c
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
-from rft_trainer.s3 import S3Storage
+from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
 from tests.integration.operator_fixtures import OperatorProcess
 from tests.trainer.faultproxy import FaultProxy

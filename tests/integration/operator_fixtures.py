@@ -19,7 +19,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rft_operator import constants as c
+from rft_contract import names as c
 
 from .conftest import wait_for
 

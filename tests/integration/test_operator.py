@@ -6,7 +6,7 @@ from __future__ import annotations
 import kubernetes
 import pytest
 
-from rft_operator import constants as c
+from rft_contract import names as c
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401  (fixtures)

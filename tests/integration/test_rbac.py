@@ -9,7 +9,7 @@ import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
 
-from rft_operator import constants as c
+from rft_contract import names as c
 
 from .operator_fixtures import (  # noqa: F401
     api, create_job, get_job, installed, job_manifest, namespace, operator, wait_phase,

@@ -5,7 +5,7 @@ the operator turns the checkpoint into the Checkpointed condition."""
 import kubernetes
 import pytest
 
-from rft_operator import constants as c
+from rft_contract import names as c
 from rft_trainer.reporting import StatusReporter
 
 from .conftest import wait_for

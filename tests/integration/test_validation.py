@@ -10,7 +10,7 @@ import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
 
-from rft_operator import constants as c
+from rft_contract import names as c
 
 from .operator_fixtures import api, installed, job_manifest, namespace  # noqa: F401
 

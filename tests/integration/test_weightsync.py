@@ -16,14 +16,16 @@ import pytest
 import requests
 from botocore.config import Config
 
-from rft_operator import constants as c
-from rft_trainer.export import export_hf, weights_uri
+from rft_contract import names as c
+from rft_contract.layout import weights_uri
+from rft_trainer.export import export_hf
 from rft_trainer.parallelize import Runtime
 from rft_trainer.reporting import StatusReporter
-from rft_trainer.s3 import S3Storage
-from rft_trainer.serve import ReferenceServer
-from rft_trainer.sync_agent import ReferenceEngine, SyncAgent
-from rft_trainer.testing import save_tiny_model
+from rft_contract.s3 import S3Storage
+from rft_serving.serve import ReferenceServer
+from rft_serving.engines import ReferenceEngine
+from rft_serving.sync_agent import SyncAgent
+from tests.fixtures.models import save_tiny_model
 from tests.trainer.faultproxy import FaultProxy
 
 from .conftest import wait_for

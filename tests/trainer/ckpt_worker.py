@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict)
 
-from rft_trainer.config import load_config
-from rft_trainer.testing_batches import synthetic_batch
-from rft_trainer.trainer import FSDPTrainEngine
+from rft_contract.config import load_config
+from tests.fixtures.batches import synthetic_batch
+from rft_trainer.engine import FSDPTrainEngine
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

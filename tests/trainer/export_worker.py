@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from rft_trainer.config import load_config
+from rft_contract.config import load_config
 from rft_trainer.export import export_hf
-from rft_trainer.s3 import S3Storage
-from rft_trainer.testing_batches import synthetic_batch
-from rft_trainer.trainer import FSDPTrainEngine
+from rft_contract.s3 import S3Storage
+from tests.fixtures.batches import synthetic_batch
+from rft_trainer.engine import FSDPTrainEngine
 
 
 def main(model_dir: str, dest: str, dtype: str, out: str) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rft_trainer.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, apply_retention,
-                                    latest_verified, list_steps, read_manifest, step_uri)
+from rft_contract.manifest import MANIFEST, read_manifest
+from rft_trainer.checkpoint import (CheckpointError, CheckpointManager, apply_retention, latest_verified,
+                                    list_steps, step_uri)
 from rft_trainer.parallelize import Runtime
-from rft_trainer.s3 import S3Storage
-from rft_trainer.storage import LocalStorage, join
-from rft_trainer.testing import save_tiny_model
+from rft_contract.s3 import S3Storage
+from rft_contract.storage import LocalStorage, join
+from tests.fixtures.models import save_tiny_model
 
 HERE = Path(__file__).parent
 

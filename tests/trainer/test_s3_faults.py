@@ -8,7 +8,7 @@ import time
 import boto3
 import pytest
 
-from rft_trainer.s3 import S3Storage
+from rft_contract.s3 import S3Storage
 
 from .faultproxy import FaultProxy
 

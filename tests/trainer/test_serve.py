@@ -21,9 +21,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rft_trainer import serve
-from rft_trainer.serve import ReferenceServer
-from rft_trainer.testing import save_tiny_model
+from rft_serving import serve
+from rft_serving.serve import ReferenceServer
+from tests.fixtures.models import save_tiny_model
 
 torch.set_num_threads(1)
 PROMPTS = ["1+2=", "3*4=", "A?B", "77-", "9", "C=D+"]
@@ -364,7 +364,7 @@ def test_cli_serves_model_dir_and_exits_0_on_sigterm(versions):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rft_trainer.serve", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "rft_serving.serve", "--host", "127.0.0.1",
                              "--port", str(port), "--model-dir", versions[0][0], "--version", "3"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

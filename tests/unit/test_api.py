@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from rft_operator import crdgen
-from rft_operator.api import RFTJobSpec, parse_spec
+from rft_contract.spec import RFTJobSpec, parse_spec
 
 from .conftest import SPEC
 

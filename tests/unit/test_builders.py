@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft_operator import builders, constants as c
-from rft_operator.api import parse_spec
+from rft_contract import names as c
+from rft_operator import builders
+from rft_contract.spec import parse_spec
 
 from .conftest import SPEC
 
@@ -140,10 +141,10 @@ def test_inference_pods_pair_the_engine_with_a_sync_agent_on_one_weights_volume(
     engine, agent = pod["spec"]["containers"]
     assert pod["metadata"]["name"] == "demo-inference-0" and pod["spec"]["subdomain"] == "demo-inference"
     assert pod["metadata"]["labels"][c.LABEL_ROLE] == c.ROLE_INFERENCE
-    assert engine["command"] == ["python", "-m", "rft_trainer.serve"] and engine["image"] == SPEC["trainer"]["image"]
+    assert engine["command"] == ["python", "-m", "rft_serving.serve"] and engine["image"] == SPEC["trainer"]["image"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
-    assert agent["command"] == ["python", "-m", "rft_trainer.sync_agent"] and "resources" not in agent
+    assert agent["command"] == ["python", "-m", "rft_serving.sync_agent"] and "resources" not in agent
     assert {m["mountPath"] for m in engine["volumeMounts"]} == {m["mountPath"] for m in agent["volumeMounts"]}
     env = {e["name"]: e for e in agent["env"]}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"

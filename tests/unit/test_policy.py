@@ -3,7 +3,7 @@ from datetime import timedelta
 import pytest
 
 from rft_operator import policy
-from rft_operator.api import FailurePolicy
+from rft_contract.spec import FailurePolicy
 from rft_operator.policy import Cond
 
 from .conftest import NOW

@@ -2,8 +2,9 @@
 
 import pytest
 
-from rft_operator import builders, constants as c, sync
-from rft_operator.api import parse_spec
+from rft_contract import names as c
+from rft_operator import builders, weightsync as sync
+from rft_contract.spec import parse_spec
 from rft_operator.reconcile import Observed, PodView, reconcile
 
 from .conftest import NOW, SPEC, make_job

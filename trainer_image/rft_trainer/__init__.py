@@ -1,6 +1,8 @@
-"""rft_trainer: what runs inside the RFTJob's trainer, inference and explorer pods.
+"""rft_trainer: the trainer pods (docs/design.md).
 
-The operator starts it as `torchrun ... -m rft_trainer --config /etc/rft/config.json`.
-The FSDP2 trainer itself arrives with the trainer issue; until then the entry point
-refuses to pretend (see __main__.py).
+`python -m rft_trainer.launch` (torchrun keeping the worker's exit code) runs
+`python -m rft_trainer --config /etc/rft/config.json` on every rank: `trainer.Trainer`
+(the seed's Trainer API) drives `engine.FSDPTrainEngine`, whose `roles` (actor,
+reference, critic) are sharded by `parallelize`; `checkpoint` and `export` write the S3
+layout of `rft_contract.layout`; `algorithms` holds the pure advantage and loss code.
 """

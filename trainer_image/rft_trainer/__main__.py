@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("no config: pass --config or set RFT_CONFIG")
         return EX_CONFIG
 
-    from .config import ConfigError, load_config
+    from rft_contract.config import ConfigError, load_config
     from .trainer import Trainer
 
     try:

@@ -1,6 +1,6 @@
 """Sharded, crash-consistent checkpoints in S3 (or any `Storage`), resumable on any world size.
 
-Layout (DESIGN.md): `<uri>/ckpt/step-00000100/{.metadata, __0_0.distcp, __1_0.distcp, ...,
+Layout (docs/design.md): `<uri>/ckpt/step-00000100/{.metadata, __0_0.distcp, __1_0.distcp, ...,
 manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our manifest.
 
 - **Save.** Every rank DCP-saves one `AppState` (model + optimizer + LR scheduler per role,
@@ -30,7 +30,6 @@ manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -47,12 +46,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from rft_contract import layout
+from rft_contract.manifest import file_entry, read_manifest, verify_local, verify_objects, write_manifest
+from rft_contract.manifest import apply_retention as manifest_retention
+from rft_contract.storage import Storage, get_storage, join
+
 from .parallelize import Runtime
-from .storage import Storage, get_storage, join, list_step_dirs
 
 log = logging.getLogger("rft_trainer.checkpoint")
-
-MANIFEST = "manifest.json"
 
 
 def should_save_on_stop(now: float, stop_at: float, last_commit_at: float | None,
@@ -75,47 +76,17 @@ class CheckpointError(RuntimeError):
 
 
 def step_uri(uri: str, step: int) -> str:
-    return join(uri, "ckpt", f"step-{step:08d}")
+    return layout.checkpoint_uri(uri, step)
 
 
 def list_steps(storage: Storage, uri: str) -> dict[int, tuple[str, set[str]]]:
     """step -> (its prefix URI, names of the objects under it), from one listing."""
-    return list_step_dirs(storage, join(uri, "ckpt"))
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _check(name: str, data: bytes, meta: dict) -> str | None:
-    if len(data) != meta["size"]:
-        return f"{name}: size {len(data)}, manifest.json says {meta['size']}"
-    if _sha256(data) != meta["sha256"]:
-        return f"{name}: sha256 differs from manifest.json (corrupted object)"
-    return None
-
-
-def read_manifest(storage: Storage, prefix: str) -> dict:
-    return json.loads(storage.read_bytes(join(prefix, MANIFEST)))
+    return layout.list_step_dirs(storage, join(uri, layout.CHECKPOINTS))
 
 
 def verify_step(storage: Storage, prefix: str) -> str | None:
-    """None if the step at `prefix` is complete and intact, else the reason it is not.
-    Reads every object (sha256 needs the bytes)."""
-    try:
-        manifest = read_manifest(storage, prefix)
-    except FileNotFoundError:
-        return "no manifest.json (upload never completed)"
-    except ValueError as e:
-        return f"unreadable manifest.json: {e}"
-    for name, meta in sorted(manifest.get("files", {}).items()):
-        try:
-            data = storage.read_bytes(join(prefix, name))
-        except FileNotFoundError:
-            return f"{name}: listed in manifest.json but missing"
-        if reason := _check(name, data, meta):
-            return reason
-    return None
+    """None if the step at `prefix` is complete and intact, else the reason it is not."""
+    return verify_objects(storage, prefix)
 
 
 def latest_verified(storage: Storage, uri: str) -> int | None:
@@ -132,18 +103,7 @@ def latest_verified(storage: Storage, uri: str) -> int | None:
 def apply_retention(storage: Storage, uri: str, keep: int) -> list[int]:
     """Delete all but the newest `keep` committed steps, and uncommitted prefixes older
     than the newest committed step. Returns the deleted steps."""
-    steps = list_steps(storage, uri)
-    committed = sorted((s for s, (_, names) in steps.items() if MANIFEST in names), reverse=True)
-    if not committed:
-        return []
-    doomed = set(committed[keep:]) | {s for s, (_, names) in steps.items()
-                                      if MANIFEST not in names and s < committed[0]}
-    for s in sorted(doomed):
-        prefix, names = steps[s]
-        for name in sorted(names, key=lambda n: n != MANIFEST):  # the manifest goes first
-            storage.delete(join(prefix, name))
-        log.info("checkpoint retention: deleted step %d", s)
-    return sorted(doomed)
+    return manifest_retention(storage, join(uri, layout.CHECKPOINTS), keep, kind="checkpoint", unit="step").deleted
 
 
 # ---------------------------------------------------------------- what is saved
@@ -302,7 +262,7 @@ class CheckpointManager:
             for path in sorted(local.iterdir()):
                 data = path.read_bytes()
                 self.storage.write_bytes(join(prefix, path.name), data)
-                files[path.name] = {"size": len(data), "sha256": _sha256(data)}
+                files[path.name] = file_entry(data)
         except Exception as e:  # still join the gather, so no rank hangs
             err = f"rank {self.rt.rank}: {type(e).__name__}: {e}"
         finally:
@@ -346,7 +306,7 @@ class CheckpointManager:
         if self.config_hash:
             manifest["config_hash"] = self.config_hash
         try:
-            self.storage.write_bytes(join(prefix, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+            write_manifest(self.storage, prefix, manifest)
         except Exception as e:
             return f"writing manifest.json: {type(e).__name__}: {e}"
         try:
@@ -382,11 +342,10 @@ class CheckpointManager:
         local = Path(tempfile.mkdtemp(prefix=f"load-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
         start = time.perf_counter()
         try:
-            for name, meta in manifest["files"].items():
-                data = self.storage.read_bytes(join(prefix, name))
-                if reason := _check(name, data, meta):
-                    raise CheckpointError(f"checkpoint step {step} ({prefix}): {reason}")
-                (local / name).write_bytes(data)
+            for name in manifest["files"]:
+                (local / name).write_bytes(self.storage.read_bytes(join(prefix, name)))
+            if reason := verify_local(local, manifest):
+                raise CheckpointError(f"checkpoint step {step} ({prefix}): {reason}")
             dcp.load({"app": self.app}, storage_reader=dcp.FileSystemReader(str(local)),
                      no_dist=not dist.is_initialized())
         finally:

@@ -1,260 +1,254 @@
-"""FSDP engine: the actor, reference and critic roles of verl's workers, without Ray.
-
-Each role wraps one FSDP2-sharded model. Every rank holds 1/world of the global batch
-(a contiguous slice), runs it in micro-batches, and accumulates gradients; FSDP averages
-gradients across ranks. Losses are normalised by the *global* count of tokens (or
-sequences) in the mini-batch, so one step on W ranks equals one step on 1 process on the
-same global batch (tested), whatever the micro-batch size.
+"""The training engine behind the Trainer: `TrainEngineWrapper` (the seed's interface) and
+`FSDPTrainEngine`, the actor (+ reference for KL, + critic for PPO) sharded with FSDP2.
+The roles themselves (log-probs, policy and value updates) are in roles.py.
 """
 
 from __future__ import annotations
 
-import math
+import abc
+import hashlib
+import json
 import time
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
+from rft_contract.config import JobConfig
+from rft_contract.layout import weights_uri
+from rft_contract.storage import get_storage
+
+from . import roles
+from .algorithms import advantages as advs
 from .algorithms import losses
+from .checkpoint import CheckpointManager
 from .experience import Experiences
-from .parallelize import Runtime
-
-Metrics = dict[str, float]
-
-
-# ---------------------------------------------------------------- tensor helpers
+from .export import export_hf
+from .parallelize import Runtime, build_model, fetch_model, init_distributed
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
-    """Log-prob of each token given its prefix, aligned to `tokens`.
+class TrainEngineWrapper(abc.ABC):
+    """A training engine behind the Trainer (the seed's interface)."""
 
-    logits (B,T,V) predict the *next* token, so position t of the output holds
-    log p(tokens[t] | tokens[:t]) computed from logits[:, t-1]; position 0 is 0.
-    Returns (logprob (B,T), entropy (B,T) or None).
-    """
-    shifted = logits[:, :-1].float()
-    logp = torch.log_softmax(shifted, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    lp = F.pad(logp, (1, 0))
-    ent = F.pad(losses.entropy_from_logits(shifted), (1, 0)) if with_entropy else None
-    return lp, ent
+    @abc.abstractmethod
+    def prepare(self) -> None: ...
 
+    @property
+    @abc.abstractmethod
+    def train_step_num(self) -> int: ...
 
-def all_reduce_sum(x: float, rt: Runtime) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=rt.device)
-    if rt.world_size > 1:
-        dist.all_reduce(t)
-    return float(t.item())
+    @abc.abstractmethod
+    def train_step(self, batch: Experiences) -> tuple[bool, dict]: ...
 
+    @abc.abstractmethod
+    def save_checkpoint(self, block_until_saved: bool = False) -> None: ...
 
-def mean_across_ranks(metrics: Metrics, rt: Runtime) -> Metrics:
-    if rt.world_size == 1 or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t)
-    return {k: float(v) / rt.world_size for k, v in zip(keys, t.tolist())}
+    @abc.abstractmethod
+    def sync_weight(self) -> None: ...
+
+    @abc.abstractmethod
+    def upload_state_dict(self) -> None: ...
+
+    @abc.abstractmethod
+    def save_state_dict(self) -> None: ...
 
 
-def _count(mask: torch.Tensor, mode: str) -> float:
-    """What `mode` averages over: tokens for token-mean, sequences otherwise."""
-    if mode == "token-mean":
-        return float(mask.sum())
-    return float(mask.shape[0])
+class FSDPTrainEngine(TrainEngineWrapper):
+    """Actor (+ reference for KL, + critic for PPO) sharded with FSDP2."""
+
+    def __init__(self, config: JobConfig, rt: Runtime | None = None):
+        self.config = config
+        self.rt = rt
+        self.step = 0
+        self.actor: roles.Actor | None = None
+        self.ref: roles.Reference | None = None
+        self.critic: roles.Critic | None = None
+        self.checkpointer: CheckpointManager | None = None
+        self._storage = None
+
+    @property
+    def storage(self):
+        """The checkpoint URI's storage, built once (an S3 client is not free per step)."""
+        if self._storage is None:
+            self._storage = get_storage(self.config.checkpoint.uri)
+        return self._storage
+
+    # ------------------------------------------------------------ setup
+
+    def prepare(self) -> None:
+        self.rt = self.rt or init_distributed()
+        check_batch_layout(self.config, self.rt.world_size)
+        torch.manual_seed(self.config.trainer.seed)
+        self.actor = self._build_actor()
+        a = self.config.algorithm
+        if a.kl_coef > 0:
+            self.ref = roles.Reference(self._build("causal_lm", trains=False), self.rt, a.micro_batch_size)
+        if a.name == "ppo":
+            self.critic = self._build_critic()
+
+    def _build(self, kind: str, trains: bool = True):
+        f = self.config.fsdp
+        return build_model(self.config.model.path, self.rt, kind=kind, fsdp_mode=f.mixed_precision,
+                           reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
+                           activation_checkpointing=f.activation_checkpointing and trains,
+                           param_dtype=self.config.model.dtype)
+
+    def _optim(self, model, lr: float):
+        o, t = self.config.optimizer, self.config.trainer
+        opt = roles.make_optimizer(model, lr, o.betas, o.weight_decay)
+        return opt, roles.make_scheduler(opt, o.warmup_steps, t.total_steps, o.lr_schedule, o.min_lr_ratio)
+
+    def _build_actor(self) -> roles.Actor:
+        model = self._build("causal_lm")
+        return roles.Actor(model, self.rt, self.config.algorithm, *self._optim(model, self.config.algorithm.learning_rate))
+
+    def _build_critic(self) -> roles.Critic:
+        model = self._build("critic")
+        return roles.Critic(model, self.rt, self.config.algorithm,
+                          *self._optim(model, self.config.algorithm.critic_learning_rate))
+
+    @property
+    def train_step_num(self) -> int:
+        return self.step
+
+    # ------------------------------------------------------------ one step
+
+    def train_step(self, batch: Experiences) -> tuple[bool, dict]:
+        """One RL step on the *global* batch (identical on every rank): advantages over
+        whole groups, then each rank trains on its contiguous slice."""
+        m: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = batch.to(self.rt.device)
+        local = self.local_slice(batch)
+        with roles.timed(m, "time/old_log_prob"):
+            old_lp, _ = self.actor.compute_log_prob(local)
+        ref_lp = None
+        if self.ref is not None:
+            with roles.timed(m, "time/ref_log_prob"):
+                ref_lp = self.ref.compute_ref_log_prob(local)
+        with roles.timed(m, "time/advantages"):
+            adv, ret, values = self._advantages(batch, local, old_lp, ref_lp)
+        if self.critic is not None:
+            with roles.timed(m, "time/update_critic"):
+                m.update(self.critic.update_critic(local, values, ret))
+        with roles.timed(m, "time/update_actor"):
+            m.update(self.actor.update_policy(local, old_lp, adv, ref_lp))
+        self.step += 1
+        m.update(batch_metrics(batch, adv_local=adv, mask_local=local.action_mask))
+        elapsed = time.perf_counter() - start
+        m["time/step"] = elapsed
+        m["perf/throughput"] = float(batch.attention_mask.sum()) / elapsed / self.rt.world_size
+        m["training/global_step"] = self.step
+        return self.step < self.config.trainer.total_steps, m
+
+    def local_slice(self, batch: Experiences) -> Experiences:
+        n = len(batch) // self.rt.world_size
+        return batch.select(torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=batch.tokens.device))
+
+    def _advantages(self, batch, local, old_lp, ref_lp):
+        a = self.config.algorithm
+        mask = local.action_mask.float()
+        if local.advantages is not None and local.returns is not None:
+            return local.advantages, local.returns, None
+        if a.name == "grpo":
+            adv, ret = advs.grpo_advantages(batch.rewards, batch.group_ids, batch.action_mask.float(),
+                                            norm_by_std=a.norm_adv_by_std)
+            idx = self.local_indices(len(batch))
+            return adv[idx], ret[idx], None
+        values = self.critic.compute_values(local)
+        token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
+        if ref_lp is not None and not getattr(a, "use_kl_loss", True):
+            token_rewards = token_rewards - a.kl_coef * losses.kl_penalty(old_lp, ref_lp, a.kl_estimator) * mask
+        # GAE whitening uses batch statistics: gather so every rank sees the global batch.
+        g_rewards, g_values, g_mask = (gather(t, self.rt) for t in (token_rewards, values, mask))
+        adv, ret = advs.gae_advantages(g_rewards, g_values, g_mask, a.gamma, a.lam)
+        idx = self.local_indices(len(batch))
+        return adv[idx], ret[idx], values
+
+    def local_indices(self, n_global: int) -> torch.Tensor:
+        n = n_global // self.rt.world_size
+        return torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=self.rt.device)
+
+    # ------------------------------------------------------------ checkpoints (checkpoint.py)
+
+    def build_checkpointer(self) -> CheckpointManager:
+        if self.checkpointer is None:
+            c = self.config.checkpoint
+            # The manifest records which config produced the state, to explain odd resumes.
+            config_hash = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str)
+                                         .encode()).hexdigest()[:16]
+            self.checkpointer = CheckpointManager(self.storage, c.uri, self.rt, c.keep, c.interval,
+                                                  {"actor": self.actor, "critic": self.critic},
+                                                  config_hash=config_hash)
+        return self.checkpointer
+
+    def load_checkpoint(self) -> dict | None:
+        """Resume from the newest verified checkpoint: returns its `extra` (e.g. the buffer
+        position) and sets the step, or None when there is none (a fresh start)."""
+        ckpt = self.build_checkpointer()
+        if ckpt.resume() is None:
+            return None
+        self.step = ckpt.app.step
+        return ckpt.app.extra
+
+    def save_checkpoint(self, block_until_saved: bool = False, extra: dict | None = None) -> None:
+        self.build_checkpointer().save(self.step, extra, block=block_until_saved)
+
+    def wait_on_save_thread(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    # ------------------------------------------------------------ weights for inference
+
+    def sync_weight(self) -> dict | None:
+        """Publish the current policy for the inference pods: export it (collective) to
+        `<checkpoint.uri>/weights/step-N/`. The sync agents pick it up once the trainer
+        reports it in the job status (Trainer.sync_weight). Returns the manifest on rank 0."""
+        return self.upload_state_dict()
+
+    def upload_state_dict(self) -> dict | None:
+        """Export the policy for inference to `<checkpoint.uri>/weights/step-N/` (collective;
+        returns the manifest on rank 0)."""
+        return self.save_state_dict()
+
+    def save_state_dict(self, dtype: str = "bf16") -> dict | None:
+        uri = self.config.checkpoint.uri
+        return export_hf(self.actor.model, self.rt, self.storage, weights_uri(uri, self.step),
+                         fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype)
 
 
-def _avg(acc: dict[str, list[float]]) -> Metrics:
-    return {k: sum(v) / len(v) for k, v in acc.items() if v}
+def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.world_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(rt.world_size)]
+    torch.distributed.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
 
 
-def _grad_sync(model: nn.Module, enabled: bool) -> None:
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
-        model.set_requires_gradient_sync(enabled)
+def batch_metrics(batch: Experiences, adv_local: torch.Tensor, mask_local: torch.Tensor) -> dict:
+    resp_len = batch.action_mask.float().sum(-1)
+    m = mask_local.float()
+    return {
+        "response_length/mean": float(resp_len.mean()),
+        "response_length/max": float(resp_len.max()),
+        "critic/rewards/mean": float(batch.rewards.float().mean()),
+        "critic/advantages/mean": float((adv_local * m).sum() / m.sum().clamp(min=1)),
+    }
 
 
-def clip_and_step(model: nn.Module, optimizer, max_norm: float) -> float:
-    """Clip the global gradient norm and step; a non-finite norm skips the step (one bad
-    batch must not poison the weights). Returns the pre-clip norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
-    if torch.isfinite(norm):
-        optimizer.step()
-    return float(norm)
+def check_batch_layout(config: JobConfig, world_size: int) -> None:
+    """Fail at start, naming the key, when the batch cannot be split evenly."""
+    b, a = config.trainer.batch_size, config.algorithm
+    if b % world_size:
+        raise ValueError(f"trainer.batch_size={b} must be divisible by the number of ranks ({world_size})")
+    mini = a.mini_batch_size or b
+    if b % mini or mini % world_size:
+        raise ValueError(f"algorithm.mini_batch_size={mini} must divide trainer.batch_size={b} "
+                         f"and be divisible by the number of ranks ({world_size})")
+    if (mini // world_size) % a.micro_batch_size:
+        raise ValueError(f"algorithm.micro_batch_size={a.micro_batch_size} must divide the per-rank "
+                         f"mini-batch ({mini // world_size})")
 
 
-def make_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01):
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+def get_trainer_wrapper(config: JobConfig) -> TrainEngineWrapper:
+    return FSDPTrainEngine(config)
 
 
-def make_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str = "constant"):
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "cosine":
-            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-# ---------------------------------------------------------------- roles
-
-
-class _Role:
-    def __init__(self, model: nn.Module, rt: Runtime, micro_batch_size: int):
-        self.model, self.rt, self.micro_batch_size = model, rt, micro_batch_size
-
-    def _micro(self, batch: Experiences) -> list[Experiences]:
-        return batch.split(self.micro_batch_size)
-
-    def _forward(self, mb: Experiences) -> torch.Tensor:
-        out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long(), use_cache=False)
-        return out.logits
-
-
-class LogProbRole(_Role):
-    @torch.no_grad()
-    def compute_log_prob(self, batch: Experiences, with_entropy: bool = False):
-        """(logprob (B,T), entropy (B,T) or None) under the current weights."""
-        lps, ents = [], []
-        for mb in self._micro(batch):
-            lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy)
-            lps.append(lp)
-            ents.append(ent)
-        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
-
-
-class Reference(LogProbRole):
-    """The frozen initial policy, for the KL term."""
-
-    def compute_ref_log_prob(self, batch: Experiences) -> torch.Tensor:
-        return self.compute_log_prob(batch)[0]
-
-
-class Actor(LogProbRole):
-    def __init__(self, model, rt, algo, optimizer, scheduler):
-        super().__init__(model, rt, algo.micro_batch_size)
-        self.algo, self.optimizer, self.scheduler = algo, optimizer, scheduler
-
-    def set_algorithm(self, algo) -> None:
-        self.algo, self.micro_batch_size = algo, algo.micro_batch_size
-
-    def clear_optimizer_state(self) -> None:
-        self.optimizer.state.clear()
-
-    def update_policy(self, batch: Experiences, old_logprob, advantages, ref_logprob=None) -> Metrics:
-        """PPO-clip epochs over mini-batches of the local shard. All (B,T) tensors align
-        with `batch.tokens`. Returns metrics averaged over micro-batches and ranks."""
-        a = self.algo
-        mask = batch.action_mask.float()
-        losses.check_finite("old_logprob", old_logprob, mask)
-        if ref_logprob is not None:
-            losses.check_finite("ref_logprob", ref_logprob, mask)
-        acc: dict[str, list[float]] = {}
-        idx = torch.arange(len(batch), device=mask.device)
-        # mini_batch_size is global (like verl's ppo_mini_batch_size); each rank takes 1/W.
-        local_mini = (a.mini_batch_size // self.rt.world_size) if a.mini_batch_size else len(batch)
-        for _ in range(a.epochs):
-            for mini in idx.split(max(1, local_mini)):
-                m = _step_metrics(self._update_mini(batch, mini, old_logprob, advantages, ref_logprob))
-                for k, v in m.items():
-                    acc.setdefault(k, []).append(v)
-        self.scheduler.step()
-        out = mean_across_ranks(_avg(acc), self.rt)
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
-        return out
-
-    def _update_mini(self, batch, mini, old_lp, adv, ref_lp) -> Metrics:
-        a = self.algo
-        mode = a.loss_aggregation
-        mask = batch.action_mask.float()
-        global_count = all_reduce_sum(_count(mask[mini], mode), self.rt)
-        self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, list[float]] = {}
-        micros = mini.split(self.micro_batch_size)
-        for i, sel in enumerate(micros):
-            # Accumulate unsharded gradients locally; reduce-scatter once, on the last one.
-            _grad_sync(self.model, i == len(micros) - 1)
-            mb = batch.select(sel)
-            m = mask[sel]
-            lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy=True)
-            losses.check_finite("logprob", lp.detach(), m)
-            pg_loss, metrics = losses.policy_loss(
-                old_lp[sel], lp, adv[sel], m, a.clip_ratio, a.clip_ratio, a.dual_clip_ratio, mode)
-            loss = pg_loss
-            metrics["actor/entropy"] = float(losses.aggregate(ent.detach(), m, "token-mean"))
-            if a.entropy_coef:
-                loss = loss - a.entropy_coef * losses.aggregate(ent, m, mode)
-            if ref_lp is not None and getattr(a, "use_kl_loss", True) and a.kl_coef:
-                kl = losses.aggregate(losses.kl_penalty(lp, ref_lp[sel], a.kl_estimator), m, mode)
-                loss = loss + a.kl_coef * kl
-                metrics["actor/kl_loss"] = float(kl.detach())
-            # Weight by this micro-batch's share of the global mini-batch; FSDP's gradient
-            # averaging divides by world size, which the factor W undoes.
-            scale = _count(m, mode) / max(global_count, 1.0) * self.rt.world_size
-            (loss * scale).backward()
-            for k, v in metrics.items():
-                acc.setdefault(k, []).append(float(v))
-        out = _avg(acc)
-        out["actor/grad_norm"] = clip_and_step(self.model, self.optimizer, a.grad_clip)
-        return out
-
-    update_actor = update_policy
-
-
-class Critic(_Role):
-    def __init__(self, model, rt, algo, optimizer, scheduler):
-        super().__init__(model, rt, algo.micro_batch_size)
-        self.algo, self.optimizer, self.scheduler = algo, optimizer, scheduler
-
-    def _values(self, mb: Experiences) -> torch.Tensor:
-        out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long(), use_cache=False)
-        # The value of the state *before* token t predicts the return of generating it,
-        # so values align with log-probs: position t comes from the hidden state at t-1.
-        return F.pad(out.logits[:, :-1, 0].float(), (1, 0))
-
-    @torch.no_grad()
-    def compute_values(self, batch: Experiences) -> torch.Tensor:
-        return torch.cat([self._values(mb) for mb in self._micro(batch)])
-
-    def clear_optimizer_state(self) -> None:
-        self.optimizer.state.clear()
-
-    def update_critic(self, batch: Experiences, old_values, returns) -> Metrics:
-        a = self.algo
-        mode = a.loss_aggregation
-        mask = batch.action_mask.float()
-        acc: dict[str, list[float]] = {}
-        idx = torch.arange(len(batch), device=mask.device)
-        for _ in range(a.epochs):
-            global_count = all_reduce_sum(_count(mask, mode), self.rt)
-            self.optimizer.zero_grad(set_to_none=True)
-            micros = idx.split(self.micro_batch_size)
-            for i, sel in enumerate(micros):
-                _grad_sync(self.model, i == len(micros) - 1)
-                mb, m = batch.select(sel), mask[sel]
-                loss, metrics = losses.value_loss(self._values(mb), old_values[sel], returns[sel], m,
-                                                  a.cliprange_value, mode)
-                (loss * _count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
-                for k, v in metrics.items():
-                    acc.setdefault(k, []).append(float(v))
-            acc.setdefault("critic/grad_norm", []).append(
-                clip_and_step(self.model, self.optimizer, a.grad_clip))
-        self.scheduler.step()
-        return mean_across_ranks(_avg(acc), self.rt)
-
-
-def _step_metrics(m: Metrics) -> Metrics:
-    return {k: float(v) for k, v in m.items()}
-
-
-@contextmanager
-def timed(metrics: Metrics, name: str) -> Iterator[None]:
-    """Records the wall time of the block as metrics[name] (seconds)."""
-    start = time.perf_counter()
-    yield
-    metrics[name] = time.perf_counter() - start

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 import safetensors.torch
 import torch
 
-from .storage import Storage, get_storage, join
+from rft_contract.storage import Storage, get_storage, join
 
 FORMAT = "rft.experiences/v1"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

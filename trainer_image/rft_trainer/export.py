@@ -10,7 +10,6 @@ a full copy of the model, and rank 0 holds at most one bucket plus one tensor.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,8 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rft_contract import layout
+from rft_contract.manifest import apply_retention, committed, read_manifest, sha256_file, verify_objects, write_manifest
+from rft_contract.storage import Storage, join
+
 from .parallelize import Runtime
-from .storage import Storage, join, list_step_dirs
 
 log = logging.getLogger(__name__)
 
@@ -33,49 +35,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
                    "chat_template.jinja")
-MANIFEST = "manifest.json"
-
-
-def weights_uri(root: str, step: int) -> str:
-    return join(root, "weights", f"step-{step:08d}")
-
-
-def list_versions(storage: Storage, root: str) -> dict[int, tuple[str, set[str]]]:
-    """version -> (its prefix URI, names of the objects under it), from one listing."""
-    return list_step_dirs(storage, join(root, "weights"))
 
 
 def committed_versions(storage: Storage, root: str) -> list[int]:
     """Exported versions whose manifest exists (the commit marker), ascending."""
-    return sorted(v for v, (_, names) in list_versions(storage, root).items() if MANIFEST in names)
+    return committed(layout.list_step_dirs(storage, join(root, layout.WEIGHTS)))
 
 
 def apply_weights_retention(storage: Storage, root: str, keep: int,
                             protect: set[int] = frozenset()) -> list[int]:
-    """Delete all but the newest `keep` committed versions (and `protect`, e.g. a pinned
-    version), plus uncommitted leftovers older than the newest commit. Manifests go
-    first, so a reader never sees a committed version with missing files. Returns the
-    committed versions that remain, ascending (from the same listing)."""
-    found = list_versions(storage, root)
-    committed = sorted((v for v, (_, n) in found.items() if MANIFEST in n), reverse=True)
-    if not committed:
-        return []
-    doomed = ({v for v in committed[keep:]} | {v for v, (_, n) in found.items()
-                                               if MANIFEST not in n and v < committed[0]}) - set(protect)
-    for v in sorted(doomed):
-        prefix, names = found[v]
-        for name in sorted(names, key=lambda n: n != MANIFEST):
-            storage.delete(join(prefix, name))
-        log.info("weights retention: deleted version %d", v)
-    return sorted(set(committed) - doomed)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """Keep the newest `keep` committed versions (and `protect`, e.g. a pinned version);
+    returns the committed versions that remain, ascending (from the same listing)."""
+    return apply_retention(storage, join(root, layout.WEIGHTS), keep, protect, kind="weights", unit="version").kept
 
 
 class _Writer:
@@ -139,7 +110,7 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "export_seconds": round(time.perf_counter() - start, 3)}
         # Written last: readers treat a weights directory without it as absent.
-        storage.write_bytes(join(dest, MANIFEST), json.dumps(manifest, indent=1).encode())
+        write_manifest(storage, dest, manifest)
         log.info("exported step %d (%s, %.1f MiB) to %s in %.1fs", step, dtype,
                  writer.total_bytes / 2**20, dest, manifest["export_seconds"])
         return manifest
@@ -167,9 +138,6 @@ def _write_small_files(writer: _Writer, model: nn.Module, model_dir: str | None,
 def verify(storage: Storage, dest: str) -> dict:
     """The manifest of a weights directory, after checking every file's size and sha256.
     Raises ValueError naming the first file that does not match."""
-    manifest = json.loads(storage.read_bytes(join(dest, MANIFEST)))
-    for name, meta in manifest["files"].items():
-        data = storage.read_bytes(join(dest, name))
-        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
-            raise ValueError(f"{join(dest, name)}: size or sha256 differs from {MANIFEST}")
-    return manifest
+    if problem := verify_objects(storage, dest):
+        raise ValueError(f"{dest}: {problem}")
+    return read_manifest(storage, dest)

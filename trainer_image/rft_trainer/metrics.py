@@ -24,15 +24,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from .storage import Storage, get_storage, join
+from rft_contract.layout import METRICS, metrics_uri
+from rft_contract.storage import Storage, get_storage, join
 
 log = logging.getLogger("rft_trainer.metrics")
 
 _ATTEMPT_FILE = re.compile(r"/attempt-(\d+)\.jsonl$")
-
-
-def metrics_uri(checkpoint_uri: str, attempt: int) -> str:
-    return join(checkpoint_uri, "metrics", f"attempt-{attempt:03d}.jsonl")
 
 
 def _jsonable(v: Any) -> Any:
@@ -133,7 +130,7 @@ def read_metrics(checkpoint_uri: str, storage: Storage | None = None) -> list[di
     attempts (a resumed run replays the steps after its checkpoint) keeps the latest."""
     storage = storage or get_storage(checkpoint_uri)
     files = []
-    for uri in storage.list(join(checkpoint_uri, "metrics") + "/"):
+    for uri in storage.list(join(checkpoint_uri, METRICS) + "/"):
         m = _ATTEMPT_FILE.search(uri)
         if m:
             files.append((int(m.group(1)), uri))

@@ -126,9 +126,11 @@ def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: str = "bf16",
                 reshard_after_forward: bool = True, cpu_offload: bool = False,
-                activation_checkpointing: bool = False, load_weights: bool = True) -> nn.Module:
+                activation_checkpointing: bool = False, load_weights: bool = True,
+                param_dtype: str = "fp32") -> nn.Module:
     """Build, shard and load one model. `kind`: "causal_lm" (actor, reference) or
-    "critic" (a token-classification head with one output: the value per token)."""
+    "critic" (a token-classification head with one output: the value per token).
+    `param_dtype` is the master weights' dtype (`spec.model.dtype`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     path = fetch_model(path, rt)
@@ -143,7 +145,8 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
             model = AutoModelForTokenClassification.from_config(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
-    model.float()  # fp32 master weights; FSDP's MixedPrecisionPolicy computes in bf16 on GPU
+    # fp32 master weights by default; FSDP's MixedPrecisionPolicy computes in bf16 on GPU.
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fsdp(model, rt.device, fsdp_mode, reshard_after_forward, cpu_offload)
@@ -167,7 +170,7 @@ def fetch_model(path: str, rt: Runtime) -> str:
         return path
     import hashlib
 
-    from .s3 import S3Storage
+    from rft_contract.s3 import S3Storage
 
     cache = os.environ.get("RFT_MODEL_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rft-models"))
     local = os.path.join(cache, hashlib.sha256(path.encode()).hexdigest()[:16])

@@ -13,30 +13,15 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any
+
+from rft_contract.jobapi import describe, job_api, merge, now, patch_status
 
 log = logging.getLogger("rft_trainer.reporting")
 
-GROUP, VERSION, PLURAL = "rft.dev", "v1alpha1", "rftjobs"
-SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 # A handful of metrics is enough for `kubectl describe`; the full set goes to the logs.
 SUMMARY_KEYS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/rewards/mean",
                 "critic/vf_loss", "response_length/mean", "perf/throughput")
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def merge(into: dict, patch: dict) -> dict:
-    """Deep-merge `patch` into `into` (JSON merge-patch semantics without deletes)."""
-    for k, v in patch.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            merge(into[k], v)
-        else:
-            into[k] = v
-    return into
 
 
 class StatusReporter:
@@ -135,12 +120,9 @@ class StatusReporter:
             self._send(patch)
 
     def _send(self, trainer_patch: dict) -> None:
-        body = {"status": {"trainer": trainer_patch}}
         for attempt in range(self.retries):
             try:
-                self.api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, self.namespace, PLURAL, self.name, body,
-                    _content_type="application/merge-patch+json", _preload_content=False)
+                patch_status(self.api, self.namespace, self.name, {"trainer": trainer_patch})
                 self.sent += 1
                 self._last_sent = time.monotonic()
                 return
@@ -152,21 +134,3 @@ class StatusReporter:
                 time.sleep(delay)
         log.error("giving up on a status update after %d attempts", self.retries)
 
-
-def describe(e: Exception) -> str:
-    status = getattr(e, "status", None)
-    return f"HTTP {status} {getattr(e, 'reason', '')}".strip() if status else type(e).__name__
-
-
-def job_api():
-    """CustomObjectsApi with the pod's ServiceAccount (or $KUBECONFIG outside a cluster);
-    RuntimeError when there are no credentials at all."""
-    import kubernetes
-
-    if os.path.exists(SA_TOKEN):
-        kubernetes.config.load_incluster_config()
-    elif os.environ.get("KUBECONFIG"):
-        kubernetes.config.load_kube_config()
-    else:
-        raise RuntimeError("no in-cluster ServiceAccount token and no KUBECONFIG")
-    return kubernetes.client.CustomObjectsApi()

@@ -1,7 +1,9 @@
-"""The RFTJob API: pydantic models are the single source of truth.
+"""The RFTJob spec: these pydantic models are the single source of truth.
 
-`crds/rftjob.yaml` is generated from these models (see `crdgen.py`). Two kinds of rule
-live here:
+`crds/rftjob.yaml` is generated from them (`rft_operator.crdgen`), the operator parses the
+stored spec with them, and every pod validates the job config it mounts with the same
+models (`rft_contract.config`), so a typo gives the same message everywhere. Two kinds
+of rule live here:
 
 * Field constraints (`ge`, `le`, `pattern`, `Literal`) become OpenAPI schema checks, and
   `rules=[...]` in `json_schema_extra` becomes CEL `x-kubernetes-validations`, so the API
@@ -9,14 +11,22 @@ live here:
 * Defaults live only in these models, never in the CRD schema: a schema default would be
   written back into the stored object and GitOps tools (Argo CD, Flux) would see drift.
   The operator parses the stored spec with `RFTJobSpec.model_validate`, which applies them.
+
+Knobs only the trainer or the explorer reads (optimizer, seed, buffer polling, explorer
+concurrency, ...) live here too: a component cannot accept a setting the RFTJob cannot
+carry. A few fields the RFTJob requires are optional in Python (`admission_required`):
+the CRD lists them as required, while a config written by hand for a local trainer run
+may leave them out.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
+
+from .errors import describe
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
@@ -43,12 +53,25 @@ def immutable(field: str, path: str) -> dict[str, str]:
     )
 
 
+# Marks a field the RFTJob requires (the CRD lists it) but a hand-written config may omit.
+ADMISSION_REQUIRED = "x-rft-admission-required"
+
+
+def admission_required(**kw: Any) -> Any:
+    return Field(default=None, json_schema_extra={ADMISSION_REQUIRED: True}, **kw)
+
+
 class Model(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are an error."""
+    """camelCase on the wire, snake_case in Python (both accepted); unknown fields are an
+    error; types are strict (no "3" for 3, no 1.5 for an integer). Frozen: a parsed spec
+    is a value, changed only with `model_copy(update=...)`."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True, frozen=True
     )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__}.{name}: the config is frozen")
 
 
 Quantity = int | str  # a Kubernetes resource quantity: 4, "500m", "16Gi"
@@ -94,6 +117,9 @@ class ModelSpec(Model):
         description="HF-format model directory: an s3:// URI or a path inside the image.",
     )
     tokenizer_path: str | None = Field(default=None, max_length=1024)
+    # fp32 master weights by default: FSDP's MixedPrecisionPolicy already computes in
+    # bf16, while an lr of 1e-6 applied to bf16 weights (8 mantissa bits) rounds to nothing.
+    dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="Master weights dtype.")
 
 
 class AlgorithmSpec(Model):
@@ -126,6 +152,31 @@ class AlgorithmSpec(Model):
     gamma: float = Field(default=1.0, ge=0, le=1)
     lam: float = Field(default=1.0, ge=0, le=1)
     norm_adv_by_std: bool = True
+    cliprange_value: float = Field(default=0.5, gt=0, description="PPO value clip.")
+    use_kl_loss: bool = Field(
+        default=True,
+        description="KL as a loss term (GRPO style) rather than folded into the reward (classic PPO).",
+    )
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+class OptimizerSpec(Model):
+    """AdamW and its learning-rate schedule (for the actor and the critic alike)."""
+
+    betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), strict=False)
+    weight_decay: float = Field(default=0.01, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0.")
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1,
+        description="cosine: the rate decays to learningRate * minLrRatio at totalSteps.",
+    )
+
+
+class ReportingSpec(Model):
+    log_every: int = Field(default=1, ge=1, description="Print a metrics line every N steps.")
 
 
 class FSDPSpec(Model):
@@ -155,12 +206,13 @@ class TrainerSpec(Model):
         }
     )
 
-    image: str = Field(min_length=1, max_length=512)
+    image: str | None = admission_required(min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     nodes: int = Field(default=1, ge=1, le=1024)
     gpus_per_node: int = Field(default=1, ge=0, le=16)
     total_steps: int = Field(ge=1, le=100_000_000)
     batch_size: int = Field(ge=1, le=1_000_000)
+    seed: int = Field(default=0, ge=0)
     resources: Resources = Field(default_factory=Resources)
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
@@ -277,11 +329,29 @@ class ExplorerSpec(Model):
     rollouts_per_task: int = Field(default=8, ge=1, le=1024)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     reward: str = Field(default="math_accuracy", min_length=1, max_length=256)
+    tasks_per_shard: int | None = Field(
+        default=None, ge=1, description="Tasks per experience shard; default max(1, batchSize / rolloutsPerTask).")
+    request_timeout: float = Field(default=300.0, gt=0, description="Seconds per inference request.")
+    concurrency: int | None = Field(
+        default=None, ge=1, description="Requests in flight; default one per inference replica.")
+    max_n: int = Field(default=64, ge=1, description="Rollouts per request (the reference server caps n at 64).")
+    poll_interval: float = Field(default=5.0, gt=0, description="Seconds between trainer-progress checks.")
 
 
 class BufferSpec(Model):
-    uri: str | None = Field(default=None, max_length=1024, pattern=S3_URI)
+    uri: str | None = Field(
+        default=None, max_length=1024,
+        description="Experience buffer; default <checkpoint.uri>/buffer.",
+        # A CEL rule, not a pattern: admission requires S3, while a local trainer run
+        # (a hand-written config) may read a directory.
+        json_schema_extra={"rules": [cel(f"self.matches('{S3_URI}')",
+                                         "buffer.uri must be an S3 URI of the form s3://<bucket>/<prefix>")]},
+    )
     max_staleness: int = Field(default=1, ge=0, le=1000)
+    wait: bool | None = Field(
+        default=None,
+        description="Wait for explorers when the buffer runs dry; default: iff spec.explorer is set.")
+    poll_seconds: float = Field(default=2.0, gt=0, description="Seconds between buffer listings while waiting.")
 
 
 class SyncSpec(Model):
@@ -328,114 +398,9 @@ class RFTJobSpec(Model):
     explorer: ExplorerSpec | None = None
     buffer: BufferSpec = Field(default_factory=BufferSpec)
     sync: SyncSpec = Field(default_factory=SyncSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    reporting: ReportingSpec = Field(default_factory=ReportingSpec)
 
-
-# ---------------------------------------------------------------------------- status
-
-
-class Condition(Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class CheckpointRef(Model):
-    model_config = ConfigDict(extra="allow")
-    step: int | None = None
-    uri: str | None = None
-    time: str | None = None
-    bytes: int | None = None
-    save_seconds: float | None = None
-
-
-class WeightsRef(Model):
-    model_config = ConfigDict(extra="allow")
-    version: int | None = None
-    uri: str | None = None
-    time: str | None = None
-    id: str | None = Field(default=None, description="Export id: tells re-exports of a version apart")
-
-
-class TrainerStatus(Model):
-    """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
-
-    model_config = ConfigDict(extra="allow")
-    step: int | None = None
-    total_steps: int | None = None
-    attempt: int | None = Field(default=None, description="The gang attempt that reported `step`")
-    progress: str | None = Field(default=None, description="step/totalSteps, for kubectl")
-    last_checkpoint: CheckpointRef | None = None
-    latest_weights: WeightsRef | None = None
-    weight_versions: list[int] | None = Field(default=None, description="Committed, retained exports")
-    metrics: dict[str, Any] | None = Field(
-        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
-    )
-
-
-class ReplicaSync(Model):
-    """Written by the sync agent of one inference pod."""
-
-    model_config = ConfigDict(extra="allow")
-    version: int | None = None
-    id: str | None = None
-    time: str | None = None
-    load_seconds: float | None = None
-    download_seconds: float | None = None
-    verify_seconds: float | None = None
-    reload_seconds: float | None = None
-    error: str | None = None
-    error_time: str | None = None
-    attempts: int | None = None
-
-
-class WeightSyncStatus(Model):
-    model_config = ConfigDict(extra="allow")
-    target: WeightsRef | None = None
-    replicas: dict[str, ReplicaSync] | None = None
-    synced_replicas: int | None = None
-    desired_replicas: int | None = None
-    synced: str | None = Field(default=None, description="syncedReplicas/desiredReplicas")
-    lag_steps: int | None = None
-
-
-class FailureRecord(Model):
-    attempt: int
-    pod: str | None = None
-    exit_code: int | None = None
-    reason: str
-    message: str = ""
-    time: str
-
-
-class RFTJobStatus(Model):
-    model_config = ConfigDict(extra="allow")
-    phase: Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"] | None = None
-    message: str | None = None
-    observed_generation: int | None = None
-    attempt: int | None = None
-    restarts: int | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
-    last_failure: FailureRecord | None = None
-    conditions: list[Condition] | None = None
-    trainer: TrainerStatus | None = None
-    weight_sync: WeightSyncStatus | None = None
-
-
-# Printer columns for `kubectl get rftjobs` (jsonPath into the object).
-PRINTER_COLUMNS = [
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Step", "type": "string", "jsonPath": ".status.trainer.progress"},
-    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step"},
-    {"name": "Weights", "type": "integer", "jsonPath": ".status.trainer.latestWeights.version"},
-    {"name": "Synced", "type": "string", "jsonPath": ".status.weightSync.synced"},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
-    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
-    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-]
 
 # Validations on the whole object (only metadata.name/generateName are visible to CEL).
 ROOT_RULES = [
@@ -452,13 +417,29 @@ ROOT_RULES = [
 ]
 
 
-def parse_spec(spec: dict[str, Any]) -> RFTJobSpec:
-    """Parse a stored spec, applying defaults. Raises ValueError naming the bad field."""
-    from pydantic import ValidationError
 
+
+def missing_admission_fields(model: BaseModel, where: str = "spec") -> list[str]:
+    """Dotted paths of `admission_required` fields left unset (the API server refuses
+    those; a spec parsed outside admission, say in a test, is checked here)."""
+    out = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get(ADMISSION_REQUIRED) and value is None:
+            out.append(f"{where}.{info.alias or name}")
+        elif isinstance(value, BaseModel):
+            out += missing_admission_fields(value, f"{where}.{info.alias or name}")
+    return out
+
+
+def parse_spec(spec: dict[str, Any]) -> RFTJobSpec:
+    """Parse a stored spec (camelCase), applying defaults. Raises ValueError naming the
+    bad field, in the same words every pod uses for its config."""
     try:
-        return RFTJobSpec.model_validate(spec)
+        parsed = RFTJobSpec.model_validate(spec)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"spec.{where}: {first['msg']}") from None
+        raise ValueError(describe(e, RFTJobSpec, "spec")) from None
+    if missing := missing_admission_fields(parsed):
+        raise ValueError(f"{missing[0]}: required key is missing")
+    return parsed

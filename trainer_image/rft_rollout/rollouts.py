@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 import requests
 import torch
 
-from .experience import Experiences
-from .storage import get_storage
+from rft_contract.storage import get_storage
+from rft_trainer.experience import Experiences
 
-log = logging.getLogger("rft_trainer.explorer")
+log = logging.getLogger("rft_rollout.explorer")
 
 VERSION_HEADER = "X-RFT-Weights-Version"
 # Files AutoTokenizer may read; weights are never downloaded for the tokenizer.

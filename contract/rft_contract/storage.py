@@ -33,21 +33,6 @@ class Storage(Protocol):
         """Remove the object; a missing one is not an error (as on S3)."""
 
 
-def list_step_dirs(storage: "Storage", base: str) -> dict[int, tuple[str, set[str]]]:
-    """`<base>/step-NNNNNNNN/<name>` objects, from one listing: step -> (its prefix URI,
-    the names under it). Checkpoints and weight exports share this layout."""
-    import re
-
-    base = base.rstrip("/") + "/"
-    out: dict[int, tuple[str, set[str]]] = {}
-    for obj in storage.list(base):
-        head, _, name = obj[len(base):].partition("/")
-        m = re.fullmatch(r"step-(\d+)", head)
-        if m and name:
-            out.setdefault(int(m.group(1)), (base + head, set()))[1].add(name)
-    return out
-
-
 def join(uri: str, *parts: str) -> str:
     """`join("s3://b/x/", "ckpt", "a.json") == "s3://b/x/ckpt/a.json"`."""
     out = uri.rstrip("/")

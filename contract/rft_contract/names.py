@@ -94,3 +94,44 @@ EXIT_CONFIG_ERROR = 78
 
 # KWOK test hook: a Running pod with this annotation ends with the given exit code.
 KWOK_EXIT_ANNOTATION = "rft.dev/kwok-exit-code"
+
+
+# ------------------------------------------------------------------ child names
+# Deterministic, so "create what is missing by name" is the idempotency mechanism.
+
+
+def service_name(job: str) -> str:
+    return f"{job}-trainer"
+
+
+def pod_name(job: str, attempt: int, rank: int) -> str:
+    return f"{job}-trainer-{attempt}-{rank}"
+
+
+def configmap_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def status_role_name(job: str) -> str:
+    return f"{job}-status-writer"
+
+
+def own_service_account_name(job: str) -> str:
+    return f"{job}-rftjob"
+
+
+def inference_service_name(job: str) -> str:
+    return f"{job}-inference"
+
+
+def inference_pod_name(job: str, index: int) -> str:
+    return f"{job}-inference-{index}"
+
+
+def explorer_pod_name(job: str, index: int) -> str:
+    return f"{job}-explorer-{index}"
+
+
+def master_addr(job: str, attempt: int, namespace: str) -> str:
+    """Stable DNS name of rank 0 through the headless Service."""
+    return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"

@@ -1,7 +1,7 @@
 """The explorer: rolls out tasks against the inference pods, scores them, and commits
 experience shards to the buffer the trainer reads.
 
-    python -m rft_trainer.explorer --config /etc/rft/config.json
+    python -m rft_rollout.explorer --config /etc/rft/config.json
 
 Environment (set by the operator; flags win): RFT_EXPLORER_INDEX (default 0),
 RFT_EXPLORER_REPLICAS (default explorer.replicas), RFT_INFERENCE_ENDPOINTS
@@ -47,83 +47,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .config import (BufferConfig, CheckpointConfig, ConfigError, JobIdentity, ModelConfig,
-                     TrainerConfig, _build, _f, _mapping, _read)
-from .experience import read_shard_meta, write_shard
+from rft_contract.config import ConfigError, JobConfig, load_explorer_config
+from rft_contract.jobapi import get_status, job_api
+from rft_contract.names import SERVED_MODEL_NAME
+from rft_contract.storage import Storage, get_storage, join
+from rft_trainer.experience import read_shard_meta, write_shard
+
 from .rewards import get_reward
 from .rollouts import (ClientError, InferenceClient, Sample, Stopped, build_experiences,
                        build_samples, load_tokenizer)
-from .storage import Storage, get_storage, join
 from .tasksets import load_taskset
 
-log = logging.getLogger("rft_trainer.explorer")
+log = logging.getLogger("rft_rollout.explorer")
 
 EX_CONFIG = 78
 # Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
 # is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
 MAX_REJECTED_IN_ROW = 8
 Progress = Callable[[], "tuple[int, int] | None"]
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = _f(1.0, ge=0, le=10)
-    top_p: float = _f(1.0, gt=0, le=1)
-    max_tokens: int = _f(256, ge=1)
-
-
-@dataclass(frozen=True)
-class ExplorerSection:
-    """`spec.explorer`, plus explorer-only knobs (defaults; a hand-written config may set them)."""
-
-    taskset_uri: str = _f(min_len=1)
-    replicas: int = _f(1, ge=0)
-    rollouts_per_task: int = _f(8, ge=1)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    reward: str = _f("math_accuracy", min_len=1)
-    tasks_per_shard: int | None = _f(None, ge=1)  # None: max(1, batch_size // rollouts_per_task)
-    request_timeout: float = _f(300.0, gt=0)
-    concurrency: int | None = _f(None, ge=1)  # requests in flight; None: one per endpoint
-    max_n: int = _f(64, ge=1)  # rollouts per request (the reference server caps n at 64)
-    poll_interval: float = _f(5.0, gt=0)  # seconds between trainer-progress checks
-    served_model_name: str = _f("policy", min_len=1)
-
-
-@dataclass(frozen=True)
-class ExplorerConfig:
-    model: ModelConfig
-    trainer: TrainerConfig
-    buffer: BufferConfig  # uri and batch_size resolved
-    explorer: ExplorerSection
-    job: JobIdentity = field(default_factory=JobIdentity)
-
-
-_EXPLORER_OPERATOR_KEYS = frozenset({"image", "resources", "env"})
-
-
-def load_explorer_config(source: str | Path | Mapping[str, Any]) -> ExplorerConfig:
-    """The explorer's slice of the job config (the RFTJob spec, snake_case). Other
-    components' keys are ignored; the `explorer` section is checked strictly."""
-    data = _read(source)
-
-    def pick(name: str, cls: type, keys: Sequence[str]) -> Any:
-        section = _mapping(data.get(name) or {}, name)
-        return _build(cls, {k: section[k] for k in keys if k in section}, name)
-
-    if data.get("explorer") is None:
-        raise ConfigError("explorer: required section is missing")
-    model = pick("model", ModelConfig, ("path", "tokenizer_path"))
-    trainer = pick("trainer", TrainerConfig, ("total_steps", "batch_size"))
-    buffer = pick("buffer", BufferConfig, ("uri", "max_staleness", "batch_size"))
-    job = pick("job", JobIdentity, ("name", "namespace"))
-    section = dict(_mapping(data["explorer"], "explorer"))
-    sampling = _build(SamplingConfig, section.pop("sampling", None) or {}, "explorer.sampling")
-    explorer = _build(ExplorerSection, section, "explorer", _EXPLORER_OPERATOR_KEYS)
-    if buffer.uri is None:
-        checkpoint = pick("checkpoint", CheckpointConfig, ("uri",))
-        buffer = dataclasses.replace(buffer, uri=checkpoint.uri.rstrip("/") + "/buffer")
-    buffer = dataclasses.replace(buffer, batch_size=buffer.batch_size or trainer.batch_size)
-    return ExplorerConfig(model, trainer, buffer, dataclasses.replace(explorer, sampling=sampling), job)
 
 
 def shard_name(seq: int, index: int) -> str:
@@ -139,7 +80,7 @@ class ExplorerState:
 
 
 class Explorer:
-    def __init__(self, config: ExplorerConfig, endpoints: Sequence[str], index: int = 0,
+    def __init__(self, config: JobConfig, endpoints: Sequence[str], index: int = 0,
                  replicas: int = 1, storage: Storage | None = None, progress: Progress | None = None,
                  tokenizer: Any = None, tasks: list[dict[str, str]] | None = None):
         if replicas < 1 or not 0 <= index < replicas:
@@ -158,7 +99,7 @@ class Explorer:
             tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.tokenizer = tokenizer
         self.tasks_per_shard = self.section.tasks_per_shard or max(
-            1, config.buffer.batch_size // self.section.rollouts_per_task)
+            1, config.trainer.batch_size // self.section.rollouts_per_task)
         self.concurrency = self.section.concurrency or len(endpoints)
         self._stop = threading.Event()
         self.waiting = threading.Event()  # set while throttled (for tests and metrics)
@@ -278,7 +219,7 @@ class Explorer:
         [] when the server rejects the task (logged, the task is skipped)."""
         section, out = self.section, []
         for start in range(0, section.rollouts_per_task, section.max_n):
-            body = {"model": section.served_model_name, "prompt": task["prompt"],
+            body = {"model": SERVED_MODEL_NAME, "prompt": task["prompt"],
                     "n": min(section.max_n, section.rollouts_per_task - start),
                     "max_tokens": section.sampling.max_tokens,
                     "temperature": section.sampling.temperature,
@@ -304,7 +245,7 @@ class Explorer:
                 log.info("trainer finished (step %d of %d): explorer done", step, total)
                 self.finished = True
                 return False
-            allowed = -(-(step + self.config.buffer.max_staleness + 1) * self.config.buffer.batch_size
+            allowed = -(-(step + self.config.buffer.max_staleness + 1) * self.config.trainer.batch_size
                         // self.replicas)
             if samples_written < allowed:
                 break
@@ -363,10 +304,8 @@ class KubeProgress:
         self.last: tuple[int, int] | None = None
 
     def __call__(self) -> tuple[int, int] | None:
-        from .reporting import GROUP, PLURAL, VERSION
-
         try:
-            obj = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            obj = get_status(self.api, self.namespace, self.name)
         except Exception as e:  # noqa: BLE001 - keep exploring on the last known progress
             log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
             return self.last
@@ -377,7 +316,6 @@ class KubeProgress:
 
 def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress | None:
     """KubeProgress with in-cluster or KUBECONFIG credentials; None (no throttle) without."""
-    from .reporting import job_api
 
     if not (name and namespace):
         return None
@@ -393,7 +331,7 @@ def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress |
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rft_trainer.explorer")
+    ap = argparse.ArgumentParser(prog="python -m rft_rollout.explorer")
     ap.add_argument("--config", default=os.environ.get("RFT_CONFIG", "/etc/rft/config.json"))
     ap.add_argument("--endpoints", help="comma-separated inference base URLs (default $RFT_INFERENCE_ENDPOINTS)")
     ap.add_argument("--index", type=int, help="this explorer's index (default $RFT_EXPLORER_INDEX or 0)")

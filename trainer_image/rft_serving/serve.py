@@ -1,5 +1,5 @@
 """The reference inference server: OpenAI-compatible completions on transformers, with hot
-weight reload. Inference pods run `python -m rft_trainer.serve`; the sync agent beside it
+weight reload. Inference pods run `python -m rft_serving.serve`; the sync agent beside it
 downloads each exported version and POSTs `/weights/load`.
 
 Atomicity is the point: the served (model, tokenizer, version) is one immutable `Weights`
@@ -398,7 +398,7 @@ def _chat_prompt(tokenizer, messages) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rft_trainer.serve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="rft_serving.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default=os.environ.get("RFT_POD_IP") or "0.0.0.0")
     ap.add_argument("--port", type=int, default=int(os.environ.get("RFT_INFERENCE_PORT") or 8000))
     ap.add_argument("--model-dir", help="HF model directory to serve at start")

@@ -1,5 +1,6 @@
-"""Weight-sync policies: which weights the inference replicas should serve, and how many
-do. Pure functions over the status subtrees the trainer and the sync agents write.
+"""Weight sync, operator side: which weights the inference replicas should serve, how
+many do, and the WeightsSynced condition (docs/design.md, "Weight sync"). Pure, no I/O:
+functions over the status subtrees the trainer and the sync agents write.
 
     status.trainer.latestWeights   {version, uri, id}   trainer rank 0, after each export
     status.trainer.weightVersions  [v, ...]             trainer: committed, retained exports
@@ -15,15 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import constants as c
-from .api import RFTJobSpec
+from rft_contract import names as c
+from rft_contract.layout import weights_uri
+from rft_contract.spec import RFTJobSpec
+
+from .model import Event
+from .policy import Cond
 
 Obj = dict[str, Any]
-
-
-def weights_uri(root: str, version: int) -> str:
-    """Same layout as the trainer's export (`<checkpoint.uri>/weights/step-NNNNNNNN`)."""
-    return f"{root.rstrip('/')}/weights/step-{version:08d}"
 
 
 def base_target(spec: RFTJobSpec) -> Obj:
@@ -115,3 +115,48 @@ def sync_condition(count: SyncCount, target: Obj, problem: str | None) -> tuple[
 def stale_replica_entries(replicas: Obj, desired_pods: list[str]) -> list[str]:
     """Entries of pods that are not (or no longer) desired replicas, to prune."""
     return sorted(set(replicas) - set(desired_pods))
+
+
+# ------------------------------------------------------------------ the concern
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """This pass's weight-sync result. `status` is the `status.weightSync` merge patch,
+    None when it would change nothing (or the job serves no inference)."""
+
+    status: Obj | None = None
+    condition: Cond | None = None  # WeightsSynced; None for train-only jobs
+    events: tuple[Event, ...] = ()
+
+
+def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_sync: Obj) -> WeightSync:
+    """Promote the trainer's export (or the pin) to the target and count the replicas.
+
+    Runs in every phase, terminal ones included: after success the inference pods stay
+    until they serve the final export (`rollout.py` waits on this condition)."""
+    if spec is None or spec.inference is None:
+        return WeightSync()
+    t = compute_target(spec, trainer, old_sync.get("target"))
+    pods = [c.inference_pod_name(job, i) for i in range(spec.inference.replicas)]
+    replicas = old_sync.get("replicas") or {}
+    n = count_synced(replicas, pods, t.target, trainer.get("step"))
+    fields = {"target": t.target, "desiredReplicas": n.desired, "syncedReplicas": n.synced,
+              "synced": f"{n.synced}/{n.desired}", "lagSteps": n.lag_steps}
+    prune = stale_replica_entries(replicas, pods)
+    if prune:
+        fields["replicas"] = {name: None for name in prune}  # merge patch: delete
+    events: tuple[Event, ...] = ()
+    if not same_target(t.target, old_sync.get("target")):
+        uri = f" ({t.target.get('uri')})" if t.target.get("uri") else ""
+        events = (Event("Normal", "WeightsTarget", f"serving target is now version {t.target['version']}{uri}"),)
+    status, reason, message = sync_condition(n, t.target, t.problem)
+    cond = Cond(c.COND_WEIGHTS_SYNCED, status, reason, message)
+    return WeightSync(fields if is_sync_changed(old_sync, fields) else None, cond, events)
+
+
+def is_sync_changed(old_sync: Obj, fields: Obj) -> bool:
+    """Whether writing `fields` would change the stored weightSync (targets compare
+    without their None keys, as a merge patch would store them)."""
+    return any(not same_target(old_sync.get(k), v) if k == "target" else old_sync.get(k) != v
+               for k, v in fields.items())

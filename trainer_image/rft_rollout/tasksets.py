@@ -4,7 +4,7 @@ One task per line: {"id": "...", "prompt": "...", "answer": "..."}. `question` i
 for `prompt` (GSM8K's field name); a number is accepted as `answer` and kept as text; `id`
 defaults to "task-<line number>". Blank lines are skipped.
 
-    python -m rft_trainer.tasksets arithmetic --n 256 --seed 0 --out s3://data/arith.jsonl
+    python -m rft_rollout.tasksets arithmetic --n 256 --seed 0 --out s3://data/arith.jsonl
 
 writes a synthetic set of one-step sums ("3+4=" -> "7") over the tiny test vocabulary
 (digits and "+-*= ?", see testing.py), so a tiny model can learn it in a demo.
@@ -19,7 +19,7 @@ import random
 import sys
 from typing import Any, Iterable
 
-from .storage import get_storage
+from rft_contract.storage import get_storage
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -90,7 +90,7 @@ def write_taskset(uri: str, tasks: Iterable[dict[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rft_trainer.tasksets")
+    ap = argparse.ArgumentParser(prog="python -m rft_rollout.tasksets")
     sub = ap.add_subparsers(dest="command", required=True)
     arith = sub.add_parser("arithmetic", help="synthetic one-step arithmetic over the tiny vocabulary")
     arith.add_argument("--n", type=int, default=256)

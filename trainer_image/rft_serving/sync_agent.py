@@ -19,8 +19,6 @@ so both converge without memory of the past. Target version 0 is the base model
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -31,186 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
+from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 
-from .reporting import GROUP, PLURAL, VERSION, describe, job_api, now
-from .storage import get_storage, join
+from .engines import ENGINES, Engine, SyncError
+from .weights import fetch, version_dir
 
-log = logging.getLogger("rft_trainer.sync_agent")
-MANIFEST = "manifest.json"
-
-
-class SyncError(RuntimeError):
-    """A failed step of one sync attempt; the message goes into the replica entry."""
-
-
-# ------------------------------------------------------------------ engines
-
-
-class Engine:
-    """How to reload one kind of inference engine and ask what it serves."""
-
-    def __init__(self, url: str, timeout: float = 600.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
-
-    def served(self) -> int | None:
-        raise NotImplementedError
-
-    def load(self, path: str, version: int) -> None:
-        raise NotImplementedError
-
-    def _post(self, path: str, body: dict | None = None, params: dict | None = None) -> dict:
-        try:
-            r = requests.post(self.url + path, json=body, params=params, timeout=self.timeout)
-        except requests.RequestException as e:
-            raise SyncError(f"engine {path}: {type(e).__name__}") from None
-        if r.status_code >= 400:
-            raise SyncError(f"engine {path}: HTTP {r.status_code} {r.text[:300]}")
-        return r.json() if r.content else {}
-
-
-class ReferenceEngine(Engine):
-    """rft_trainer.serve: GET /weights, POST /weights/load {path, version}."""
-
-    def served(self) -> int | None:
-        try:
-            r = requests.get(self.url + "/weights", timeout=10)
-            r.raise_for_status()
-        except requests.RequestException as e:
-            raise SyncError(f"engine not reachable at {self.url}: {type(e).__name__}") from None
-        return r.json().get("version")
-
-    def load(self, path: str, version: int) -> None:
-        self._post("/weights/load", {"path": path, "version": version})
-
-
-class SGLangEngine(Engine):
-    """SGLang's `/update_weights_from_disk` (documented; not exercised in CI here)."""
-
-    def __init__(self, url: str, **kw):
-        super().__init__(url, **kw)
-        self._loaded: int | None = None
-
-    def served(self) -> int | None:
-        return self._loaded
-
-    def load(self, path: str, version: int) -> None:
-        out = self._post("/update_weights_from_disk", {"model_path": path, "weight_version": str(version)})
-        if out.get("success") is False:
-            raise SyncError(f"engine refused the weights: {out.get('message', '')[:300]}")
-        self._loaded = version
-
-
-class VLLMEngine(SGLangEngine):
-    """vLLM's weight-update endpoints (dev mode), bracketed by pause/resume so no request
-    mixes versions. Not exercised in CI here (no vLLM on CPU)."""
-
-    def load(self, path: str, version: int) -> None:
-        self._post("/pause", params={"mode": "wait"})
-        try:
-            self._post("/update_weights", {"weights_path": path, "weight_version": str(version)})
-        finally:
-            self._post("/resume")
-        self._loaded = version
-
-
-ENGINES = {"reference": ReferenceEngine, "sglang": SGLangEngine, "vllm": VLLMEngine}
-
-
-# ------------------------------------------------------------------ weights on local disk
-
-
-def version_dir(dest: Path, target: dict) -> Path:
-    return dest / f"v{target['version']:08d}-{target.get('id') or 'base'}"
-
-
-def fetch(target: dict, dest: Path, storage=None) -> tuple[Path, dict[str, float]]:
-    """Download (unless already here) and verify the target's weights; returns the local
-    directory and timings. Local targets (a path in the image) are used in place."""
-    uri = target["uri"]
-    out = version_dir(dest, target)
-    times = {"downloadSeconds": 0.0, "verifySeconds": 0.0}
-    if not uri.startswith("s3://"):
-        path = Path(uri.removeprefix("file://"))
-        if (path / MANIFEST).exists():
-            start = time.perf_counter()
-            verify_dir(path, json.loads((path / MANIFEST).read_text()), target)
-            times["verifySeconds"] = time.perf_counter() - start
-        return path, times
-    if (out / ".verified").exists():
-        return out, times
-    storage = storage or get_storage(uri)
-    tmp = dest / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    start = time.perf_counter()
-    try:
-        manifest = _download(storage, uri, tmp)
-        times["downloadSeconds"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if manifest is not None:
-            verify_dir(tmp, manifest, target)
-        else:
-            log.warning("version %s at %s has no manifest.json: loading it unverified", target["version"], uri)
-        times["verifySeconds"] = time.perf_counter() - start
-        (tmp / ".verified").write_text(json.dumps(target))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except SyncError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except Exception as e:  # storage errors: name the type and a short reason only
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SyncError(f"download of {uri} failed: {_short(e)}") from None
-    return out, times
-
-
-def _download(storage, uri: str, to: Path) -> dict | None:
-    """Files listed in the manifest (or, without one, every object under the prefix)."""
-    try:
-        manifest = json.loads(storage.read_bytes(join(uri, MANIFEST)))
-    except FileNotFoundError:
-        manifest = None
-    if manifest is None:
-        base = uri.rstrip("/") + "/"
-        names = [o[len(base):] for o in storage.list(base)]
-        if not names:
-            raise SyncError(f"{uri}: no such weights (nothing under the prefix)")
-    else:
-        names = list(manifest["files"])
-    download = getattr(storage, "download_file", None)
-    for name in names:
-        target = to / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if download is not None:
-            download(join(uri, name), target)  # streamed, multipart
-        else:
-            target.write_bytes(storage.read_bytes(join(uri, name)))
-    return manifest
-
-
-def verify_dir(path: Path, manifest: dict, target: dict) -> None:
-    if target.get("id") and manifest.get("id") and manifest["id"] != target["id"]:
-        raise SyncError(f"manifest id {manifest['id']} is not the target's {target['id']} "
-                        "(version re-exported meanwhile)")
-    for name, meta in manifest["files"].items():
-        f = path / name
-        if not f.exists() or f.stat().st_size != meta["size"]:
-            raise SyncError(f"{name}: size differs from manifest.json")
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != meta["sha256"]:
-            raise SyncError(f"{name}: sha256 differs from manifest.json")
-
-
-def _short(e: Exception) -> str:
-    """Exception type and S3 error code: never the message, which may echo request
-    details (URLs with signatures)."""
-    response = getattr(e, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return f"{type(e).__name__}" + (f" ({code})" if code else "")
+log = logging.getLogger("rft_serving.sync_agent")
 
 
 # ------------------------------------------------------------------ the agent
@@ -237,21 +61,10 @@ class SyncAgent:
 
     def _watch(self) -> None:
         """Keep `_status` current: a GET, then a watch from its resourceVersion."""
-        from kubernetes import watch
-
         while not self._stop.is_set():
             try:
-                obj = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.job)
-                self._update(obj)
-                w = watch.Watch()
-                for ev in w.stream(self.api.list_namespaced_custom_object, GROUP, VERSION, self.namespace,
-                                   PLURAL, field_selector=f"metadata.name={self.job}",
-                                   resource_version=obj["metadata"]["resourceVersion"], timeout_seconds=60):
-                    if self._stop.is_set():
-                        w.stop()
-                        return
-                    if ev["type"] in ("ADDED", "MODIFIED"):
-                        self._update(ev["object"])
+                for obj in watch_job(self.api, self.namespace, self.job, self._stop):
+                    self._update(obj)
             except Exception as e:  # noqa: BLE001 - reconnect with a pause
                 log.warning("watching rftjob %s/%s: %s; reconnecting", self.namespace, self.job, describe(e))
                 self._stop.wait(2.0)
@@ -339,12 +152,10 @@ class SyncAgent:
                      "errorTime": now(), "attempts": self.attempts})
 
     def _patch(self, entry: dict) -> None:
-        body = {"status": {"weightSync": {"replicas": {self.pod: entry}}}}
+        status = {"weightSync": {"replicas": {self.pod: entry}}}
         for attempt in range(5):
             try:
-                self.api.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, self.namespace, PLURAL, self.job, body,
-                    _content_type="application/merge-patch+json", _preload_content=False)
+                patch_status(self.api, self.namespace, self.job, status)
                 return
             except Exception as e:  # noqa: BLE001 - the next pass reports again
                 log.warning("status patch failed (%s); retry %d/5", describe(e), attempt + 1)
@@ -373,7 +184,7 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rft_trainer.sync_agent")
+    ap = argparse.ArgumentParser(prog="rft_serving.sync_agent")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="reference")
     ap.add_argument("--engine-port", type=int, default=int(os.environ.get("RFT_INFERENCE_PORT", "8000")))
     ap.add_argument("--engine-url", help="default http://$RFT_POD_IP:<engine-port>")

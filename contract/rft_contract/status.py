@@ -1,0 +1,123 @@
+"""The RFTJob status: who writes which subtree (docs/design.md, "Status contract").
+
+    phase, message, attempt, restarts, conditions, ...   the operator
+    trainer                                             the trainer's rank 0 (the operator seeds progress)
+    weightSync.target, counts                           the operator
+    weightSync.replicas[<pod>]                          that pod's sync agent
+
+Every subtree allows unknown fields: older and newer writers must not break each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from .spec import Model
+
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class CheckpointRef(Model):
+    model_config = ConfigDict(extra="allow")
+    step: int | None = None
+    uri: str | None = None
+    time: str | None = None
+    bytes: int | None = None
+    save_seconds: float | None = None
+
+
+class WeightsRef(Model):
+    model_config = ConfigDict(extra="allow")
+    version: int | None = None
+    uri: str | None = None
+    time: str | None = None
+    id: str | None = Field(default=None, description="Export id: tells re-exports of a version apart")
+
+
+class TrainerStatus(Model):
+    """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
+
+    model_config = ConfigDict(extra="allow")
+    step: int | None = None
+    total_steps: int | None = None
+    attempt: int | None = Field(default=None, description="The gang attempt that reported `step`")
+    progress: str | None = Field(default=None, description="step/totalSteps, for kubectl")
+    last_checkpoint: CheckpointRef | None = None
+    latest_weights: WeightsRef | None = None
+    weight_versions: list[int] | None = Field(default=None, description="Committed, retained exports")
+    metrics: dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+
+class ReplicaSync(Model):
+    """Written by the sync agent of one inference pod."""
+
+    model_config = ConfigDict(extra="allow")
+    version: int | None = None
+    id: str | None = None
+    time: str | None = None
+    load_seconds: float | None = None
+    download_seconds: float | None = None
+    verify_seconds: float | None = None
+    reload_seconds: float | None = None
+    error: str | None = None
+    error_time: str | None = None
+    attempts: int | None = None
+
+
+class WeightSyncStatus(Model):
+    model_config = ConfigDict(extra="allow")
+    target: WeightsRef | None = None
+    replicas: dict[str, ReplicaSync] | None = None
+    synced_replicas: int | None = None
+    desired_replicas: int | None = None
+    synced: str | None = Field(default=None, description="syncedReplicas/desiredReplicas")
+    lag_steps: int | None = None
+
+
+class FailureRecord(Model):
+    attempt: int
+    pod: str | None = None
+    exit_code: int | None = None
+    reason: str
+    message: str = ""
+    time: str
+
+
+class RFTJobStatus(Model):
+    model_config = ConfigDict(extra="allow")
+    phase: Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"] | None = None
+    message: str | None = None
+    observed_generation: int | None = None
+    attempt: int | None = None
+    restarts: int | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    last_failure: FailureRecord | None = None
+    conditions: list[Condition] | None = None
+    trainer: TrainerStatus | None = None
+    weight_sync: WeightSyncStatus | None = None
+
+
+# Printer columns for `kubectl get rftjobs` (jsonPath into the object).
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "string", "jsonPath": ".status.trainer.progress"},
+    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step"},
+    {"name": "Weights", "type": "integer", "jsonPath": ".status.trainer.latestWeights.version"},
+    {"name": "Synced", "type": "string", "jsonPath": ".status.weightSync.synced"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
+    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+

@@ -1,0 +1,62 @@
+"""The RFTJob's conditions: Checkpointed, Running, Suspended, Succeeded, Failed, and
+WeightsSynced when the job serves inference. Pure, no I/O.
+
+Every condition the operator manages is written on every pass, True or False, so
+`kubectl wait --for=condition=...` works both ways; the merge (`policy.compute_conditions`)
+moves `lastTransitionTime` only when a status flips and keeps conditions others own.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from rft_contract import names as c
+
+from .model import Obj
+from .policy import Cond, compute_conditions
+
+
+def compute_job_conditions(old_conditions: list[Obj] | None, gang_status: Obj, failed_reason: str | None,
+                           trainer: Obj, sync_cond: Cond | None, generation: int | None,
+                           now: datetime) -> list[Obj]:
+    """The merged condition list: this pass's phase and message (`gang_status`), the
+    trainer's last committed checkpoint, and the WeightsSynced condition if any."""
+    reason = failed_reason or compute_failed_reason(old_conditions)
+    new = [build_checkpointed(trainer.get("lastCheckpoint") or {})]
+    new += build_phase_conditions(gang_status.get("phase"), gang_status.get("message") or "", reason)
+    if sync_cond is not None:
+        new.append(sync_cond)
+    return compute_conditions(old_conditions, new, generation, now)
+
+
+def compute_failed_reason(old_conditions: list[Obj] | None) -> str:
+    """A failed job keeps the reason it failed with (FatalExitCode, ...) on later passes,
+    which no longer know why."""
+    return next(
+        (x.get("reason") for x in old_conditions or []
+         if x.get("type") == c.COND_FAILED and x.get("status") == "True"),
+        c.FAILED,
+    )
+
+
+def build_checkpointed(checkpoint: Obj) -> Cond:
+    """True once the trainer reported a committed checkpoint (`status.trainer.lastCheckpoint`)."""
+    step = checkpoint.get("step")
+    if step is None:
+        return Cond(c.COND_CHECKPOINTED, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet")
+    return Cond(c.COND_CHECKPOINTED, True, c.REASON_CHECKPOINT_SAVED, f"step {step} at {checkpoint.get('uri')}")
+
+
+def build_phase_conditions(phase: str | None, message: str, failed_reason: str) -> list[Cond]:
+    """One condition per phase a user waits for; only the current phase's is True. Running
+    always carries the phase message (why it is not running yet), the others only while True."""
+    return [
+        Cond(c.COND_RUNNING, phase == c.RUNNING, phase or c.PENDING, message),
+        Cond(c.COND_SUSPENDED, phase == c.SUSPENDED,
+             c.REASON_SUSPENDED if phase == c.SUSPENDED else c.REASON_NOT_SUSPENDED,
+             message if phase == c.SUSPENDED else ""),
+        Cond(c.COND_SUCCEEDED, phase == c.SUCCEEDED, phase or c.PENDING,
+             message if phase == c.SUCCEEDED else ""),
+        Cond(c.COND_FAILED, phase == c.FAILED, failed_reason if phase == c.FAILED else phase or c.PENDING,
+             message if phase == c.FAILED else ""),
+    ]

@@ -1,0 +1,198 @@
+"""The trainer gang's lifecycle and the failure policy. Pure, no I/O.
+
+The gang is all-or-nothing: torchrun's static rendezvous needs every rank, so one failed
+or vanished pod ends the attempt, and a restart is a whole new gang (`attempt + 1`, new
+pod names) after `spec.failurePolicy.backoffSeconds`. Exit codes the policy calls fatal
+and an exhausted restart budget fail the job instead. Suspend removes the pods and keeps
+the checkpoints; resume starts a new attempt that resumes from the last checkpoint.
+
+Phases: Pending (gang being created or scheduled) -> Running (every rank running) ->
+Succeeded (every rank exited 0). A failure in Pending or Running goes to Restarting, then
+Pending with the next attempt, or to Failed (fatal exit code, budget spent, invalid spec).
+Suspended can be entered from any non-terminal phase.
+
+`compute_gang` threads one immutable `Gang` value through small steps; nothing here reads
+another concern's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from rft_contract import names as c
+from rft_contract.spec import RFTJobSpec
+
+from . import policy
+from .model import Event, Obj, PodView, compute_deletions
+from .objects import JobRef
+from .trainer_pods import build_trainer_pod
+
+# The status fields this concern owns.
+GANG_STATUS_KEYS = ("phase", "message", "attempt", "restarts", "startTime", "completionTime", "lastFailure")
+
+
+@dataclass(frozen=True)
+class Gang:
+    """The gang's status fields after this pass, and what to do about the trainer pods."""
+
+    status: Obj  # GANG_STATUS_KEYS
+    failed_reason: str | None = None  # reason of a failure decided in this pass
+    events: tuple[Event, ...] = ()
+    create: tuple[Obj, ...] = ()
+    delete: tuple[str, ...] = ()
+    requeue_after: float | None = None
+
+    @property
+    def phase(self) -> str | None:
+        return self.status.get("phase")
+
+    @property
+    def attempt(self) -> int:
+        return self.status["attempt"]
+
+
+def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj,
+                 pods: list[PodView], now: datetime) -> Gang:
+    """One pass over the trainer pods. `old` is the stored operator status, `pods` the
+    trainer pods of every attempt, `spec` None when the stored spec is invalid."""
+    g = _start(old)
+    if spec is None:
+        return _fail(g, pods, now, c.REASON_INVALID_SPEC, spec_error)
+    if g.phase in c.TERMINAL_PHASES:
+        return _delete(g, [x for x in pods if x.active])
+    if spec.suspend:
+        g = _delete(g, [x for x in pods if x.active])
+        return _set_phase(g, c.SUSPENDED, "suspended: pods removed, checkpoints kept", c.REASON_SUSPENDED)
+    if g.phase == c.SUSPENDED:
+        g = _next_attempt(g, "resumed", c.REASON_RESUMED)
+    if g.attempt == 0:
+        g = _set_phase(replace(g, status={**g.status, "attempt": 1}), c.PENDING, "starting attempt 1",
+                       c.REASON_CREATED)
+    if g.phase == c.RESTARTING:
+        g = _restart_when_due(g, spec, pods, now)
+        if g.phase == c.RESTARTING:
+            return g
+    return _run(g, ref, spec, old, pods, now)
+
+
+def _start(old: Obj) -> Gang:
+    """The stored fields, with attempt 0 meaning "no gang started yet" and no restarts."""
+    status = {k: old.get(k) for k in GANG_STATUS_KEYS}
+    status["attempt"] = status["attempt"] or 0
+    status["restarts"] = status["restarts"] or 0
+    return Gang(status)
+
+
+def _set_phase(g: Gang, phase: str, message: str, reason: str = "", warn: bool = False) -> Gang:
+    """Set phase and message; a phase change is also reported as an event."""
+    events = g.events
+    if g.phase != phase:
+        events += (Event("Warning" if warn else "Normal", reason or phase, message),)
+    return replace(g, status={**g.status, "phase": phase, "message": message}, events=events)
+
+
+def _delete(g: Gang, pods: list[PodView]) -> Gang:
+    return replace(g, delete=compute_deletions(g.delete, pods))
+
+
+def _next_attempt(g: Gang, verb: str, reason: str) -> Gang:
+    attempt = g.attempt + 1
+    g = replace(g, status={**g.status, "attempt": attempt})
+    return _set_phase(g, c.PENDING, f"{verb}: starting attempt {attempt}", reason)
+
+
+def _restart_when_due(g: Gang, spec: RFTJobSpec, pods: list[PodView], now: datetime) -> Gang:
+    """In Restarting: tear the old gang down, then wait out the backoff. Still Restarting
+    on return while waiting, Pending with the next attempt once due.
+
+    Terminated pods are kept (they hold no resources, and their logs explain the
+    failure); the garbage collector removes them with the job."""
+    active = [x for x in pods if x.active or x.deleting]
+    g = _delete(g, active)
+    failed_at = policy.parse_time((g.status.get("lastFailure") or {}).get("time"))
+    wait = policy.backoff_remaining(failed_at, spec.failure_policy.backoff_seconds, now)
+    if wait > 0:
+        return replace(g, requeue_after=wait)
+    if active:  # old pods still terminating; their deletion events wake us
+        return g
+    return _next_attempt(g, "restarted", c.REASON_RESTARTED)
+
+
+def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], now: datetime) -> Gang:
+    """Pending/Running: create the gang, watch it, apply the failure policy."""
+    nodes, attempt = spec.trainer.nodes, g.attempt
+    # Pods of earlier attempts: stop the live ones; keep terminated ones for their logs.
+    stale = [x for x in pods if x.attempt != attempt and (x.active or x.deleting)]
+    gang = {x.rank: x for x in pods if x.attempt == attempt}
+    g = _delete(g, stale)
+
+    failure = compute_first_failure(ref.name, old, attempt, gang, nodes)
+    if failure:
+        return _handle_failure(g, spec, failure, list(gang.values()), pods, now)
+    if len(gang) == nodes and all(x.phase == "Succeeded" for x in gang.values()):
+        g = _set_phase(g, c.SUCCEEDED, f"all {nodes} trainer pods succeeded", c.REASON_SUCCEEDED)
+        return replace(g, status={**g.status, "completionTime": policy.format_time(now)})
+    if len(gang) == nodes and all(x.phase in ("Running", "Succeeded") for x in gang.values()):
+        g = _set_phase(g, c.RUNNING, f"all {nodes} trainer pods running", c.REASON_ALL_RUNNING)
+        return replace(g, status={**g.status, "startTime": g.status.get("startTime") or policy.format_time(now)})
+    if not stale:  # a new gang starts only once the previous one is gone
+        missing = [build_trainer_pod(ref, spec, attempt, r) for r in range(nodes) if r not in gang]
+        g = replace(g, create=g.create + tuple(missing))
+    ready = sum(1 for x in gang.values() if x.phase == "Running")
+    # No event: waiting for pods to schedule is not news.
+    return replace(g, status={**g.status, "phase": c.PENDING,
+                              "message": f"attempt {attempt}: {ready}/{nodes} trainer pods running"})
+
+
+def compute_first_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], nodes: int) -> Obj | None:
+    """The failure that ends this attempt, lowest rank first: a failed pod, a deleted or
+    lost one, or (once the whole gang had been running) one that disappeared. None while
+    the gang is healthy. A pod missing before the gang ever ran is simply recreated."""
+    for rank in sorted(gang):
+        x = gang[rank]
+        if x.phase == "Failed":
+            how = f" with exit code {x.exit_code}" if x.exit_code is not None else f" ({x.reason or 'no exit code'})"
+            return {"pod": x.name, "exitCode": x.exit_code, "reason": c.REASON_POD_FAILED,
+                    "message": f"pod {x.name} failed" + how}
+        if x.phase == "Unknown" or x.deleting:
+            return {"pod": x.name, "exitCode": None, "reason": c.REASON_POD_DELETED,
+                    "message": f"pod {x.name} was deleted or lost its node"}
+    if old.get("phase") == c.RUNNING and old.get("attempt") == attempt:
+        # The whole gang was running; a vanished pod breaks the rendezvous.
+        for rank in range(nodes):
+            if rank not in gang:
+                name = c.pod_name(job, attempt, rank)
+                return {"pod": name, "exitCode": None, "reason": c.REASON_POD_DELETED,
+                        "message": f"pod {name} disappeared"}
+    return None
+
+
+def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Obj, gang: list[PodView],
+                    pods: list[PodView], now: datetime) -> Gang:
+    """Record the failure, then fail the job (fatal code, budget spent) or restart the gang."""
+    fp = spec.failure_policy
+    restarts = g.status["restarts"]
+    record = {"attempt": g.attempt, **failure, "time": policy.format_time(now)}
+    g = replace(g, status={**g.status, "lastFailure": record})
+    if policy.classify_exit_code(failure["exitCode"], fp) == policy.FATAL:
+        return _fail(g, pods, now, c.REASON_FATAL_EXIT,
+                     f"{failure['message']}; exit code {failure['exitCode']} is fatal under "
+                     "spec.failurePolicy (fatalExitCodes/retryableExitCodes); fix the cause and "
+                     "create the job again")
+    if not policy.should_restart(restarts, fp):
+        return _fail(g, pods, now, c.REASON_BACKOFF_LIMIT,
+                     f"{failure['message']}; restart budget exhausted after {restarts} "
+                     f"restarts (spec.failurePolicy.maxRestarts={fp.max_restarts})")
+    restarts += 1
+    g = _delete(replace(g, status={**g.status, "restarts": restarts}), [x for x in gang if x.active])
+    g = _set_phase(g, c.RESTARTING, f"{failure['message']}; restart {restarts}/{fp.max_restarts} "
+                   f"in {fp.backoff_seconds}s", c.REASON_RESTARTING, warn=True)
+    return replace(g, requeue_after=float(fp.backoff_seconds))
+
+
+def _fail(g: Gang, pods: list[PodView], now: datetime, reason: str, message: str) -> Gang:
+    """Terminal: stop every live trainer pod; keep the first completion time."""
+    g = _set_phase(_delete(g, [x for x in pods if x.active]), c.FAILED, message, reason, warn=True)
+    done = g.status.get("completionTime") or policy.format_time(now)
+    return replace(g, status={**g.status, "completionTime": done}, failed_reason=reason)

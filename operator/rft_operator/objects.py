@@ -1,0 +1,168 @@
+"""What every child object of an RFTJob shares. Pure, no I/O.
+
+Identity (JobRef, labels, the controller owner reference, metadata), the spec hash that
+tells a drifted child apart, and the pod-level pieces that trainer, inference and explorer
+pods must agree on: one service account, one security posture, one placement, the same
+GPU requests and S3 environment. Kept in one place so the three pod builders
+(`trainer_pods`, `rollout_pods`) and the static children (`children`) cannot drift apart.
+
+Names are deterministic (`rft_contract.names`), so "create what is missing by name, treat
+409 as success, delete leftovers" is the whole idempotency mechanism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from rft_contract import names as c
+from rft_contract.spec import RFTJobSpec
+
+Obj = dict[str, Any]
+
+# Non-root user of the trainer image (trainer_image/Dockerfile creates it).
+IMAGE_UID = 1000
+
+
+class JobRef:
+    """Identity of the RFTJob that children point back to."""
+
+    def __init__(self, name: str, namespace: str, uid: str):
+        self.name, self.namespace, self.uid = name, namespace, uid
+
+    @classmethod
+    def from_body(cls, body: Obj) -> "JobRef":
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta.get("uid", ""))
+
+
+def trainer_service_account(job: str, spec: RFTJobSpec) -> str:
+    """Every pod of the job runs as this account: the user's if given (e.g. for IRSA),
+    else the one the operator creates; the status RoleBinding binds the same one."""
+    return spec.trainer.service_account_name or c.own_service_account_name(job)
+
+
+def labels(job: str, role: str | None = None, attempt: int | None = None) -> dict[str, str]:
+    out = {c.LABEL_JOB: job, c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    if role:
+        out[c.LABEL_ROLE] = role
+    if attempt is not None:
+        out[c.LABEL_ATTEMPT] = str(attempt)
+    return out
+
+
+def owner_reference(ref: JobRef) -> Obj:
+    """Controller reference: the garbage collector removes children with the job."""
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": ref.name,
+        "uid": ref.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def build_meta(ref: JobRef, name: str, lbls: dict[str, str], annotations: Obj | None = None) -> Obj:
+    meta: Obj = {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": lbls,
+        "ownerReferences": [owner_reference(ref)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def spec_hash(data: Any) -> str:
+    """Short, order-independent digest: the operator replaces a child whose hash drifted."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ pod pieces
+
+
+def build_pod(ref: JobRef, spec: RFTJobSpec, name: str, lbls: dict[str, str], pod_spec: Obj) -> Obj:
+    """A Pod object; every pod of the job gets the trainer's placement constraints."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": build_meta(ref, name, lbls),
+        "spec": {**pod_spec, **build_placement(spec)},
+    }
+
+
+def build_placement(spec: RFTJobSpec) -> Obj:
+    """Trainer, inference and explorer pods share the trainer's placement constraints."""
+    t = spec.trainer
+    out: Obj = {}
+    if t.node_selector:
+        out["nodeSelector"] = dict(t.node_selector)
+    if t.tolerations:
+        out["tolerations"] = [tol.model_dump(by_alias=True, exclude_none=True) for tol in t.tolerations]
+    if t.priority_class_name:
+        out["priorityClassName"] = t.priority_class_name
+    if t.scheduler_name:
+        out["schedulerName"] = t.scheduler_name
+    return out
+
+
+def build_pod_security_context(spec: RFTJobSpec) -> Obj:
+    """Restricted by default (non-root image user, RuntimeDefault seccomp); relaxed only
+    by explicit `spec.trainer.securityContext` fields."""
+    sc = spec.trainer.security_context
+    uid = IMAGE_UID if sc.run_as_user is None else sc.run_as_user
+    return {
+        "runAsNonRoot": sc.run_as_non_root if sc.run_as_non_root is not None else uid != 0,
+        "runAsUser": uid,
+        "runAsGroup": IMAGE_UID if sc.run_as_group is None else sc.run_as_group,
+        "fsGroup": IMAGE_UID if sc.fs_group is None else sc.fs_group,
+        "seccompProfile": {"type": sc.seccomp_profile or "RuntimeDefault"},
+    }
+
+
+def build_container_security_context(spec: RFTJobSpec) -> Obj:
+    sc = spec.trainer.security_context
+    caps: Obj = {"drop": ["ALL"]}
+    if sc.add_capabilities:
+        caps["add"] = list(sc.add_capabilities)
+    return {
+        "allowPrivilegeEscalation": bool(sc.allow_privilege_escalation),
+        "capabilities": caps,
+    }
+
+
+def build_resources(res, gpus: int) -> Obj:
+    """Requests/limits with `gpus` NVIDIA GPUs added to both."""
+    # Quantities go out as strings: the API accepts both, typed clients only strings.
+    requests = {k: str(v) for k, v in res.requests.items()}
+    limits = {k: str(v) for k, v in res.limits.items()}
+    if gpus > 0:
+        limits["nvidia.com/gpu"] = requests["nvidia.com/gpu"] = str(gpus)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def build_s3_env(spec: RFTJobSpec) -> list[Obj]:
+    """S3 endpoint, region and credentials for every container that reads or writes the
+    checkpoint bucket."""
+    ck = spec.checkpoint
+    env: list[Obj] = []
+    if ck.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": ck.endpoint})
+    if ck.region:
+        env.append({"name": "AWS_REGION", "value": ck.region})
+    if ck.credentials_secret:
+        # Referenced, never copied: the values stay in the Secret.
+        for key, optional in (
+            ("AWS_ACCESS_KEY_ID", False),
+            ("AWS_SECRET_ACCESS_KEY", False),
+            ("AWS_SESSION_TOKEN", True),
+        ):
+            ref = {"name": ck.credentials_secret, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env

@@ -1,0 +1,158 @@
+"""The rollout pods: inference replicas and explorers. Pure, no I/O.
+
+Unlike the trainer gang they live across trainer attempts, under stable names
+(`<job>-inference-<i>`, `<job>-explorer-<i>`), and carry a hash of their rendered spec so
+the reconcile can replace one whose spec drifted (`rollout.py`). An inference pod pairs
+the engine with a sync agent on a shared weights volume; the agent loads whatever
+`status.weightSync.target` names (docs/design.md, "Weight sync").
+"""
+
+from __future__ import annotations
+
+from rft_contract import names as c
+from rft_contract.spec import RFTJobSpec
+
+from .objects import (JobRef, Obj, build_container_security_context, build_pod,
+                      build_pod_security_context, build_resources, build_s3_env, labels, spec_hash,
+                      trainer_service_account)
+
+
+def inference_endpoints(ref: JobRef, spec: RFTJobSpec) -> list[str]:
+    """Stable per-replica URLs (headless Service DNS); explorers balance over them."""
+    inf = spec.inference
+    if inf is None:
+        return []
+    svc = c.inference_service_name(ref.name)
+    return [f"http://{c.inference_pod_name(ref.name, i)}.{svc}.{ref.namespace}.svc:{inf.port}"
+            for i in range(inf.replicas)]
+
+
+def _identity_env(ref: JobRef) -> list[Obj]:
+    return [
+        {"name": c.ENV_JOB_NAME, "value": ref.name},
+        {"name": c.ENV_JOB_NAMESPACE, "value": ref.namespace},
+        {"name": c.ENV_JOB_UID, "value": ref.uid},
+        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
+    """The inference engine. The reference engine starts empty and is loaded by the sync
+    agent; vLLM/SGLang start from the weights an init container fetched."""
+    inf = spec.inference
+    port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
+    commands = {
+        "reference": (["python", "-m", "rft_serving.serve"],
+                      ["--port", port, "--served-model-name", c.SERVED_MODEL_NAME]),
+        "vllm": (["vllm", "serve"], [initial, "--host", "0.0.0.0", "--port", port,
+                                     "--served-model-name", c.SERVED_MODEL_NAME]),
+        "sglang": (["python", "-m", "sglang.launch_server"],
+                   ["--model-path", initial, "--host", "0.0.0.0", "--port", port,
+                    "--served-model-name", c.SERVED_MODEL_NAME]),
+    }
+    command, args = commands[inf.engine]
+    env = [{"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if inf.engine == "vllm":
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # weight-update endpoints
+    return {
+        "name": "engine",
+        "image": inf.image or spec.trainer.image,
+        "command": command,
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": inf.port}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": inf.port},
+                           "periodSeconds": 5, "failureThreshold": 2},
+        "resources": build_resources(inf.resources, inf.gpus_per_replica),
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+    }
+
+
+def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[str]) -> Obj:
+    """The sync agent (sidecar), or with `--fetch-only` the init container that fetches
+    the initial weights for engines that cannot start empty."""
+    inf = spec.inference
+    return {
+        "name": name,
+        "image": spec.trainer.image,
+        "command": ["python", "-m", "rft_serving.sync_agent"],
+        "args": ["--engine", inf.engine, "--engine-port", str(inf.port),
+                 "--dest", c.WEIGHTS_MOUNT, *extra_args],
+        "env": _identity_env(ref) + build_s3_env(spec),
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+    }
+
+
+def _with_hash(pod: Obj) -> Obj:
+    """Stamp the rendered pod's hash: the operator replaces a pod whose spec drifted."""
+    pod["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = spec_hash(pod["spec"])
+    return pod
+
+
+def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
+    """One inference replica: the engine plus its sync agent, sharing a weights volume.
+    Stable names (`<job>-inference-<i>`) key the replica entries in status.weightSync."""
+    name = c.inference_pod_name(ref.name, index)
+    lbls = labels(ref.name, c.ROLE_INFERENCE) | {c.LABEL_REPLICA: str(index)}
+    pod_spec: Obj = {
+        "hostname": name,
+        "subdomain": c.inference_service_name(ref.name),
+        "restartPolicy": "Always",
+        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "securityContext": build_pod_security_context(spec),
+        "containers": [_engine_container(ref, spec), _agent_container(ref, spec, "sync-agent", [])],
+        "volumes": [{"name": "weights", "emptyDir": {}}],
+    }
+    if spec.inference.engine != "reference":
+        pod_spec["initContainers"] = [_agent_container(ref, spec, "fetch-weights",
+                                                       ["--fetch-only", f"{c.WEIGHTS_MOUNT}/initial"])]
+    return _with_hash(build_pod(ref, spec, name, lbls, pod_spec))
+
+
+def _explorer_container(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
+    ex = spec.explorer
+    env = _identity_env(ref) + [
+        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
+        {"name": c.ENV_EXPLORER_INDEX, "value": str(index)},
+        {"name": c.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
+        {"name": c.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
+    ] + build_s3_env(spec)
+    return {
+        "name": "explorer",
+        "image": ex.image or spec.trainer.image,
+        "command": ["python", "-m", "rft_rollout.explorer"],
+        "args": ["--config", f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"],
+        "env": env,
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True}],
+    }
+
+
+def build_explorer_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
+    """One explorer: rollouts against every inference replica, experience to the buffer."""
+    name = c.explorer_pod_name(ref.name, index)
+    lbls = labels(ref.name, c.ROLE_EXPLORER) | {c.LABEL_REPLICA: str(index)}
+    pod_spec: Obj = {
+        # Exit 0 once the trainer is done; a crash restarts in place and resumes.
+        "restartPolicy": "OnFailure",
+        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "securityContext": build_pod_security_context(spec),
+        "containers": [_explorer_container(ref, spec, index)],
+        "volumes": [{"name": "config", "configMap": {"name": c.configmap_name(ref.name)}}],
+    }
+    return _with_hash(build_pod(ref, spec, name, lbls, pod_spec))
+
+
+def build_rollout_pods(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
+    """Desired inference and explorer pods (they live across trainer attempts)."""
+    out = []
+    if spec.inference is not None:
+        out += [build_inference_pod(ref, spec, i) for i in range(spec.inference.replicas)]
+    if spec.explorer is not None:
+        out += [build_explorer_pod(ref, spec, i) for i in range(spec.explorer.replicas)]
+    return out

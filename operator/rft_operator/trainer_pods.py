@@ -1,0 +1,103 @@
+"""The trainer gang's pods: one pod per node, named `<job>-trainer-<attempt>-<rank>`. Pure.
+
+Every rank runs torchrun with a static rendezvous on rank 0's stable DNS name (the
+headless `<job>-trainer` Service), so a gang is a fixed set of named pods per attempt and
+a restart is a new attempt with new names. Terminated pods of earlier attempts keep their
+names and logs.
+"""
+
+from __future__ import annotations
+
+from rft_contract import names as c
+from rft_contract.spec import RFTJobSpec
+
+from .objects import (JobRef, Obj, build_container_security_context, build_pod,
+                      build_pod_security_context, build_resources, build_s3_env, labels,
+                      trainer_service_account)
+
+
+def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
+    """What the trainer needs to find its job, its config and its checkpoint bucket."""
+    env = [
+        {"name": c.ENV_JOB_NAME, "value": ref.name},
+        {"name": c.ENV_JOB_NAMESPACE, "value": ref.namespace},
+        {"name": c.ENV_JOB_UID, "value": ref.uid},
+        {"name": c.ENV_ATTEMPT, "value": str(attempt)},
+        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
+        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The base model is downloaded once per pod into its own volume, not the image's /tmp.
+        {"name": "RFT_MODEL_CACHE", "value": c.MODEL_CACHE_MOUNT},
+        # The trainer checkpoints on SIGTERM only if that fits in the grace period.
+        {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
+    ]
+    env += build_s3_env(spec)
+    env += [{"name": e.name, "value": e.value} for e in spec.trainer.env]
+    return env
+
+
+def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> list[str]:
+    """Static rendezvous: every rank knows the gang size and rank 0's address up front."""
+    t = spec.trainer
+    return [
+        f"--nnodes={t.nodes}",
+        f"--nproc-per-node={max(1, t.gpus_per_node)}",
+        f"--node-rank={rank}",
+        f"--master-addr={c.master_addr(ref.name, attempt, ref.namespace)}",
+        f"--master-port={t.master_port}",
+        "-m",
+        "rft_trainer",
+        "--config",
+        f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}",
+    ]
+
+
+def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> Obj:
+    t = spec.trainer
+    container: Obj = {
+        "name": "trainer",
+        "image": t.image,
+        # torchrun's own CLI, through a wrapper that keeps the failed worker's exit code
+        # (plain torchrun exits 1 for every failure, hiding fatal codes like 78).
+        "command": ["python", "-m", "rft_trainer.launch"],
+        "args": build_torchrun_args(ref, spec, attempt, rank),
+        "env": build_trainer_env(ref, spec, attempt),
+        "ports": [{"name": "rendezvous", "containerPort": t.master_port}],
+        "resources": build_resources(t.resources, t.gpus_per_node),
+        "securityContext": build_container_security_context(spec),
+        "volumeMounts": [
+            {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": c.MODEL_CACHE_MOUNT},
+        ],
+    }
+    if t.image_pull_policy:
+        container["imagePullPolicy"] = t.image_pull_policy
+    return container
+
+
+def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> Obj:
+    """`restartPolicy: Never`: a failed rank ends the attempt; the operator decides
+    whether the whole gang restarts (see `gang.py`)."""
+    t = spec.trainer
+    name = c.pod_name(ref.name, attempt, rank)
+    lbls = labels(ref.name, c.ROLE_TRAINER, attempt) | {c.LABEL_RANK: str(rank)}
+    pod_spec: Obj = {
+        "hostname": name,
+        "subdomain": c.service_name(ref.name),
+        "restartPolicy": "Never",
+        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "terminationGracePeriodSeconds": t.termination_grace_period_seconds,
+        "securityContext": build_pod_security_context(spec),
+        "containers": [build_trainer_container(ref, spec, attempt, rank)],
+        "volumes": [
+            {"name": "config", "configMap": {"name": c.configmap_name(ref.name)}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.shm_size}},
+            {"name": "model-cache", "emptyDir": {}},
+        ],
+    }
+    return build_pod(ref, spec, name, lbls, pod_spec)
+
+
+def build_trainer_pods(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
+    return [build_trainer_pod(ref, spec, attempt, r) for r in range(spec.trainer.nodes)]

@@ -1,0 +1,57 @@
+"""Optimizer knobs of `spec.optimizer` and `spec.model.dtype` do what their docs say."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rft_trainer.parallelize import build_model, init_distributed
+from rft_trainer.roles import make_optimizer, make_scheduler
+from tests.fixtures.models import save_tiny_model
+
+
+def lrs(schedule: str, min_lr_ratio: float, steps: int = 12, warmup: int = 2) -> list[float]:
+    opt = make_optimizer(torch.nn.Linear(2, 2), lr=1.0)
+    sched = make_scheduler(opt, warmup, total_steps=10, schedule=schedule, min_lr_ratio=min_lr_ratio)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_cosine_decays_to_min_lr_ratio_and_stays_there():
+    got = lrs("cosine", 0.1)
+    assert got[:2] == [0.5, 1.0]  # linear warmup
+    assert got[2] == pytest.approx(1.0)
+    assert got[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert got[10:] == pytest.approx([0.1, 0.1])  # at and past total_steps
+
+
+def test_cosine_without_floor_reaches_zero_and_constant_ignores_the_ratio():
+    assert lrs("cosine", 0.0)[10] == pytest.approx(0.0)
+    assert lrs("constant", 0.5)[2:] == pytest.approx([1.0] * 10)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A one-process gloo group: fully_shard needs a process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    yield init_distributed()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype, want", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_master_weights_dtype(tmp_path, world_of_one, dtype, want):
+    model = build_model(str(save_tiny_model(tmp_path / "m")), world_of_one, fsdp_mode="fp32", param_dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {want}

@@ -1,0 +1,78 @@
+"""The conditions concern on its own: phase, failure reason, checkpoint, WeightsSynced -> conditions."""
+
+import pytest
+
+from rft_contract import names as c
+from rft_operator import conditions
+from rft_operator.policy import Cond
+
+from .conftest import NOW
+
+PHASE_TYPES = (c.COND_RUNNING, c.COND_SUSPENDED, c.COND_SUCCEEDED, c.COND_FAILED)
+
+
+@pytest.mark.parametrize("phase, true_type, reasons", [
+    # reasons in PHASE_TYPES order
+    (None, None, (c.PENDING, c.REASON_NOT_SUSPENDED, c.PENDING, c.PENDING)),
+    (c.PENDING, None, (c.PENDING, c.REASON_NOT_SUSPENDED, c.PENDING, c.PENDING)),
+    (c.RUNNING, c.COND_RUNNING, (c.RUNNING, c.REASON_NOT_SUSPENDED, c.RUNNING, c.RUNNING)),
+    (c.RESTARTING, None, (c.RESTARTING, c.REASON_NOT_SUSPENDED, c.RESTARTING, c.RESTARTING)),
+    (c.SUSPENDED, c.COND_SUSPENDED, (c.SUSPENDED, c.REASON_SUSPENDED, c.SUSPENDED, c.SUSPENDED)),
+    (c.SUCCEEDED, c.COND_SUCCEEDED, (c.SUCCEEDED, c.REASON_NOT_SUSPENDED, c.SUCCEEDED, c.SUCCEEDED)),
+    (c.FAILED, c.COND_FAILED, (c.FAILED, c.REASON_NOT_SUSPENDED, c.FAILED, "WhyItFailed")),
+])
+def test_build_phase_conditions(phase, true_type, reasons):
+    conds = conditions.build_phase_conditions(phase, "the message", "WhyItFailed")
+    assert tuple(x.type for x in conds) == PHASE_TYPES
+    assert [x.type for x in conds if x.status] == ([true_type] if true_type else [])
+    assert tuple(x.reason for x in conds) == reasons
+    # Running always explains itself; the others only while True.
+    assert {x.type for x in conds if x.message} == {c.COND_RUNNING} | ({true_type} if true_type else set())
+
+
+@pytest.mark.parametrize("checkpoint, status, reason, message", [
+    ({}, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
+    ({"step": None, "uri": "s3://x"}, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
+    ({"step": 0, "uri": "s3://c/ckpt/step-00000000"}, True, c.REASON_CHECKPOINT_SAVED, "step 0 at s3://c/ckpt/step-00000000"),
+    ({"step": 5}, True, c.REASON_CHECKPOINT_SAVED, "step 5 at None"),
+])
+def test_build_checkpointed(checkpoint, status, reason, message):
+    assert conditions.build_checkpointed(checkpoint) == Cond(c.COND_CHECKPOINTED, status, reason, message)
+
+
+def failed(status, reason):
+    return {"type": c.COND_FAILED, "status": status, "reason": reason}
+
+
+@pytest.mark.parametrize("old, want", [
+    (None, c.FAILED),
+    ([], c.FAILED),
+    ([failed("True", c.REASON_FATAL_EXIT)], c.REASON_FATAL_EXIT),
+    ([failed("False", c.REASON_FATAL_EXIT)], c.FAILED),  # not failed then: no reason to keep
+    ([{"type": c.COND_RUNNING, "status": "True", "reason": "X"}], c.FAILED),
+])
+def test_compute_failed_reason(old, want):
+    assert conditions.compute_failed_reason(old) == want
+
+
+@pytest.mark.parametrize("old, this_pass, want", [
+    ([failed("True", c.REASON_FATAL_EXIT)], None, c.REASON_FATAL_EXIT),            # kept across passes
+    ([failed("True", c.REASON_FATAL_EXIT)], c.REASON_INVALID_SPEC, c.REASON_INVALID_SPEC),  # this pass wins
+    (None, c.REASON_BACKOFF_LIMIT, c.REASON_BACKOFF_LIMIT),
+])
+def test_failed_reason_precedence(old, this_pass, want):
+    out = conditions.compute_job_conditions(old, {"phase": c.FAILED, "message": "m"}, this_pass, {}, None, 1, NOW)
+    assert next(x for x in out if x["type"] == c.COND_FAILED)["reason"] == want
+
+
+@pytest.mark.parametrize("sync_cond, want_types", [
+    (None, sorted(PHASE_TYPES + (c.COND_CHECKPOINTED,))),
+    (Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED), sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_WEIGHTS_SYNCED))),
+])
+def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types):
+    out = conditions.compute_job_conditions(None, {"phase": c.RUNNING, "message": "m"}, None,
+                                            {"lastCheckpoint": {"step": 1}}, sync_cond, 3, NOW)
+    assert [x["type"] for x in out] == want_types
+    assert all(x["observedGeneration"] == 3 for x in out)
+    assert {x["type"] for x in out if x["status"] == "True"} == (
+        {c.COND_RUNNING, c.COND_CHECKPOINTED} | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))

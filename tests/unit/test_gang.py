@@ -1,0 +1,119 @@
+"""The gang concern on its own: (spec, stored status, trainer pods, now) -> Gang."""
+
+from datetime import timedelta
+
+import pytest
+
+from rft_contract import names as c
+from rft_contract.spec import parse_spec
+from rft_operator import gang
+from rft_operator.model import PodView
+from rft_operator.objects import JobRef
+
+from .conftest import NOW, SPEC
+
+REF = JobRef("demo", "team-a", "0000-1111")
+FAILED_AT = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": "PodFailed", "time": "2026-11-30T12:00:00Z"}
+
+
+def pod(attempt, rank, phase="Running", exit_code=None, deleting=False):
+    return PodView(f"demo-trainer-{attempt}-{rank}", attempt, rank, phase, deleting, exit_code)
+
+
+def st(phase, attempt=1, restarts=0, **extra):
+    return {"phase": phase, "attempt": attempt, "restarts": restarts, **extra}
+
+
+# id, spec overrides (None: invalid spec), stored status, pods, seconds after NOW,
+# expected: phase, attempt, restarts, created pod names, deleted pod names, event reasons, requeue_after
+CASES = [
+    ("new-job", {}, {}, [], 0,
+     (c.PENDING, 1, 0, ["demo-trainer-1-0", "demo-trainer-1-1"], [], [c.REASON_CREATED], None)),
+    ("invalid-spec", None, st(c.RUNNING), [pod(1, 0), pod(1, 1, deleting=True)], 0,
+     (c.FAILED, 1, 0, [], ["demo-trainer-1-0"], [c.REASON_INVALID_SPEC], None)),
+    ("terminal-stops-live-pods", {}, st(c.SUCCEEDED), [pod(1, 0), pod(1, 1, "Succeeded")], 0,
+     (c.SUCCEEDED, 1, 0, [], ["demo-trainer-1-0"], [], None)),
+    ("suspend", {"suspend": True}, st(c.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+     (c.SUSPENDED, 1, 0, [], ["demo-trainer-1-0", "demo-trainer-1-1"], [c.REASON_SUSPENDED], None)),
+    ("created-suspended-stays-at-attempt-0", {"suspend": True}, {}, [], 0,
+     (c.SUSPENDED, 0, 0, [], [], [c.REASON_SUSPENDED], None)),
+    ("resume", {}, st(c.SUSPENDED), [], 0,
+     (c.PENDING, 2, 0, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [c.REASON_RESUMED], None)),
+    ("all-running", {}, st(c.PENDING), [pod(1, 0), pod(1, 1)], 0,
+     (c.RUNNING, 1, 0, [], [], [c.REASON_ALL_RUNNING], None)),
+    ("running-steady-no-event", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+     (c.RUNNING, 1, 0, [], [], [], None)),
+    ("partial-gang-fills-gaps", {}, st(c.PENDING), [pod(1, 1, "Pending")], 0,
+     (c.PENDING, 1, 0, ["demo-trainer-1-0"], [], [], None)),
+    ("all-succeeded", {}, st(c.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,
+     (c.SUCCEEDED, 1, 0, [], [], [c.REASON_SUCCEEDED], None)),
+    ("retryable-failure-restarts", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], 0,
+     (c.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [c.REASON_RESTARTING], 30.0)),
+    ("fatal-exit-fails", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], 0,
+     (c.FAILED, 1, 0, [], ["demo-trainer-1-0"], [c.REASON_FATAL_EXIT], None)),
+    ("budget-spent-fails", {}, st(c.RUNNING, 3, 2), [pod(3, 0, "Failed", 1), pod(3, 1)], 0,
+     (c.FAILED, 3, 2, [], ["demo-trainer-3-1"], [c.REASON_BACKOFF_LIMIT], None)),
+    ("vanished-pod-while-running", {}, st(c.RUNNING), [pod(1, 0)], 0,
+     (c.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [c.REASON_RESTARTING], 30.0)),
+    ("backoff-not-over", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 10,
+     (c.RESTARTING, 1, 1, [], [], [], 20.0)),
+    ("backoff-over-old-pod-terminating", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT),
+     [pod(1, 0, deleting=True)], 31,
+     (c.RESTARTING, 1, 1, [], [], [], None)),
+    ("backoff-over-next-attempt", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 31,
+     (c.PENDING, 2, 1, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [c.REASON_RESTARTED], None)),
+    ("stale-attempt-stopped-before-new-gang", {}, st(c.PENDING, 2), [pod(1, 0)], 0,
+     (c.PENDING, 2, 0, [], ["demo-trainer-1-0"], [], None)),
+]
+
+
+@pytest.mark.parametrize("spec_over, old, pods, after, want", [x[1:] for x in CASES], ids=[x[0] for x in CASES])
+def test_compute_gang(spec_over, old, pods, after, want):
+    spec = None if spec_over is None else parse_spec({**SPEC, **spec_over})
+    g = gang.compute_gang(REF, spec, "invalid spec: boom", old, pods, NOW + timedelta(seconds=after))
+    got = (g.phase, g.attempt, g.status["restarts"], [o["metadata"]["name"] for o in g.create], list(g.delete),
+           [e.reason for e in g.events], g.requeue_after)
+    assert got == want
+
+
+@pytest.mark.parametrize("old, pods, want_reason, want_warning, want_failed_reason", [
+    (st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], c.REASON_FATAL_EXIT, True, c.REASON_FATAL_EXIT),
+    (st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], c.REASON_RESTARTING, True, None),
+    (st(c.PENDING), [pod(1, 0), pod(1, 1)], c.REASON_ALL_RUNNING, False, None),
+    (st(c.FAILED), [pod(1, 0), pod(1, 1)], None, None, None),  # terminal: nothing more to say
+])
+def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_failed_reason):
+    g = gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW)
+    assert g.failed_reason == want_failed_reason
+    if want_reason is None:
+        assert g.events == ()
+    else:
+        assert [(e.reason, e.type == "Warning") for e in g.events] == [(want_reason, want_warning)]
+
+
+@pytest.mark.parametrize("old, key, want", [
+    (st(c.PENDING), "startTime", "2026-11-30T12:00:00Z"),
+    (st(c.PENDING, startTime="2026-11-30T10:00:00Z"), "startTime", "2026-11-30T10:00:00Z"),  # kept
+    (st(c.RUNNING, completionTime="2026-11-30T10:00:00Z"), "completionTime", "2026-11-30T10:00:00Z"),  # fail keeps it
+    (st(c.RUNNING), "completionTime", "2026-11-30T12:00:00Z"),
+])
+def test_times_are_set_once(old, key, want):
+    pods = [pod(1, 0), pod(1, 1)] if key == "startTime" else [pod(1, 0), pod(1, 1, "Failed", 78)]
+    assert gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW).status[key] == want
+
+
+@pytest.mark.parametrize("old, gang_pods, want", [
+    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
+    (st(c.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
+    (st(c.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, c.REASON_POD_DELETED, "disappeared")),
+    (st(c.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
+    (st(c.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, c.REASON_POD_DELETED, "lost its node")),
+    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, c.REASON_POD_FAILED, "exit code 137")),
+    (st(c.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, c.REASON_POD_FAILED, "(no exit code)")),
+])
+def test_compute_first_failure(old, gang_pods, want):
+    got = gang.compute_first_failure("demo", old, 1, gang_pods, 2)
+    if want is None:
+        assert got is None
+    else:
+        assert (got["pod"], got["exitCode"], got["reason"]) == want[:3] and want[3] in got["message"]

@@ -1,0 +1,138 @@
+"""The package layout's rules, read from the source with `ast` (nothing is imported):
+
+- no import cycles between the project's modules;
+- the contract, the operator and the sync agent never import torch (directly or through
+  another project module), so the operator image and the sync-agent sidecar stay slim;
+- the contract imports no kopf, and no deployable's package imports another's except
+  through the contract (the trainer image's packages may use `rft_trainer.experience`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"rft_contract": ROOT / "contract", "rft_operator": ROOT / "operator",
+            "rft_trainer": ROOT / "trainer_image", "rft_rollout": ROOT / "trainer_image",
+            "rft_serving": ROOT / "trainer_image"}
+SLIM = ("rft_contract", "rft_operator", "rft_serving.sync_agent")
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for pkg, base in PACKAGES.items():
+        for path in sorted((base / pkg).rglob("*.py")):
+            parts = path.relative_to(base).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """Every module `name` imports, anywhere in the file (lazy imports count too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # `from . import x`
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imports_of(name, path) for name, path in files.items()}
+
+
+def project_edges(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Project-internal edges; importing `a.b.c` also runs the packages `a` and `a.b`."""
+    def with_parents(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+    return {m: {p for i in deps for p in with_parents(i) if p in g and p != m and not m.startswith(p + ".")}
+            for m, deps in g.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def closure(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += edges[m]
+    return seen
+
+
+def test_the_walk_sees_every_package():
+    g = graph()
+    assert {"rft_contract.spec", "rft_operator.handlers", "rft_trainer.trainer",
+            "rft_rollout.explorer", "rft_serving.sync_agent"} <= set(g)
+    assert "rft_contract.spec" in project_edges(g)["rft_operator.crdgen"]
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(project_edges(graph()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("root", SLIM)
+def test_slim_deployables_never_import_torch(root):
+    g = graph()
+    edges = project_edges(g)
+    starts = [m for m in g if m == root or m.startswith(root + ".")]
+    for start in starts:
+        for m in closure(edges, start):
+            heavy = {i for i in g[m] if i.split(".")[0] in ("torch", "transformers", "safetensors")}
+            assert not heavy, f"{start} reaches {m}, which imports {sorted(heavy)}"
+
+
+def test_contract_imports_no_operator_framework_and_no_deployable():
+    g = graph()
+    for m in (m for m in g if m.startswith("rft_contract")):
+        bad = {i for i in g[m] if i.split(".")[0] in ("kopf", "rft_operator", "rft_trainer",
+                                                    "rft_rollout", "rft_serving")}
+        assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def test_operator_uses_only_the_contract():
+    g = graph()
+    for m in (m for m in g if m.startswith("rft_operator")):
+        bad = {i for i in g[m] if i.split(".")[0] in ("rft_trainer", "rft_rollout", "rft_serving")}
+        assert not bad, f"{m} imports {sorted(bad)}"

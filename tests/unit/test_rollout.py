@@ -1,0 +1,100 @@
+"""The rollout concern on its own: (spec, gang phase, WeightsSynced, rollout pods, now) -> Rollouts."""
+
+from datetime import timedelta
+
+import pytest
+
+from rft_contract import names as c
+from rft_contract.spec import parse_spec
+from rft_operator import rollout
+from rft_operator.model import PodView
+from rft_operator.objects import JobRef
+from rft_operator.policy import Cond
+from rft_operator.rollout_pods import build_rollout_pods
+
+from .conftest import NOW, SPEC
+
+REF = JobRef("demo", "team-a", "0000-1111")
+LOOP = {**SPEC, "inference": {"replicas": 2, "port": 8000},
+        "explorer": {"replicas": 1, "tasksetUri": "s3://data/a.jsonl"}}
+ALL = ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
+SYNCED = Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED)
+SYNCING = Cond(c.COND_WEIGHTS_SYNCED, False, c.REASON_SYNCING)
+DONE_1M_AGO = "2026-11-30T11:59:00Z"
+DONE_11M_AGO = "2026-11-30T11:49:00Z"
+
+
+def pods(phase="Running", drop=(), stale=(), failed=(), deleting=(), extra=()):
+    """The desired rollout pods as observed, with some changed."""
+    out = []
+    for obj in build_rollout_pods(REF, parse_spec(LOOP)):
+        m = obj["metadata"]
+        name = m["name"]
+        if name in drop:
+            continue
+        h = "stale" if name in stale else m["annotations"][c.ANNOTATION_SPEC_HASH]
+        out.append(PodView(name, -1, -1, "Failed" if name in failed else phase, name in deleting,
+                           role=m["labels"][c.LABEL_ROLE], spec_hash=h))
+    return out + [PodView(n, -1, -1, "Running", role=c.ROLE_INFERENCE, spec_hash="x") for n in extra]
+
+
+# id, spec (None: invalid), gang phase, completionTime, WeightsSynced, pods,
+# expected: created names, deleted names, requeue_after
+CASES = [
+    ("invalid-spec-removes-all", None, c.FAILED, None, None, pods(), ([], ALL, None)),
+    ("invalid-spec-removes-all-in-any-phase", None, c.RUNNING, None, None, pods(), ([], ALL, None)),
+    ("suspended-removes-all", LOOP, c.SUSPENDED, None, SYNCED, pods(), ([], ALL, None)),
+    ("failed-removes-all-but-the-deleting", LOOP, c.FAILED, None, SYNCED, pods(deleting=["demo-inference-1"]),
+     ([], ["demo-inference-0", "demo-explorer-0"], None)),
+    ("new-job-creates-all", LOOP, c.PENDING, None, SYNCING, [], (ALL, [], None)),
+    ("steady-state", LOOP, c.RUNNING, None, SYNCED, pods(), ([], [], None)),
+    ("restarting-keeps-them", LOOP, c.RESTARTING, None, SYNCED, pods(), ([], [], None)),
+    ("missing-one-is-created", LOOP, c.RUNNING, None, SYNCED, pods(drop=["demo-inference-1"]),
+     (["demo-inference-1"], [], None)),
+    ("drifted-and-failed-are-deleted-not-yet-created", LOOP, c.RUNNING, None, SYNCED,
+     pods(stale=["demo-explorer-0"], failed=["demo-inference-0"]), ([], ["demo-inference-0", "demo-explorer-0"], None)),
+    ("unwanted-replica-is-deleted", LOOP, c.RUNNING, None, SYNCED, pods(extra=["demo-inference-2"]),
+     ([], ["demo-inference-2"], None)),
+    ("deleting-drifted-pod-is-left-alone", LOOP, c.RUNNING, None, SYNCED,
+     pods(stale=["demo-explorer-0"], deleting=["demo-explorer-0"]), ([], [], None)),
+    ("succeeded-and-synced-removes-all", LOOP, c.SUCCEEDED, DONE_1M_AGO, SYNCED, pods(),
+     ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
+    ("succeeded-train-only-removes-all", LOOP, c.SUCCEEDED, DONE_1M_AGO, None, pods(),
+     ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
+    ("succeeded-syncing-keeps-inference-in-grace", LOOP, c.SUCCEEDED, DONE_1M_AGO, SYNCING, pods(),
+     ([], ["demo-explorer-0"], 540.0)),
+    ("succeeded-syncing-grace-spent", LOOP, c.SUCCEEDED, DONE_11M_AGO, SYNCING, pods(),
+     ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
+]
+
+
+@pytest.mark.parametrize("spec, phase, done, cond, observed, want", [x[1:] for x in CASES], ids=[x[0] for x in CASES])
+def test_compute_rollouts(spec, phase, done, cond, observed, want):
+    parsed = None if spec is None else parse_spec(spec)
+    r = rollout.compute_rollouts(REF, parsed, {"phase": phase, "completionTime": done}, cond, observed, NOW)
+    assert ([o["metadata"]["name"] for o in r.create], list(r.delete), r.requeue_after) == want
+
+
+@pytest.mark.parametrize("cond, done, after, want", [
+    (None, DONE_1M_AGO, 0, 0.0),             # nothing syncs: nothing to wait for
+    (SYNCED, DONE_1M_AGO, 0, 0.0),
+    (SYNCING, DONE_1M_AGO, 0, 540.0),
+    (SYNCING, DONE_1M_AGO, 540, 0.0),
+    (SYNCING, None, 0, 0.0),                 # no completion time: no grace
+])
+def test_compute_final_sync_wait(cond, done, after, want):
+    assert rollout.compute_final_sync_wait(cond, done, NOW + timedelta(seconds=after)) == want
+
+
+@pytest.mark.parametrize("phase, h, wanted, want", [
+    ("Running", "h", True, False),
+    ("Pending", "h", True, False),
+    ("Succeeded", "h", True, False),  # an explorer that finished stays until the job does
+    ("Failed", "h", True, True),
+    ("Unknown", "h", True, True),
+    ("Running", "old", True, True),
+    ("Running", "h", False, True),
+])
+def test_should_replace(phase, h, wanted, want):
+    want_obj = {"metadata": {"annotations": {c.ANNOTATION_SPEC_HASH: "h"}}} if wanted else None
+    assert rollout.should_replace(PodView("p", -1, -1, phase, spec_hash=h), want_obj) is want

@@ -1,0 +1,263 @@
+"""FSDP engine: the actor, reference and critic roles of verl's workers, without Ray.
+
+Each role wraps one FSDP2-sharded model. Every rank holds 1/world of the global batch
+(a contiguous slice), runs it in micro-batches, and accumulates gradients; FSDP averages
+gradients across ranks. Losses are normalised by the *global* count of tokens (or
+sequences) in the mini-batch, so one step on W ranks equals one step on 1 process on the
+same global batch (tested), whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .algorithms import losses
+from .experience import Experiences
+from .parallelize import Runtime
+
+Metrics = dict[str, float]
+
+
+# ---------------------------------------------------------------- tensor helpers
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
+    """Log-prob of each token given its prefix, aligned to `tokens`.
+
+    logits (B,T,V) predict the *next* token, so position t of the output holds
+    log p(tokens[t] | tokens[:t]) computed from logits[:, t-1]; position 0 is 0.
+    Returns (logprob (B,T), entropy (B,T) or None).
+    """
+    shifted = logits[:, :-1].float()
+    logp = torch.log_softmax(shifted, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    lp = F.pad(logp, (1, 0))
+    ent = F.pad(losses.entropy_from_logits(shifted), (1, 0)) if with_entropy else None
+    return lp, ent
+
+
+def all_reduce_sum(x: float, rt: Runtime) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=rt.device)
+    if rt.world_size > 1:
+        dist.all_reduce(t)
+    return float(t.item())
+
+
+def mean_across_ranks(metrics: Metrics, rt: Runtime) -> Metrics:
+    if rt.world_size == 1 or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(t)
+    return {k: float(v) / rt.world_size for k, v in zip(keys, t.tolist())}
+
+
+def _count(mask: torch.Tensor, mode: str) -> float:
+    """What `mode` averages over: tokens for token-mean, sequences otherwise."""
+    if mode == "token-mean":
+        return float(mask.sum())
+    return float(mask.shape[0])
+
+
+def _avg(acc: dict[str, list[float]]) -> Metrics:
+    return {k: sum(v) / len(v) for k, v in acc.items() if v}
+
+
+def _grad_sync(model: nn.Module, enabled: bool) -> None:
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+
+
+def clip_and_step(model: nn.Module, optimizer, max_norm: float) -> float:
+    """Clip the global gradient norm and step; a non-finite norm skips the step (one bad
+    batch must not poison the weights). Returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
+    if torch.isfinite(norm):
+        optimizer.step()
+    return float(norm)
+
+
+def make_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+
+
+def make_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str = "constant",
+                   min_lr_ratio: float = 0.0):
+    """Linear warmup, then constant or cosine decay to `min_lr_ratio` x the base rate."""
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "cosine":
+            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+            cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+            return min_lr_ratio + (1 - min_lr_ratio) * cosine
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+# ---------------------------------------------------------------- roles
+
+
+class _Role:
+    def __init__(self, model: nn.Module, rt: Runtime, micro_batch_size: int):
+        self.model, self.rt, self.micro_batch_size = model, rt, micro_batch_size
+
+    def _micro(self, batch: Experiences) -> list[Experiences]:
+        return batch.split(self.micro_batch_size)
+
+    def _forward(self, mb: Experiences) -> torch.Tensor:
+        out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long(), use_cache=False)
+        return out.logits
+
+
+class LogProbRole(_Role):
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Experiences, with_entropy: bool = False):
+        """(logprob (B,T), entropy (B,T) or None) under the current weights."""
+        lps, ents = [], []
+        for mb in self._micro(batch):
+            lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy)
+            lps.append(lp)
+            ents.append(ent)
+        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+class Reference(LogProbRole):
+    """The frozen initial policy, for the KL term."""
+
+    def compute_ref_log_prob(self, batch: Experiences) -> torch.Tensor:
+        return self.compute_log_prob(batch)[0]
+
+
+class Actor(LogProbRole):
+    def __init__(self, model, rt, algo, optimizer, scheduler):
+        super().__init__(model, rt, algo.micro_batch_size)
+        self.algo, self.optimizer, self.scheduler = algo, optimizer, scheduler
+
+    def set_algorithm(self, algo) -> None:
+        self.algo, self.micro_batch_size = algo, algo.micro_batch_size
+
+    def clear_optimizer_state(self) -> None:
+        self.optimizer.state.clear()
+
+    def update_policy(self, batch: Experiences, old_logprob, advantages, ref_logprob=None) -> Metrics:
+        """PPO-clip epochs over mini-batches of the local shard. All (B,T) tensors align
+        with `batch.tokens`. Returns metrics averaged over micro-batches and ranks."""
+        a = self.algo
+        mask = batch.action_mask.float()
+        losses.check_finite("old_logprob", old_logprob, mask)
+        if ref_logprob is not None:
+            losses.check_finite("ref_logprob", ref_logprob, mask)
+        acc: dict[str, list[float]] = {}
+        idx = torch.arange(len(batch), device=mask.device)
+        # mini_batch_size is global (like verl's ppo_mini_batch_size); each rank takes 1/W.
+        local_mini = (a.mini_batch_size // self.rt.world_size) if a.mini_batch_size else len(batch)
+        for _ in range(a.epochs):
+            for mini in idx.split(max(1, local_mini)):
+                m = _step_metrics(self._update_mini(batch, mini, old_logprob, advantages, ref_logprob))
+                for k, v in m.items():
+                    acc.setdefault(k, []).append(v)
+        self.scheduler.step()
+        out = mean_across_ranks(_avg(acc), self.rt)
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _update_mini(self, batch, mini, old_lp, adv, ref_lp) -> Metrics:
+        a = self.algo
+        mode = a.loss_aggregation
+        mask = batch.action_mask.float()
+        global_count = all_reduce_sum(_count(mask[mini], mode), self.rt)
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, list[float]] = {}
+        micros = mini.split(self.micro_batch_size)
+        for i, sel in enumerate(micros):
+            # Accumulate unsharded gradients locally; reduce-scatter once, on the last one.
+            _grad_sync(self.model, i == len(micros) - 1)
+            mb = batch.select(sel)
+            m = mask[sel]
+            lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy=True)
+            losses.check_finite("logprob", lp.detach(), m)
+            pg_loss, metrics = losses.policy_loss(
+                old_lp[sel], lp, adv[sel], m, a.clip_ratio, a.clip_ratio, a.dual_clip_ratio, mode)
+            loss = pg_loss
+            metrics["actor/entropy"] = float(losses.aggregate(ent.detach(), m, "token-mean"))
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * losses.aggregate(ent, m, mode)
+            if ref_lp is not None and getattr(a, "use_kl_loss", True) and a.kl_coef:
+                kl = losses.aggregate(losses.kl_penalty(lp, ref_lp[sel], a.kl_estimator), m, mode)
+                loss = loss + a.kl_coef * kl
+                metrics["actor/kl_loss"] = float(kl.detach())
+            # Weight by this micro-batch's share of the global mini-batch; FSDP's gradient
+            # averaging divides by world size, which the factor W undoes.
+            scale = _count(m, mode) / max(global_count, 1.0) * self.rt.world_size
+            (loss * scale).backward()
+            for k, v in metrics.items():
+                acc.setdefault(k, []).append(float(v))
+        out = _avg(acc)
+        out["actor/grad_norm"] = clip_and_step(self.model, self.optimizer, a.grad_clip)
+        return out
+
+    update_actor = update_policy
+
+
+class Critic(_Role):
+    def __init__(self, model, rt, algo, optimizer, scheduler):
+        super().__init__(model, rt, algo.micro_batch_size)
+        self.algo, self.optimizer, self.scheduler = algo, optimizer, scheduler
+
+    def _values(self, mb: Experiences) -> torch.Tensor:
+        out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long(), use_cache=False)
+        # The value of the state *before* token t predicts the return of generating it,
+        # so values align with log-probs: position t comes from the hidden state at t-1.
+        return F.pad(out.logits[:, :-1, 0].float(), (1, 0))
+
+    @torch.no_grad()
+    def compute_values(self, batch: Experiences) -> torch.Tensor:
+        return torch.cat([self._values(mb) for mb in self._micro(batch)])
+
+    def clear_optimizer_state(self) -> None:
+        self.optimizer.state.clear()
+
+    def update_critic(self, batch: Experiences, old_values, returns) -> Metrics:
+        a = self.algo
+        mode = a.loss_aggregation
+        mask = batch.action_mask.float()
+        acc: dict[str, list[float]] = {}
+        idx = torch.arange(len(batch), device=mask.device)
+        for _ in range(a.epochs):
+            global_count = all_reduce_sum(_count(mask, mode), self.rt)
+            self.optimizer.zero_grad(set_to_none=True)
+            micros = idx.split(self.micro_batch_size)
+            for i, sel in enumerate(micros):
+                _grad_sync(self.model, i == len(micros) - 1)
+                mb, m = batch.select(sel), mask[sel]
+                loss, metrics = losses.value_loss(self._values(mb), old_values[sel], returns[sel], m,
+                                                  a.cliprange_value, mode)
+                (loss * _count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
+                for k, v in metrics.items():
+                    acc.setdefault(k, []).append(float(v))
+            acc.setdefault("critic/grad_norm", []).append(
+                clip_and_step(self.model, self.optimizer, a.grad_clip))
+        self.scheduler.step()
+        return mean_across_ranks(_avg(acc), self.rt)
+
+
+def _step_metrics(m: Metrics) -> Metrics:
+    return {k: float(v) for k, v in m.items()}
+
+
+@contextmanager
+def timed(metrics: Metrics, name: str) -> Iterator[None]:
+    """Records the wall time of the block as metrics[name] (seconds)."""
+    start = time.perf_counter()
+    yield
+    metrics[name] = time.perf_counter() - start
