@@ -138,9 +138,22 @@ class AlgorithmSpec(Model):
     learning_rate: float = Field(default=1e-6, gt=0, le=1)
     critic_learning_rate: float = Field(default=1e-5, gt=0, le=1)
     kl_coef: float = Field(default=0.001, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    clip_ratio: float = Field(default=0.2, gt=0, lt=1)
-    dual_clip_ratio: float | None = Field(default=None, gt=1)
+    kl_estimator: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = Field(
+        default="low_var_kl",
+        description="verl's names: kl (= k1), abs, mse (= k2), low_var_kl (= k3).",
+    )
+    clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range, both sides.")
+    clip_ratio_low: float | None = Field(
+        default=None, gt=0, lt=1, description="Lower clip range (1 - low); default clipRatio.")
+    clip_ratio_high: float | None = Field(
+        default=None, gt=0, lt=10,
+        description="Upper clip range (1 + high); default clipRatio. DAPO's clip-higher sets it above clipRatioLow.")
+    dual_clip_ratio: float | None = Field(
+        default=3.0, gt=1,
+        description="Dual clip c (verl's clip_ratio_c): caps the loss of negative-advantage tokens at "
+                    "-A * c. null disables it.",
+        json_schema_extra={"nullable": True},
+    )
     entropy_coef: float = Field(default=0.0, ge=0)
     epochs: int = Field(default=1, ge=1, le=100)
     mini_batch_size: int | None = Field(default=None, ge=1)
@@ -329,6 +342,11 @@ class ExplorerSpec(Model):
     rollouts_per_task: int = Field(default=8, ge=1, le=1024)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     reward: str = Field(default="math_accuracy", min_length=1, max_length=256)
+    prompt_format: Literal["chat", "raw"] | None = Field(
+        default=None,
+        description="chat: the task goes through the tokenizer's chat template as a user message; "
+                    "raw: the task text is the prompt. Default chat when the tokenizer has a template.",
+    )
     tasks_per_shard: int | None = Field(
         default=None, ge=1, description="Tasks per experience shard; default max(1, batchSize / rolloutsPerTask).")
     request_timeout: float = Field(default=300.0, gt=0, description="Seconds per inference request.")

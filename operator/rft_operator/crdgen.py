@@ -22,7 +22,7 @@ from rft_contract.spec import ADMISSION_REQUIRED
 _KEEP = {
     "description", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
     "minLength", "maxLength", "pattern", "enum", "minItems", "maxItems",
-    "minProperties", "maxProperties", "format",
+    "minProperties", "maxProperties", "format", "nullable",
 }
 
 
