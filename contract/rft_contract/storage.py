@@ -101,6 +101,17 @@ class LocalStorage:
         self._path(uri).unlink(missing_ok=True)
 
 
+def download_to(storage: Storage, uri: str, path: Path) -> None:
+    """Copy one object to a local file, streamed when the backend can (S3's multipart
+    download); never more than one part in memory there."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stream = getattr(storage, "download_file", None)
+    if stream is not None:
+        stream(uri, path)
+    else:
+        path.write_bytes(storage.read_bytes(uri))
+
+
 def get_storage(uri: str) -> Storage:
     """The backend for a URI's scheme."""
     if uri.startswith("s3://"):

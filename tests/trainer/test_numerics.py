@@ -297,7 +297,7 @@ def test_k3_lower_clamp_and_unknown_estimator():
     # x = ref - logprob = -30 is clamped to -20 first: exp(-20) + 20 - 1 ~ 19, then to 10
     close(kl_penalty(t([[0.0]]), t([[-30.0]]), "k3"), [[10.0]])
     with pytest.raises(ValueError, match="KL estimator"):
-        kl_penalty(t([[0.0]]), t([[0.0]]), "mse")
+        kl_penalty(t([[0.0]]), t([[0.0]]), "full")  # verl's name, but not implemented there either
 
 
 # ---------------------------------------------------------------- aggregation
@@ -310,8 +310,9 @@ AGG_MASK = [[1, 1, 1], [1, 0, 0], [0, 0, 0]]  # last row fully masked
     ("mode", "expected"),
     [
         ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
-        ("seq-mean-token-sum", (6 + 4 + 0) / 3),  # 3.333: empty row counts as 0
-        ("seq-mean-token-mean", (2 + 4 + 0) / 3),  # 2.0: empty row counts as 0, not NaN
+        # verl's agg_loss: the empty row is left out of the denominator (2 sequences, not 3)
+        ("seq-mean-token-sum", (6 + 4) / 2),  # 5.0
+        ("seq-mean-token-mean", (2 + 4) / 2),  # 3.0
     ],
 )
 def test_aggregate_modes_with_an_all_masked_row(mode, expected):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rft_trainer.parallelize import build_model, init_distributed
+from rft_trainer.parallelize import backend_for, build_model
 from rft_trainer.roles import make_optimizer, make_scheduler
 from tests.fixtures.models import save_tiny_model
 
@@ -36,22 +36,16 @@ def test_cosine_without_floor_reaches_zero_and_constant_ignores_the_ratio():
     assert lrs("constant", 0.5)[2:] == pytest.approx([1.0] * 10)
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A one-process gloo group: fully_shard needs a process group."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    yield init_distributed()
-    torch.distributed.destroy_process_group()
-
-
 @pytest.mark.parametrize("dtype, want", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_master_weights_dtype(tmp_path, world_of_one, dtype, want):
     model = build_model(str(save_tiny_model(tmp_path / "m")), world_of_one, fsdp_mode="fp32", param_dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {want}
+
+
+@pytest.mark.parametrize("cuda, offload, want", [
+    (False, False, "gloo"), (False, True, "gloo"),
+    (True, False, "nccl"), (True, True, "cuda:nccl,cpu:gloo"),
+])
+def test_process_group_backend(cuda, offload, want):
+    """CPU offload on GPUs puts DTensors on the CPU: their collectives need gloo too."""
+    assert backend_for(cuda, offload) == want

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from rft_contract import layout
 from rft_contract.manifest import file_entry, read_manifest, verify_local, verify_objects, write_manifest
 from rft_contract.manifest import apply_retention as manifest_retention
-from rft_contract.storage import Storage, get_storage, join
+from rft_contract.storage import Storage, download_to, get_storage, join
 
 from .parallelize import Runtime
 
@@ -343,7 +343,7 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             for name in manifest["files"]:
-                (local / name).write_bytes(self.storage.read_bytes(join(prefix, name)))
+                download_to(self.storage, join(prefix, name), local / name)
             if reason := verify_local(local, manifest):
                 raise CheckpointError(f"checkpoint step {step} ({prefix}): {reason}")
             dcp.load({"app": self.app}, storage_reader=dcp.FileSystemReader(str(local)),

@@ -74,7 +74,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
     # ------------------------------------------------------------ setup
 
     def prepare(self) -> None:
-        self.rt = self.rt or init_distributed()
+        self.rt = self.rt or init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
         check_batch_layout(self.config, self.rt.world_size)
         torch.manual_seed(self.config.trainer.seed)
         self.actor = self._build_actor()
@@ -148,15 +148,25 @@ class FSDPTrainEngine(TrainEngineWrapper):
         mask = local.action_mask.float()
         if local.advantages is not None and local.returns is not None:
             return local.advantages, local.returns, None
+        # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
+        # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response tokens only.
+        kl_reward = None
+        if ref_lp is not None and not getattr(a, "use_kl_loss", True):
+            kl = losses.kl_penalty(old_lp, ref_lp, a.kl_estimator)
+            kl_reward = a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl))
         if a.name == "grpo":
-            adv, ret = advs.grpo_advantages(batch.rewards, batch.group_ids, batch.action_mask.float(),
+            rewards = batch.rewards
+            if kl_reward is not None:
+                # verl's GRPO scores a sequence by the sum of its token rewards.
+                rewards = rewards - gather(kl_reward.sum(-1), self.rt)
+            adv, ret = advs.grpo_advantages(rewards, batch.group_ids, batch.action_mask.float(),
                                             norm_by_std=a.norm_adv_by_std)
             idx = self.local_indices(len(batch))
             return adv[idx], ret[idx], None
         values = self.critic.compute_values(local)
         token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
-        if ref_lp is not None and not getattr(a, "use_kl_loss", True):
-            token_rewards = token_rewards - a.kl_coef * losses.kl_penalty(old_lp, ref_lp, a.kl_estimator) * mask
+        if kl_reward is not None:
+            token_rewards = token_rewards - kl_reward
         # GAE whitening uses batch statistics: gather so every rank sees the global batch.
         g_rewards, g_values, g_mask = (gather(t, self.rt) for t in (token_rewards, values, mask))
         adv, ret = advs.gae_advantages(g_rewards, g_values, g_mask, a.gamma, a.lam)

@@ -27,7 +27,7 @@ from rft_contract import layout
 from rft_contract.manifest import apply_retention, committed, read_manifest, sha256_file, verify_objects, write_manifest
 from rft_contract.storage import Storage, join
 
-from .parallelize import Runtime
+from .parallelize import Runtime, tied_parameters
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,11 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
     cast = DTYPES[dtype]
     tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
     writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
+    aliases = tied_parameters(model)
     try:
         for name, value in model.state_dict().items():
+            if name in aliases:  # a tied weight is exported once (HF re-ties on load)
+                continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value  # all ranks
             if writer is not None:
                 writer.add(name, full.detach().to("cpu", dtype=cast if full.is_floating_point() else full.dtype))
@@ -127,7 +130,7 @@ def _write_small_files(writer: _Writer, model: nn.Module, model_dir: str | None,
     writer.upload(writer.tmp / "model.safetensors.index.json")
     config = model.config
     config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
-    config.save_pretrained(str(writer.tmp))  # tie_word_embeddings as trained (untied)
+    config.save_pretrained(str(writer.tmp))  # tie_word_embeddings as trained
     writer.upload(writer.tmp / "config.json")
     for name in TOKENIZER_FILES:
         if model_dir and name != "config.json" and os.path.exists(os.path.join(model_dir, name)):

@@ -41,7 +41,15 @@ class Runtime:
         return self.rank == 0
 
 
-def init_distributed() -> Runtime:
+def backend_for(cuda: bool, cpu_offload: bool) -> str:
+    """NCCL on GPUs; with CPU offload the clipping and export collectives also touch CPU
+    DTensors, which need gloo beside NCCL (as torchtitan does)."""
+    if not cuda:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def init_distributed(cpu_offload: bool = False) -> Runtime:
     """Join the torchrun group (or form a world of one outside torchrun)."""
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -49,8 +57,7 @@ def init_distributed() -> Runtime:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend_for(torch.cuda.is_available(), cpu_offload))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -135,13 +142,14 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
 
     path = fetch_model(path, rt)
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "tie_word_embeddings", False):
-        # A tied lm_head shares storage with the embedding; sharding them separately
-        # would silently untie them. Untie explicitly (the weights are still loaded).
-        config.tie_word_embeddings = False
+    # Tied embeddings stay tied: the shared Parameter belongs to the root module, which
+    # fully_shard shards once; to_empty and set_model_state_dict keep the one tensor
+    # (a checkpoint without lm_head.weight loads strictly).
     with torch.device("meta"):
         if kind == "critic":
             config.num_labels = 1
+            # The value head must be deterministic: no dropout (HF's default is 0.1).
+            config.classifier_dropout = 0.0
             model = AutoModelForTokenClassification.from_config(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
@@ -203,9 +211,27 @@ def _init_buffers(model: nn.Module, config, rt: Runtime) -> None:
             module.attention_scaling = fresh.attention_scaling
 
 
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """alias -> the name it shares its Parameter with: {"lm_head.weight":
+    "model.embed_tokens.weight"} when the embeddings are tied."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, strict: bool = True) -> None:
-    """Rank 0 reads the HF weights; every rank receives only its shards."""
+    """Rank 0 reads the HF weights; every rank receives only its shards. A tied model's
+    checkpoint holds the shared tensor once (HF drops `lm_head.weight`): the alias is
+    filled from it, so the strict load still names every other missing key."""
     full = read_hf_state_dict(path) if rt.is_main else {}
+    for alias, name in tied_parameters(model).items():
+        if rt.is_main and alias not in full and name in full:
+            full[alias] = full[name]
     if rt.is_main and not strict:
         # A critic starts from the LM backbone; its score head stays randomly initialised.
         own = set(model.state_dict().keys())

@@ -59,13 +59,6 @@ def mean_across_ranks(metrics: Metrics, rt: Runtime) -> Metrics:
     return {k: float(v) / rt.world_size for k, v in zip(keys, t.tolist())}
 
 
-def _count(mask: torch.Tensor, mode: str) -> float:
-    """What `mode` averages over: tokens for token-mean, sequences otherwise."""
-    if mode == "token-mean":
-        return float(mask.sum())
-    return float(mask.shape[0])
-
-
 def _avg(acc: dict[str, list[float]]) -> Metrics:
     return {k: sum(v) / len(v) for k, v in acc.items() if v}
 
@@ -119,15 +112,29 @@ class _Role:
         return out.logits
 
 
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Dropout off for a no-grad pass (old/reference log-probs, values), whatever the
+    model's config says: with dropout on, those passes would follow each rank's RNG
+    stream, and the PPO ratio would not start at 1."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 class LogProbRole(_Role):
     @torch.no_grad()
     def compute_log_prob(self, batch: Experiences, with_entropy: bool = False):
-        """(logprob (B,T), entropy (B,T) or None) under the current weights."""
+        """(logprob (B,T), entropy (B,T) or None) under the current weights, in eval mode."""
         lps, ents = [], []
-        for mb in self._micro(batch):
-            lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy)
-            lps.append(lp)
-            ents.append(ent)
+        with evaluating(self.model):
+            for mb in self._micro(batch):
+                lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy)
+                lps.append(lp)
+                ents.append(ent)
         return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
@@ -175,7 +182,10 @@ class Actor(LogProbRole):
         a = self.algo
         mode = a.loss_aggregation
         mask = batch.action_mask.float()
-        global_count = all_reduce_sum(_count(mask[mini], mode), self.rt)
+        # Denominators as `losses.aggregate` counts them (seq-mean modes skip empty responses).
+        global_count = all_reduce_sum(losses.aggregate_count(mask[mini], mode), self.rt)
+        clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
+        clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[float]] = {}
         micros = mini.split(self.micro_batch_size)
@@ -187,7 +197,7 @@ class Actor(LogProbRole):
             lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy=True)
             losses.check_finite("logprob", lp.detach(), m)
             pg_loss, metrics = losses.policy_loss(
-                old_lp[sel], lp, adv[sel], m, a.clip_ratio, a.clip_ratio, a.dual_clip_ratio, mode)
+                old_lp[sel], lp, adv[sel], m, clip_low, clip_high, a.dual_clip_ratio, mode)
             loss = pg_loss
             metrics["actor/entropy"] = float(losses.aggregate(ent.detach(), m, "token-mean"))
             if a.entropy_coef:
@@ -198,7 +208,7 @@ class Actor(LogProbRole):
                 metrics["actor/kl_loss"] = float(kl.detach())
             # Weight by this micro-batch's share of the global mini-batch; FSDP's gradient
             # averaging divides by world size, which the factor W undoes.
-            scale = _count(m, mode) / max(global_count, 1.0) * self.rt.world_size
+            scale = losses.aggregate_count(m, mode) / max(global_count, 1.0) * self.rt.world_size
             (loss * scale).backward()
             for k, v in metrics.items():
                 acc.setdefault(k, []).append(float(v))
@@ -222,7 +232,8 @@ class Critic(_Role):
 
     @torch.no_grad()
     def compute_values(self, batch: Experiences) -> torch.Tensor:
-        return torch.cat([self._values(mb) for mb in self._micro(batch)])
+        with evaluating(self.model):
+            return torch.cat([self._values(mb) for mb in self._micro(batch)])
 
     def clear_optimizer_state(self) -> None:
         self.optimizer.state.clear()
@@ -234,7 +245,7 @@ class Critic(_Role):
         acc: dict[str, list[float]] = {}
         idx = torch.arange(len(batch), device=mask.device)
         for _ in range(a.epochs):
-            global_count = all_reduce_sum(_count(mask, mode), self.rt)
+            global_count = all_reduce_sum(losses.aggregate_count(mask, mode), self.rt)
             self.optimizer.zero_grad(set_to_none=True)
             micros = idx.split(self.micro_batch_size)
             for i, sel in enumerate(micros):
@@ -242,7 +253,7 @@ class Critic(_Role):
                 mb, m = batch.select(sel), mask[sel]
                 loss, metrics = losses.value_loss(self._values(mb), old_values[sel], returns[sel], m,
                                                   a.cliprange_value, mode)
-                (loss * _count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
+                (loss * losses.aggregate_count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
                 for k, v in metrics.items():
                     acc.setdefault(k, []).append(float(v))
             acc.setdefault("critic/grad_norm", []).append(
