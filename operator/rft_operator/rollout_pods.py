@@ -40,7 +40,22 @@ def _identity_env(ref: JobRef) -> list[Obj]:
 
 def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """The inference engine. The reference engine starts empty and is loaded by the sync
-    agent; vLLM/SGLang start from the weights an init container fetched."""
+    agent; vLLM/SGLang start from the weights an init container fetched (`initial`, which
+    the agent re-points at every version it loads, for an engine container that restarts).
+
+    vLLM 0.33.0: `vllm serve <dir>`; VLLM_SERVER_DEV_MODE=1 registers the routes the agent
+    reloads with (/pause, /collective_rpc, /update_weight_version, /weight_info, /resume:
+    vllm/entrypoints/launchers/api_server/routers.py:46-53; parsed as an int, envs.py:1468);
+    --host 0.0.0.0 (its default, None, binds all interfaces too). It starts labelled
+    "default" (no flag sets the label), so the agent reloads it once, labelled.
+    SGLang 0.5.23: --host 0.0.0.0, since its default is 127.0.0.1
+    (srt/arg_groups/fields/serving.py:65) and the agent and explorers connect to the pod IP.
+    No --weight-version: the init container fetched whatever the target was when the pod
+    started, and a restarted container starts from the last loaded version, so any fixed
+    label could be wrong; its default "default" makes the agent reload (and label) it.
+    Readiness is GET /ready (200 once up, 503 while paused, http_server.py:714-718): its
+    /health generates a token and answers after at least 1 s (http_server.py:721-799),
+    past the probe's 1 s timeout."""
     inf = spec.inference
     port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
     commands = {
@@ -64,7 +79,8 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
         "args": args,
         "env": env,
         "ports": [{"name": "http", "containerPort": inf.port}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": inf.port},
+        "readinessProbe": {"httpGet": {"path": "/ready" if inf.engine == "sglang" else "/health",
+                                       "port": inf.port},
                            "periodSeconds": 5, "failureThreshold": 2},
         "resources": build_resources(inf.resources, inf.gpus_per_replica),
         "securityContext": build_container_security_context(spec),

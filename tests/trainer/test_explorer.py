@@ -234,6 +234,34 @@ def test_a_rejected_task_is_skipped(tmp_path, servers, model_dir, tokenizer):
     assert len(exp) == ROLLOUTS and exp.info[0]["task_id"] == tasks[epoch_order(4, 0)[1]]["id"]
 
 
+@pytest.mark.parametrize("prompt_format", ["chat", None])
+def test_chat_prompts_are_sent_and_stored_templated(tmp_path, servers, model_dir, prompt_format):
+    """With a chat template (explicit chat, or unset) the server gets the rendered prompt and
+    the shard's prompt tokens are exactly its tokens, special ones included."""
+    from transformers import AutoTokenizer
+
+    chat_tok = AutoTokenizer.from_pretrained(model_dir)  # not the shared fixture: it is changed
+    chat_tok.chat_template = ("{{ bos_token }}{% for m in messages %}?{{ m['content'] }}{% endfor %}"
+                              "{% if add_generation_prompt %}A{% endif %}")
+    tasks = arithmetic(4, seed=2)
+    buffer = str(tmp_path / "buffer")
+    explorer = make_explorer(model_dir, chat_tok, buffer, [s.url for s in servers], tasks,
+                             prompt_format=prompt_format)
+    assert explorer.prompt_format == "chat"
+    assert explorer.run(max_shards=1) == 1
+    exp = read_shard(join(buffer, shard_name(0, 0)))
+    assert len(exp) == BATCH
+    for i, info in enumerate(exp.info):
+        task = next(t for t in tasks if t["id"] == info["task_id"])
+        templated = f"<bos>?{task['prompt']}A"
+        assert chat_tok.apply_chat_template([{"role": "user", "content": task["prompt"]}], tokenize=False,
+                                            add_generation_prompt=True) == templated
+        p = int(exp.prompt_lengths[i])
+        assert exp.tokens[i, :p].tolist() == chat_tok(templated)["input_ids"]
+        assert exp.tokens[i, 0] == chat_tok.bos_token_id and p == len(task["prompt"]) + 3
+        assert info["reward"] == pytest.approx(float(exp.rewards[i]))
+
+
 def test_staleness_drops_old_versions(tmp_path, servers, model_dir, tokenizer):
     """Shard 0 from version 3 only, shard 1 from both servers, shard 2 from version 4 only:
     at trainer version 5 with max_staleness 1, the first batch is the 8 version-4 samples

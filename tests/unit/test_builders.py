@@ -160,6 +160,44 @@ def test_vllm_engine_needs_its_image_and_fetches_weights_before_start():
     assert "--fetch-only" in pod["spec"]["initContainers"][0]["args"]
 
 
+def _engine_and_fetch(engine: str):
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": engine, "image": f"{engine}:1"}})
+    pod = builders.build_inference_pod(REF, spec, 0)
+    engine_c, agent = pod["spec"]["containers"]
+    (fetch,) = pod["spec"]["initContainers"]
+    return engine_c, agent, fetch
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engines_start_from_the_link_the_agent_keeps_current(engine):
+    """The init container fetches to <dest>/initial, the engine starts from it, and the agent
+    (same --dest) re-points that link after every load (rft_serving.sync_agent.INITIAL_LINK;
+    tests/trainer/test_engines.py checks the two agree)."""
+    engine_c, agent, fetch = _engine_and_fetch(engine)
+    dest = agent["args"][agent["args"].index("--dest") + 1]
+    assert fetch["args"][fetch["args"].index("--dest") + 1] == dest
+    initial = fetch["args"][fetch["args"].index("--fetch-only") + 1]
+    assert initial == f"{dest}/initial" and initial in engine_c["args"]
+    assert engine_c["args"][engine_c["args"].index("--host") + 1] == "0.0.0.0"
+    assert engine_c["args"][engine_c["args"].index("--served-model-name") + 1] == c.SERVED_MODEL_NAME
+
+
+def test_vllm_serves_the_dev_mode_weight_routes():
+    engine_c, _, _ = _engine_and_fetch("vllm")
+    env = {e["name"]: e.get("value") for e in engine_c["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, /weight_info, ... (vLLM 0.33.0)
+    assert engine_c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_sglang_binds_all_interfaces_and_probes_ready():
+    engine_c, _, _ = _engine_and_fetch("sglang")
+    assert engine_c["command"] == ["python", "-m", "sglang.launch_server"]
+    assert "--weight-version" not in engine_c["args"]  # "default" until the agent labels a load
+    # SGLang 0.5.23's /health generates a token and takes >= 1 s: past the probe's timeout.
+    assert engine_c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "VLLM_SERVER_DEV_MODE" not in {e["name"] for e in engine_c["env"]}
+
+
 def test_explorers_get_every_replica_endpoint_and_their_index():
     spec = parse_spec({**LOOP, "explorer": {**LOOP["explorer"], "replicas": 3}})
     pods = [builders.build_explorer_pod(REF, spec, i) for i in range(3)]

@@ -26,6 +26,12 @@ generated with weights at most `max_staleness` versions old when the trainer rea
 (generating only after the wait, rather than waiting with a finished shard, keeps them
 fresh). It stops (exit 0) once trainer_step >= total_steps.
 
+Prompts. `explorer.prompt_format` "chat" sends a task's text as one user message through
+the tokenizer's chat template (with the assistant's generation prompt), "raw" sends the
+text as is; unset means chat when the tokenizer has a chat template, else raw. The
+rendered text is the `prompt` of /v1/completions, so the prompt tokens the trainer learns
+from are the templated ones; rewards still get the task's own text as their `prompt`.
+
 Exit codes: 0 when done, after --max-shards, or on SIGTERM; 78 for a bad config (a restart
 cannot fix it); 1 otherwise (retryable).
 """
@@ -54,8 +60,8 @@ from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
 
 from .rewards import get_reward
-from .rollouts import (ClientError, InferenceClient, Sample, Stopped, build_experiences,
-                       build_samples, load_tokenizer)
+from .rollouts import (STRADDLED, UNVERSIONED, ClientError, Completion, InferenceClient, Sample, Stopped,
+                       VersionOf, build_experiences, build_samples, load_tokenizer, replica_pod)
 from .tasksets import load_taskset
 
 log = logging.getLogger("rft_rollout.explorer")
@@ -71,6 +77,44 @@ def shard_name(seq: int, index: int) -> str:
     return f"{seq:010d}-e{index:03d}"
 
 
+# ------------------------------------------------------------------ prompts
+
+
+def _reward_on_text(reward_fn: Callable[[str, str, str], float], text: str
+                    ) -> Callable[[str, str, str], float]:
+    """`reward_fn` called with `text` (the task's own) as its prompt, whatever it is given."""
+    return lambda prompt, response, answer: reward_fn(text, response, answer)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_prompt_format(setting: str | None, tokenizer: Any) -> str:
+    """`explorer.prompt_format` with None resolved: "chat" when the tokenizer has a chat
+    template, else "raw". ConfigError for "chat" without a template."""
+    if setting is None:
+        return "chat" if has_chat_template(tokenizer) else "raw"
+    if setting not in ("chat", "raw"):
+        raise ConfigError(f"explorer.prompt_format: must be 'chat' or 'raw', got {setting!r}")
+    if setting == "chat" and not has_chat_template(tokenizer):
+        raise ConfigError("explorer.prompt_format: 'chat' needs a tokenizer with a chat template, and "
+                          "this one (model.tokenizer_path, else model.path) has none; use 'raw' or a "
+                          "chat model's tokenizer")
+    return setting
+
+
+def render_prompt(text: str, prompt_format: str, tokenizer: Any) -> str:
+    """What the explorer sends as the completion prompt for a task's `text`."""
+    if prompt_format == "raw":
+        return text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    if not isinstance(rendered, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}, not str")
+    return rendered
+
+
 @dataclass(frozen=True)
 class ExplorerState:
     seq: int = 0  # next shard number
@@ -82,7 +126,8 @@ class ExplorerState:
 class Explorer:
     def __init__(self, config: JobConfig, endpoints: Sequence[str], index: int = 0,
                  replicas: int = 1, storage: Storage | None = None, progress: Progress | None = None,
-                 tokenizer: Any = None, tasks: list[dict[str, str]] | None = None):
+                 tokenizer: Any = None, tasks: list[dict[str, str]] | None = None,
+                 version_of: VersionOf | None = None):
         if replicas < 1 or not 0 <= index < replicas:
             raise ValueError(f"explorer index {index} must lie in [0, replicas={replicas})")
         self.config, self.section = config, config.explorer
@@ -98,12 +143,23 @@ class Explorer:
         if tokenizer is None:
             tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.tokenizer = tokenizer
+        self.prompt_format = resolve_prompt_format(self.section.prompt_format, tokenizer)
+        try:  # a template that cannot render a user message fails here, not mid-run
+            example = self.prompt_text(self.tasks[0])
+        except Exception as e:  # noqa: BLE001 - any template error is a config error
+            raise ConfigError(f"explorer.prompt_format: the tokenizer's chat template fails on task "
+                              f"{self.tasks[0]['id']!r}: {type(e).__name__}: {e}") from e
+        log.info(json.dumps({"event": "prompt_format", "prompt_format": self.prompt_format,
+                             "setting": self.section.prompt_format,
+                             "chat_template": has_chat_template(tokenizer), "example": example[:500]}))
         self.tasks_per_shard = self.section.tasks_per_shard or max(
             1, config.trainer.batch_size // self.section.rollouts_per_task)
         self.concurrency = self.section.concurrency or len(endpoints)
         self._stop = threading.Event()
         self.waiting = threading.Event()  # set while throttled (for tests and metrics)
-        self.client = InferenceClient(endpoints, self.section.request_timeout, self._stop)
+        # version_of: the sync agents' records, for engines that report no weights version.
+        self.client = InferenceClient(endpoints, self.section.request_timeout, self._stop, version_of=(
+            version_of if version_of is not None else replica_versions(progress, endpoints)))
         self.finished = False  # the trainer reached total_steps
         self.rejected_in_row = 0
         self.state = ExplorerState()
@@ -112,6 +168,10 @@ class Explorer:
     def stop(self) -> None:
         """Ask run() to return soon (signal-safe: only sets an event)."""
         self._stop.set()
+
+    def prompt_text(self, task: Mapping[str, str]) -> str:
+        """The completion prompt for `task` (see "Prompts" in the module doc)."""
+        return render_prompt(task["prompt"], self.prompt_format, self.tokenizer)
 
     # ------------------------------------------------------------ the loop
 
@@ -176,6 +236,7 @@ class Explorer:
         errors: list[BaseException] = []
         claimed = iter(range(len(jobs)))
         lock = threading.Lock()
+        prompts = [self.prompt_text(self.tasks[t]) for _, t in jobs]  # templates run on this thread
 
         def worker() -> None:
             while not self._stop.is_set() and not errors:
@@ -184,7 +245,7 @@ class Explorer:
                 if i is None:
                     return
                 try:
-                    responses[i] = self._generate(self.tasks[jobs[i][1]])
+                    responses[i] = self._generate(self.tasks[jobs[i][1]], prompts[i])
                 except Stopped:
                     return
                 except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
@@ -202,24 +263,28 @@ class Explorer:
         if self._stop.is_set():
             raise Stopped()
         samples = []
-        for (epoch, task_index), answers in zip(jobs, responses):
+        for (epoch, task_index), answers, prompt in zip(jobs, responses, prompts):
             self.rejected_in_row = 0 if answers else self.rejected_in_row + 1
             if self.rejected_in_row >= max(MAX_REJECTED_IN_ROW, self.tasks_per_shard):
                 raise RuntimeError(f"inference rejected {self.rejected_in_row} tasks in a row (see the "
                                    "errors above): check explorer.sampling and the taskset")
             task = self.tasks[task_index]
+            # Samples hold the tokens of the prompt sent; the reward gets the task's own text.
+            sent, reward_fn = {**task, "prompt": prompt}, _reward_on_text(self.reward_fn, task["prompt"])
             info = {"task_id": task["id"], "explorer": self.index, "epoch": epoch}
-            for response, header_version in answers:
-                samples += build_samples(response, task, self.tokenizer, self.reward_fn,
-                                         epoch * len(self.tasks) + task_index, info, header_version)
+            for response, versions in answers:  # choices without a version are dropped
+                samples += build_samples(response, sent, self.tokenizer, reward_fn,
+                                         epoch * len(self.tasks) + task_index, info, versions)
         return samples
 
-    def _generate(self, task: dict[str, str]) -> list[tuple[dict, int | None]]:
-        """The server's responses for all rollouts of one task (up to max_n per request);
-        [] when the server rejects the task (logged, the task is skipped)."""
+    def _generate(self, task: dict[str, str], prompt: str | None = None) -> list[Completion]:
+        """The server's responses for all rollouts of one task (up to max_n per request) to
+        `prompt` (default: `prompt_text(task)`); [] when the server rejects the task (logged,
+        the task is skipped)."""
         section, out = self.section, []
+        prompt = self.prompt_text(task) if prompt is None else prompt
         for start in range(0, section.rollouts_per_task, section.max_n):
-            body = {"model": SERVED_MODEL_NAME, "prompt": task["prompt"],
+            body = {"model": SERVED_MODEL_NAME, "prompt": prompt,
                     "n": min(section.max_n, section.rollouts_per_task - start),
                     "max_tokens": section.sampling.max_tokens,
                     "temperature": section.sampling.temperature,
@@ -285,11 +350,13 @@ class Explorer:
 
     def _log_shard(self, name: str, seq: int, samples: list[Sample], start: float) -> None:
         versions = [s.weights_version for s in samples]
+        dropped = self.client.take_dropped()  # choices left out since the last shard log
         log.info(json.dumps({
             "event": "shard", "name": name, "seq": seq, "samples": len(samples),
             "reward_mean": round(sum(s.reward for s in samples) / len(samples), 6),
             "version_min": min(versions), "version_max": max(versions),
-            "seconds": round(time.monotonic() - start, 3), "retries": self.client.failures}))
+            "seconds": round(time.monotonic() - start, 3), "retries": self.client.failures,
+            "dropped_straddling": dropped[STRADDLED], "dropped_unversioned": dropped[UNVERSIONED]}))
 
 
 # ------------------------------------------------------------------ trainer progress
@@ -312,6 +379,29 @@ class KubeProgress:
         trainer = (obj.get("status") or {}).get("trainer") or {}
         self.last = (int(trainer.get("step") or 0), int(trainer.get("totalSteps") or self.total_steps))
         return self.last
+
+    def replica_version(self, pod: str) -> int | None:
+        """The version the sync agent of inference pod `pod` last recorded as loaded
+        (`status.weightSync.replicas[pod].version`), read now; None when unknown (no
+        entry, or the API failed: never a stale value, the read brackets a request)."""
+        try:
+            obj = get_status(self.api, self.namespace, self.name)
+        except Exception as e:  # noqa: BLE001 - unknown: that request's samples are dropped
+            log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
+            return None
+        entry = (((obj.get("status") or {}).get("weightSync") or {}).get("replicas") or {}).get(pod) or {}
+        version = entry.get("version")
+        return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def replica_versions(progress: Progress | None, endpoints: Sequence[str]) -> VersionOf | None:
+    """`version_of(endpoint index)` for the InferenceClient from the job's status (endpoints
+    name their pods: `http://<job>-inference-<i>.<svc>...`); None without a KubeProgress.
+    Only read for engines whose responses carry no weights version."""
+    if not isinstance(progress, KubeProgress):
+        return None
+    pods = [replica_pod(e, progress.name) for e in endpoints]
+    return lambda i: progress.replica_version(pods[i]) if pods[i] else None
 
 
 def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress | None:

@@ -5,31 +5,66 @@
   exponentially growing time (0.5 s doubling, capped at 30 s) and the request moves to the
   next one; when every endpoint is down the client waits for the first to come back.
   Transient errors never escape; other 4xx are `ClientError` (retrying cannot help).
+- `choice_versions`: which weights version sampled each choice of a response (below).
 - `build_samples`: one server response -> `Sample`s (prompt ids + response ids, logprobs,
   reward, version). Token ids come from the server when it returns them (exact: what the
   policy actually sampled), else from the tokenizer. An EOS id is appended to responses
   that finished with "stop" when the server left it out, so the policy learns to stop.
 - `build_experiences`: `Sample`s -> one right-padded `Experiences` batch.
+
+Versions. Every request asks `"return_weight_versions": true` (vLLM's opt-in; SGLang's
+pydantic models ignore unknown keys, the reference server lists it as ignored). Each
+choice's version is what the engine reports when it reports one:
+
+- reference server (rft_serving.serve): `weights_version` in the body, or the
+  `X-RFT-Weights-Version` header; a request runs on one weights snapshot;
+- vLLM 0.33.0: `choices[i].weight_versions`, spans `[{version, start, end}]` of the
+  output tokens (entrypoints/openai/completion/protocol.py:702, serving.py:650-654); a
+  choice with more than one distinct version straddled a reload and is dropped;
+- SGLang 0.5.23: top-level `metadata` `{weight_version, weight_versions}`, built from the
+  FIRST choice only (srt/entrypoints/openai/serving_completions.py:639-647,
+  srt/utils/weight_versions.py:90-117): its version holds for every choice only when
+  `weight_versions` has a single version, else every choice is dropped. (The sync agent
+  reloads SGLang under its writer lock, which waits for running requests, so a request's
+  choices cannot straddle its reloads; the check guards against other reloads.)
+
+A label that is not one of our integer versions (vLLM's and SGLang's start-up label
+"default": an engine container that restarted and was not reloaded yet) drops the choice.
+When the engine reports nothing, the version is the sync agent's record of what that
+replica loaded (`status.weightSync.replicas[<pod>].version`, through the explorer's
+`version_of(endpoint index)`), read before the request and after it: if it changed, the
+request straddled a reload and its choices are dropped, never mislabelled. (The record is
+written just after a load completes, so a request that ends in that short gap is still
+attributed to the old version: engines that report versions do not have that gap.)
+Dropped choices are counted in `InferenceClient.dropped`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
+from urllib.parse import urlsplit
 
 import requests
 import torch
 
+from rft_contract.names import inference_pod_name
 from rft_contract.storage import get_storage
+from rft_contract.versions import parse_version
 from rft_trainer.experience import Experiences
 
 log = logging.getLogger("rft_rollout.explorer")
 
 VERSION_HEADER = "X-RFT-Weights-Version"
+# Why a choice has no version (it is dropped): it straddled a reload, or nothing says.
+STRADDLED, UNVERSIONED = "straddled", "unversioned"
+VersionOf = Callable[[int], "int | None"]
 # Files AutoTokenizer may read; weights are never downloaded for the tokenizer.
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
@@ -45,24 +80,42 @@ class ClientError(RuntimeError):
     """The server rejected the request (4xx other than 408/429): retrying cannot help."""
 
 
+class Completion(NamedTuple):
+    """One /v1/completions answer: the response and, per choice in index order, its weights
+    version or why it has none (STRADDLED, UNVERSIONED: dropped). `versions` is None when
+    nothing at all says (the engine reports no version and there is no `version_of`)."""
+    response: dict[str, Any]
+    versions: list[int | str] | None
+
+
 class InferenceClient:
+    """`version_of(i)`: the sync agent's record of the version endpoint i serves (None when
+    unknown); read around requests to endpoints whose engine reports no versions."""
+
     def __init__(self, endpoints: Sequence[str], timeout: float = 300.0,
                  stop: threading.Event | None = None, base_backoff: float = 0.5,
-                 max_backoff: float = 30.0):
+                 max_backoff: float = 30.0, version_of: VersionOf | None = None):
         if not endpoints:
             raise ValueError("no inference endpoints")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout, self.base_backoff, self.max_backoff = timeout, base_backoff, max_backoff
         self.stop = stop or threading.Event()
+        self.version_of = version_of
         self.failures = 0  # total failed attempts, for tests and metrics
+        self.dropped: Counter[str] = Counter()  # dropped choices by reason, since the start
         self._lock = threading.Lock()
         self._next = 0  # round-robin pointer
         self._fails = [0] * len(self.endpoints)  # consecutive failures per endpoint
         self._down_until = [0.0] * len(self.endpoints)  # monotonic time
+        # Whether an endpoint's engine reported versions last time: then no record reads.
+        self._reports = [False] * len(self.endpoints)
+        self._taken: Counter[str] = Counter()  # `dropped` at the last take_dropped()
+        self._drop_logged = 0.0
         self._local = threading.local()  # one requests.Session per thread
 
-    def complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        """(response JSON, version from the X-RFT-Weights-Version header or None)."""
+    def complete(self, body: dict[str, Any]) -> Completion:
+        """The response and each choice's weights version (see the module doc)."""
+        body = {**body, "return_weight_versions": True}
         while True:
             i, wait = self._pick()
             if wait > 0 and self.stop.wait(wait):
@@ -70,6 +123,8 @@ class InferenceClient:
             if self.stop.is_set():
                 raise Stopped()
             url = f"{self.endpoints[i]}/v1/completions"
+            read_record = self.version_of is not None and not self._reports[i]
+            before = self._record(i) if read_record else None
             try:
                 r = self._session().post(url, json=body, timeout=(min(10.0, self.timeout), self.timeout))
                 if r.status_code == 200:
@@ -77,7 +132,8 @@ class InferenceClient:
                     if not isinstance(data, dict):
                         raise ValueError("response is not a JSON object")
                     self._succeeded(i)
-                    return data, _int_or_none(r.headers.get(VERSION_HEADER))
+                    header = _int_or_none(r.headers.get(VERSION_HEADER))
+                    break
                 if r.status_code not in (408, 429) and r.status_code < 500:
                     raise ClientError(f"POST {url}: HTTP {r.status_code}: {r.text[:500]}")
                 reason = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -86,6 +142,48 @@ class InferenceClient:
             delay = self._failed(i)
             log.warning("POST %s failed (%s); trying the next endpoint, this one rests %.1fs",
                         url, reason, delay)
+        versions = engine_versions(data, header)
+        if versions is not None:
+            self._reports[i] = True
+        elif self.version_of is not None:
+            n = len(data.get("choices") or [])
+            if read_record:
+                versions = record_versions(n, before, self._record(i))
+            else:  # it reported versions before and stopped: ask the record from now on
+                self._reports[i] = False
+                versions = [UNVERSIONED] * n
+        self._count_dropped(self.endpoints[i], versions)
+        return Completion(data, versions)
+
+    def take_dropped(self) -> dict[str, int]:
+        """Choices dropped since the last call, by reason (for the shard log)."""
+        with self._lock:
+            now = self.dropped.copy()
+            delta = {k: now[k] - self._taken[k] for k in (STRADDLED, UNVERSIONED)}
+            self._taken = now
+            return delta
+
+    def _record(self, i: int) -> int | None:
+        try:
+            return self.version_of(i)
+        except Exception as e:  # noqa: BLE001 - unknown: the choices are dropped
+            log.warning("reading the sync agent's record for %s failed: %s", self.endpoints[i], e)
+            return None
+
+    def _count_dropped(self, endpoint: str, versions: list[int | str] | None) -> None:
+        drops = Counter(v for v in versions or [] if isinstance(v, str))
+        if not drops:
+            return
+        with self._lock:
+            self.dropped.update(drops)
+            total, now = dict(self.dropped), time.monotonic()
+            quiet = now - self._drop_logged < 30.0
+            if not quiet:
+                self._drop_logged = now
+        if not quiet:  # at most every 30 s
+            log.warning("dropped %s choice(s) from %s (straddled a weights reload, or no version: "
+                        "an engine not yet reloaded after a restart); dropped so far: %s",
+                        sum(drops.values()), endpoint, total)
 
     def _pick(self) -> tuple[int, float]:
         """The next endpoint in round-robin order that is up (else the first back up),
@@ -122,6 +220,66 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
+# ------------------------------------------------------------------ versions
+
+
+def _from_spans(spans: Any) -> int | str:
+    """The version of one output from its spans [{version, start, end}]."""
+    if not isinstance(spans, list) or not spans:
+        return UNVERSIONED
+    labels = {str(s.get("version")) if isinstance(s, dict) else None for s in spans}
+    if len(labels) > 1:
+        return STRADDLED
+    version = parse_version(labels.pop())
+    return UNVERSIONED if version is None else version
+
+
+def _sorted_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
+
+
+def engine_versions(response: dict[str, Any], header_version: int | None = None) -> list[int | str] | None:
+    """Per choice (in index order) the version the engine reports, or STRADDLED /
+    UNVERSIONED; None when the engine reports none at all (see the module doc)."""
+    choices = _sorted_choices(response)
+    body = response.get("weights_version")  # the reference server
+    if isinstance(body, int) and not isinstance(body, bool):
+        return [body] * len(choices)
+    if header_version is not None:
+        return [header_version] * len(choices)
+    if any(isinstance(c.get("weight_versions"), list) for c in choices):  # vLLM
+        return [_from_spans(c.get("weight_versions")) for c in choices]
+    metadata = response.get("metadata")  # SGLang: the first choice's spans
+    if isinstance(metadata, dict) and isinstance(metadata.get("weight_versions"), list):
+        return [_from_spans(metadata["weight_versions"])] * len(choices)
+    return None
+
+
+def record_versions(n: int, before: int | None, after: int | None) -> list[int | str]:
+    """n choices' version from the agent's record read before and after the request."""
+    if before is None or after is None:
+        return [UNVERSIONED] * n
+    return [before if before == after else STRADDLED] * n
+
+
+def choice_versions(response: dict[str, Any], header_version: int | None = None,
+                    record: tuple[int | None, int | None] | None = None) -> list[int | str] | None:
+    """Each choice's version (in index order): the engine's report, else the agent's
+    record (before, after) when one was read; None when nothing says."""
+    versions = engine_versions(response, header_version)
+    if versions is None and record is not None:
+        versions = record_versions(len(response.get("choices") or []), *record)
+    return versions
+
+
+def replica_pod(endpoint: str, job: str) -> str | None:
+    """The inference pod an endpoint URL names (`http://<job>-inference-<i>.<svc>...`,
+    rft_operator.rollout_pods.inference_endpoints), or None for any other URL."""
+    label = (urlsplit(endpoint).hostname or "").split(".")[0]
+    m = re.fullmatch(re.escape(job) + r"-inference-([0-9]+)", label)
+    return inference_pod_name(job, int(m[1])) if m else None
+
+
 # ------------------------------------------------------------------ samples
 
 
@@ -138,21 +296,31 @@ class Sample:
 
 def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any,
                   reward_fn: Callable[[str, str, str], float], group_id: int,
-                  info: dict[str, Any] | None = None, header_version: int | None = None) -> list[Sample]:
-    """The samples of one /v1/completions response for a single prompt (`task["prompt"]`)."""
-    version = response.get("weights_version", header_version)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ValueError(f"inference response has no integer weights_version (body or "
-                         f"{VERSION_HEADER} header), got {version!r}; explorers need it for staleness")
-    choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
+                  info: dict[str, Any] | None = None, versions: Sequence[int | str] | None = None,
+                  *, header_version: int | None = None) -> list[Sample]:
+    """The samples of one /v1/completions response for a single prompt (`task["prompt"]`).
+    `versions`: each choice's version in index order (`Completion.versions`; default: what
+    the engine reports, with `header_version`); choices without one are left out."""
+    if versions is None:
+        versions = engine_versions(response, header_version)
+    if versions is None:
+        raise ValueError(f"inference response has no weights version (body weights_version, "
+                         f"{VERSION_HEADER} header, vLLM choices[].weight_versions or SGLang "
+                         "metadata.weight_versions) and no sync-agent record was read; explorers "
+                         "need it for staleness")
+    choices = _sorted_choices(response)
     if not choices:
         raise ValueError("inference response has no choices")
+    if len(versions) != len(choices):
+        raise ValueError(f"{len(versions)} versions for {len(choices)} choices")
     prompt, answer = task["prompt"], task["answer"]
     prompt_token_ids = response.get("prompt_token_ids")
     prompt_ids = list(prompt_token_ids[0]) if prompt_token_ids else tokenizer(prompt)["input_ids"]
     eos = getattr(tokenizer, "eos_token_id", None)
     samples = []
-    for choice in choices:
+    for choice, version in zip(choices, versions):
+        if isinstance(version, str) or isinstance(version, bool) or not isinstance(version, int):
+            continue  # straddled a reload or unversioned: dropped, never mislabelled
         text = choice.get("text") or ""
         ids = choice.get("token_ids")
         ids = list(ids) if ids is not None else tokenizer(text, add_special_tokens=False)["input_ids"]

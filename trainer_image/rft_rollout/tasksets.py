@@ -2,7 +2,14 @@
 
 One task per line: {"id": "...", "prompt": "...", "answer": "..."}. `question` is accepted
 for `prompt` (GSM8K's field name); a number is accepted as `answer` and kept as text; `id`
-defaults to "task-<line number>". Blank lines are skipped.
+defaults to "task-<line number>". Blank lines and a UTF-8 byte order mark are skipped.
+
+GSM8K's own JSONL reads as is: {"question": "...", "answer": "...reasoning...\\n#### 72"}
+becomes {"id": "task-<n>", "prompt": "<question>", "answer": "72", "solution": "<the
+full answer text>"}: an answer with "####" keeps what follows its last "####" as the
+answer and the whole text as `solution` (the rewards see `answer`; `solution` is kept for
+reference; a line's own string `solution` is kept too, so written tasks read back the
+same). Other keys of a line are ignored.
 
     python -m rft_rollout.tasksets arithmetic --n 256 --seed 0 --out s3://data/arith.jsonl
 
@@ -58,25 +65,34 @@ def _parse_task(line: str, where: str, lineno: int) -> dict[str, str]:
         raise ValueError(f"{where}: not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    prompt = obj.get("prompt", obj.get("question"))
-    if prompt is None:
+    key = "prompt" if "prompt" in obj else "question"
+    if key not in obj:
         raise ValueError(f"{where}: missing key 'prompt' (or 'question')")
+    prompt = obj[key]
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        raise ValueError(f"{where}: {key!r} must be a non-empty string, got {prompt!r}")
     if "answer" not in obj:
         raise ValueError(f"{where}: missing key 'answer'")
     answer = obj["answer"]
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise ValueError(f"{where}: 'answer' must be a string or a number, got {answer!r}")
     task_id = obj.get("id", f"task-{lineno}")
-    return {"id": str(task_id), "prompt": prompt, "answer": str(answer)}
+    task = {"id": str(task_id), "prompt": prompt, "answer": str(answer)}
+    if isinstance(obj.get("solution"), str):
+        task["solution"] = obj["solution"]
+    if isinstance(answer, str) and "####" in answer:  # GSM8K: "...reasoning...\n#### 72"
+        final = answer.rsplit("####", 1)[1].strip()
+        if not final:
+            raise ValueError(f"{where}: 'answer' has nothing after its last '####' (GSM8K's final answer)")
+        task.update(answer=final, solution=answer)
+    return task
 
 
 def load_taskset(uri: str) -> list[dict[str, str]]:
     """Read a JSONL task set from a local path, file:// or s3:// URI."""
     data = get_storage(uri).read_bytes(uri)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # tolerates a byte order mark
     except UnicodeDecodeError as e:
         raise ValueError(f"{uri}: not UTF-8: {e}") from None
     return parse_taskset(text, uri)

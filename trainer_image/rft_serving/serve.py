@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_N = 64
 # Fields OpenAI clients commonly send that change nothing here; any other unknown field is
 # a 400, so a typo such as "max_token" is not silently ignored.
-IGNORED_FIELDS = {"user", "stream"}
+IGNORED_FIELDS = {"user", "stream", "return_weight_versions"}  # explorers send vLLM's opt-in
 COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "logprobs", "model"} | IGNORED_FIELDS
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "logprobs"}) | {"messages"}

@@ -12,8 +12,15 @@ It watches its RFTJob and converges the engine to `status.weightSync.target`:
 Failures are retried with capped backoff and reported in the same entry (`error`,
 `errorTime`, `attempts`) while the old weights keep serving. A restarted agent (or a
 restarted engine) is found out by comparing the engine's own report with the target,
-so both converge without memory of the past. Target version 0 is the base model
-(`spec.model.path`), which may have no manifest: it is then loaded unverified.
+so both converge without memory of the past: an engine that reports another version, or
+none of ours (vLLM and SGLang restart labelled "default"), is reloaded even if the agent
+believes it loaded the target, and its entry first says what the engine reports now.
+Target version 0 is the base model (`spec.model.path`), which may have no manifest: it is
+then loaded unverified.
+
+vLLM and SGLang start from `<dest>/initial`, a link the init container points at the
+weights it fetched; after each load the agent points it at the weights just loaded (and
+never deletes what it points at), so an engine container that restarts finds weights.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from .engines import ENGINES, Engine, SyncError
 from .weights import fetch, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
+# `<dest>/initial`: where vLLM/SGLang start from (rft_operator.rollout_pods passes
+# `--fetch-only <dest>/initial` to the init container and the same path to the engine).
+INITIAL_LINK = "initial"
 
 
 # ------------------------------------------------------------------ the agent
@@ -52,6 +62,7 @@ class SyncAgent:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self.served: dict | None = None  # the target we last loaded: {version, id, uri}
+        self.engine_version: int | None = None  # what the engine last reported
         self.attempts = 0
         self.syncs = 0
 
@@ -102,9 +113,20 @@ class SyncAgent:
 
     def converge(self, target: dict) -> bool:
         """Make the engine serve `target`. Returns True if it loaded something."""
-        serving = self.engine.served()
-        # What the engine holds: our memory, or after an agent restart our status entry.
+        try:
+            serving = self.engine_version = self.engine.served()  # the engine's word, always
+        except SyncError:
+            self.engine_version = None
+            raise
+        # What we loaded into it: our memory, or after an agent restart our status entry.
         known = self.served or self._entry()
+        if known.get("version") is not None and serving != known.get("version"):
+            # The engine lost what we loaded (its container restarted): say so, then reload.
+            log.warning("engine reports version %s, but version %s was loaded into it "
+                        "(engine restarted?): reloading", serving, known.get("version"))
+            self.served = None
+            self._patch({"version": serving, "id": None, "time": now()})
+            known = {}
         if serving == target["version"] and known.get("version") == serving \
                 and known.get("id") == target.get("id"):
             if self.attempts or not self._reported(target):
@@ -114,17 +136,30 @@ class SyncAgent:
         start = time.perf_counter()
         path, times = fetch(target, self.dest, self.storage)
         t_reload = time.perf_counter()
-        self.engine.load(str(path), target["version"])
-        if self.engine.served() != target["version"]:
-            raise SyncError(f"engine reports version {self.engine.served()} after loading {target['version']}")
+        self.served = None  # from here on, only the engine's report says what it serves
+        try:
+            self.engine.load(str(path), target["version"])
+        except SyncError:
+            self._ask_engine()  # a failed load may have changed what it serves
+            raise
+        self.engine_version = self.engine.served()
+        if self.engine_version != target["version"]:
+            raise SyncError(f"engine reports version {self.engine_version} after loading {target['version']}")
         times["reloadSeconds"] = time.perf_counter() - t_reload
         times["loadSeconds"] = time.perf_counter() - start
         self.served = dict(target)
         self.syncs += 1
         log.info("serving version %s (%s) after %.2fs", target["version"], path, times["loadSeconds"])
         self.report_ok(target, times)
+        self._link_initial(path)
         self._cleanup(target)
         return True
+
+    def _ask_engine(self) -> None:
+        try:
+            self.engine_version = self.engine.served()
+        except SyncError:
+            self.engine_version = None
 
     def _entry(self) -> dict:
         return ((self._status.get("weightSync") or {}).get("replicas") or {}).get(self.pod) or {}
@@ -134,9 +169,26 @@ class SyncAgent:
         return entry.get("version") == target["version"] and entry.get("id") == target.get("id") \
             and not entry.get("error")
 
+    def _link_initial(self, path: Path) -> None:
+        """Point the engine's start-up link (made by the init container) at `path`."""
+        link = self.dest / INITIAL_LINK
+        if not link.is_symlink():
+            return  # the reference engine starts empty: no link
+        tmp = self.dest / f".{INITIAL_LINK}.tmp"
+        try:
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            tmp.symlink_to(Path(path).resolve())
+            os.replace(tmp, link)
+        except OSError as e:
+            log.warning("could not point %s at %s: %s", link, path, e)
+
     def _cleanup(self, keep: dict) -> None:
+        link = self.dest / INITIAL_LINK
+        start_up = link.resolve() if link.is_symlink() else None
         for d in self.dest.iterdir():
-            if d.is_dir() and d.name.startswith("v") and d != version_dir(self.dest, keep):
+            if d.is_dir() and not d.is_symlink() and d.name.startswith("v") \
+                    and d != version_dir(self.dest, keep) and d.resolve() != start_up:
                 shutil.rmtree(d, ignore_errors=True)
 
     # --- reporting
@@ -148,7 +200,8 @@ class SyncAgent:
         self._patch(entry)
 
     def report_error(self, message: str) -> None:
-        self._patch({"version": (self.served or {}).get("version"), "error": message[:500],
+        # The version the engine itself last reported: it keeps serving that.
+        self._patch({"version": self.engine_version, "error": message[:500],
                      "errorTime": now(), "attempts": self.attempts})
 
     def _patch(self, entry: dict) -> None:

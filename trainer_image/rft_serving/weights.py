@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from rft_contract.manifest import MANIFEST, read_manifest, verify_local
-from rft_contract.storage import get_storage, join
+from rft_contract.storage import download_to, get_storage, join
 
 from .engines import SyncError
 
@@ -76,14 +76,8 @@ def _download(storage, uri: str, to: Path) -> dict | None:
             raise SyncError(f"{uri}: no such weights (nothing under the prefix)")
     else:
         names = list(manifest["files"])
-    download = getattr(storage, "download_file", None)
     for name in names:
-        target = to / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if download is not None:
-            download(join(uri, name), target)  # streamed, multipart
-        else:
-            target.write_bytes(storage.read_bytes(join(uri, name)))
+        download_to(storage, join(uri, name), to / name)  # streamed, multipart on S3
     return manifest
 
 

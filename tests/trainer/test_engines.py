@@ -1,0 +1,753 @@
+"""Contract tests of the sync agent's engine adapters and of the explorers' weights-version
+attribution, against fakes of vLLM 0.33.0 and SGLang 0.5.23. These are contract tests
+against the routes and bodies read in the engines' own source, because neither engine runs
+on CPU here. Each fake implements exactly the routes the adapters and explorers use, with
+the request bodies those routes accept (unknown keys ignored or kept the way the real
+pydantic/msgspec models do, missing or mistyped fields refused) and the response shapes
+they return, and nothing else (any other route is a 404):
+
+vLLM 0.33.0 (vllm/...):
+  entrypoints/launchers/api_server/routers.py:46-53  dev/RL routes only with VLLM_SERVER_DEV_MODE=1
+  entrypoints/rl/online/api_router.py:31-94          POST /pause?mode=&clear_cache=, POST /resume
+  entrypoints/rl/online/api_router.py:217-229        POST /update_weight_version (Body embed), GET /weight_info
+  entrypoints/serve/dev/rpc/api_router.py:23-59      POST /collective_rpc (raw JSON)
+  entrypoints/serve/dev/cache/api_router.py:20-44    POST /reset_prefix_cache
+  v1/worker/gpu_model_runner.py:5226-5243            reload_weights(weights_iterator, weights_path, is_checkpoint_format)
+  v1/engine/core.py:147, 1796-1810                   "default" label; paused requests -> 503
+  entrypoints/openai/completion/protocol.py:182-190, 675-722   return_weight_versions, choices[].weight_versions
+  entrypoints/openai/completion/serving.py:650-654   spans only when the request opted in
+  entrypoints/serve/engine/protocol.py:37-39, 79-87  extra="allow"; {"error": {message, type, param, code}}
+  entrypoints/serve/exception_handling/handlers/validation.py   validation errors -> 400
+SGLang 0.5.23 (sglang/srt/...):
+  entrypoints/http_server.py:1300-1326               POST /update_weights_from_disk (200/400, success)
+  entrypoints/http_server.py:812-850                 GET /model_info (weight_version, model_path, ...)
+  entrypoints/http_server.py:635-692                 validation errors -> 400 ErrorResponse
+  managers/io_struct.py:1970-1999                    UpdateWeightFromDiskReqInput / ReqOutput
+  utils/msgspec_utils.py:70-118                      msgspec bodies: extra keys ignored, no default = required
+  managers/tokenizer_manager.py:2288-2322, 2365-2370 version label only on success; model renamed to model_path
+  managers/scheduler_components/weight_updater.py:118-160   flush refused while requests run -> success false
+  entrypoints/openai/protocol.py:365-, 506-543       CompletionRequest (extra ignored), metadata
+  entrypoints/openai/serving_completions.py:639-647  metadata from the FIRST choice only
+  entrypoints/openai/serving_base.py:40-60           only a ':' in `model` means a LoRA adapter
+  utils/weight_versions.py:90-117                    {"weight_version", "weight_versions": [{version, start, end}]}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rft_contract.config import load_explorer_config
+from rft_rollout.explorer import Explorer, KubeProgress, replica_versions
+from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, InferenceClient, build_samples,
+                                  choice_versions, replica_pod)
+from rft_rollout.tasksets import arithmetic
+from rft_serving.engines import SGLangEngine, SyncError, VLLMEngine
+from rft_serving.serve import COMPLETION_FIELDS, parse_sampling
+from rft_serving.sync_agent import INITIAL_LINK, SyncAgent
+from tests.fixtures.models import save_tiny_tokenizer
+
+SERVED = "policy"
+BODY_KEY = web.RequestKey("json", object) if hasattr(web, "RequestKey") else "json"
+
+
+# ------------------------------------------------------------------ fakes
+
+
+class Fake:
+    """An aiohttp app on loopback in a background thread; `calls` records every request as
+    (method, path, query, JSON body or None)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, dict, Any]] = []
+        self.label = "default"  # the weight-version label the engine starts with
+        self.path = "/weights/initial"  # the weights it serves
+        self.reloads = 0
+        self.label_spans: list | None = None  # test hook: completion spans to return instead
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        """The engine container restarted: back to its start-up weights and label."""
+        self.label, self.path = "default", "/weights/initial"
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler):
+        body = None
+        if request.can_read_body:
+            raw = await request.read()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = raw
+        self.calls.append((request.method, request.path, dict(request.query), body))
+        request[BODY_KEY] = body
+        return await handler(request)
+
+    def start(self) -> "Fake":
+        app = web.Application(middlewares=[self._record])
+        self.routes(app)
+        self._thread.start()
+
+        async def bind():
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            return self._runner.addresses[0][1]
+
+        self.port = asyncio.run_coroutine_threadsafe(bind(), self._loop).result(30)
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def posted(self) -> list[tuple[str, dict, Any]]:
+        return [(p, q, b) for m, p, q, b in self.calls if m == "POST" and p != "/v1/completions"]
+
+
+def _validate(model: type[BaseModel], body: Any) -> BaseModel:
+    """What FastAPI does with a pydantic-typed body (lax mode, as FastAPI validates)."""
+    if not isinstance(body, dict):
+        raise ValidationError.from_exception_data(model.__name__, [
+            {"type": "model_type", "loc": ("body",), "input": body,
+             "ctx": {"class_name": model.__name__}}])
+    return model.model_validate(body)
+
+
+def _completion_text(i: int) -> str:
+    return ["12", "3"][i % 2]
+
+
+# vLLM 0.33.0 ------------------------------------------------------------------------
+
+
+class VLLMCompletionRequest(BaseModel):
+    """entrypoints/openai/completion/protocol.py (the fields explorers send);
+    OpenAIBaseModel has extra="allow" (serve/engine/protocol.py:37-39)."""
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    prompt: str | list[str]
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    logprobs: Optional[int] = None
+    return_weight_versions: bool = False
+
+
+class UpdateWeightVersionBody(BaseModel):
+    """`new_version: Annotated[str, Body(embed=True)]`: FastAPI reads that key only."""
+    new_version: str
+
+
+class FakeVLLM(Fake):
+    """`vllm serve` with VLLM_SERVER_DEV_MODE=1 (dev_mode=False: the routes it gates are absent).
+    `honours_opt_in=False` plays a vLLM that predates return_weight_versions (extra="allow"
+    keeps the key and nothing reads it)."""
+
+    def __init__(self, dev_mode: bool = True, honours_opt_in: bool = True):
+        super().__init__()
+        self.dev_mode, self.honours_opt_in = dev_mode, honours_opt_in
+        self.paused: str | None = None  # the pause mode, while paused
+        self.reloaded_while_paused: list[bool] = []
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        if self.dev_mode:
+            app.router.add_post("/pause", self.pause)
+            app.router.add_post("/resume", self.resume)
+            app.router.add_post("/collective_rpc", self.collective_rpc)
+            app.router.add_post("/update_weight_version", self.update_weight_version)
+            app.router.add_get("/weight_info", self.weight_info)
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    @staticmethod
+    def error(status: int, message: str, type_: str = "BadRequestError") -> web.Response:
+        return web.json_response({"error": {"message": message, "type": type_, "param": None,
+                                            "code": status}}, status=status)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep") or \
+                request.query.get("clear_cache", "true").lower() not in ("true", "false", "1", "0"):
+            return self.error(400, "1 validation error: query.mode")
+        self.paused = mode
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.paused = None
+        return web.json_response({"status": "resumed"})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = request[BODY_KEY]
+        if not isinstance(body, dict):
+            return self.error(400, "Request body must be a JSON object", "Bad Request")
+        method = body.get("method")
+        if method is None:
+            return self.error(400, "Missing 'method' in request body", "Bad Request")
+        kwargs = body.get("kwargs", {})
+        if method != "reload_weights":  # the worker has no such method
+            return self.error(500, f"AttributeError: {method}", "InternalServerError")
+        unknown = set(kwargs) - {"weights_iterator", "weights_path", "is_checkpoint_format"}
+        if body.get("args") or unknown:
+            return self.error(500, f"TypeError: reload_weights() got {sorted(unknown)}", "InternalServerError")
+        path = kwargs.get("weights_path") or self.path  # none: reload from the original path
+        if not os.path.isdir(path):
+            self.path = f"half-loaded:{path}"  # in-place, layer by layer: a failure leaves a mix
+            return self.error(500, f"OSError: {path} not found", "InternalServerError")
+        self.reloaded_while_paused.append(self.paused in ("wait", "abort"))
+        self.path, self.reloads = path, self.reloads + 1  # the label does not change
+        return web.json_response({"results": [None]})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            body = _validate(UpdateWeightVersionBody, request[BODY_KEY])
+        except ValidationError as e:
+            return self.error(400, f"{e.error_count()} validation error: body.new_version")
+        self.label = body.new_version
+        return web.json_response({"success": True, "new_version": body.new_version})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.label})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            req = _validate(VLLMCompletionRequest, request[BODY_KEY])
+        except ValidationError as e:
+            return self.error(400, f"{e.error_count()} validation error")
+        if self.paused in ("abort", "wait"):  # core.py:1796-1810 -> RetryableRequestError
+            return self.error(503, "Generation is paused. Please retry after it resumes.",
+                              "ServiceUnavailableError")
+        if req.model is not None and req.model != SERVED:
+            return self.error(404, f"The model `{req.model}` does not exist. Valid aliases: {SERVED}.",
+                              "NotFoundError")
+        choices = []
+        for i in range(req.n):
+            text = _completion_text(i)
+            spans = [{"version": self.label, "start": 0, "end": len(text)}]
+            if self.label_spans is not None:
+                spans = self.label_spans[i]
+            choices.append({
+                "index": i, "text": text,
+                "logprobs": {"text_offset": list(range(len(text))), "token_logprobs": [-0.5] * len(text),
+                             "tokens": list(text), "top_logprobs": [None] * len(text)}
+                if req.logprobs is not None else None,
+                "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
+                "weight_versions": spans if req.return_weight_versions and self.honours_opt_in else None})
+        tokens = sum(len(c["text"]) for c in choices)
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": req.model or SERVED, "choices": choices, "service_tier": None,
+            "system_fingerprint": None, "usage": {"prompt_tokens": 4, "total_tokens": 4 + tokens,
+                                                  "completion_tokens": tokens, "prompt_tokens_details": None},
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+
+
+# SGLang 0.5.23 ------------------------------------------------------------------------
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    """managers/io_struct.py:1970-1992 (+ BaseReq's rid, http_worker_ipc); msgspec_utils.py
+    builds a typed dict with extra_behavior="ignore"."""
+    model_config = ConfigDict(extra="ignore")
+    rid: Optional[str] = None
+    http_worker_ipc: Optional[str] = None
+    model_path: str
+    load_format: Optional[str] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: Optional[dict[str, Any]] = None
+
+
+class SGLangCompletionRequest(BaseModel):
+    """entrypoints/openai/protocol.py:365- (the fields explorers send); plain pydantic
+    BaseModel: unknown keys such as return_weight_versions are ignored."""
+    model: str = "default"
+    prompt: str | list[str]
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    logprobs: Optional[int] = None
+
+
+class FakeSGLang(Fake):
+    """`python -m sglang.launch_server --model-path <initial> --served-model-name policy`."""
+
+    def __init__(self):
+        super().__init__()
+        self.served_name = SERVED
+        self.scheduler_label = self.label  # the scheduler's label: what spans report
+        self.running = 0  # requests still in the scheduler: the cache flush is refused
+        self.aborted = 0
+
+    def restart(self) -> None:
+        super().restart()
+        self.scheduler_label, self.served_name = self.label, SERVED
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_post("/v1/completions", self.completions)
+
+    @staticmethod
+    def error(status: int, message: str) -> web.Response:
+        return web.json_response({"object": "error", "message": message, "type": "Bad Request",
+                                  "param": None, "code": status}, status=status)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            req = _validate(UpdateWeightFromDiskReqInput, request[BODY_KEY])
+        except ValidationError as e:
+            return self.error(400, str(e))
+        if req.abort_all_requests:
+            self.aborted += self.running
+            self.running = 0
+        if not os.path.isdir(req.model_path):  # rolled back: old weights, old label
+            return web.json_response({"success": False, "num_paused_requests": 0, "message":
+                                      f"Failed to update weights: {req.model_path} not found.\n"
+                                      "Rolling back to original weights."}, status=400)
+        self.path, self.reloads = req.model_path, self.reloads + 1
+        if req.weight_version is not None:
+            self.scheduler_label = req.weight_version
+        if req.flush_cache and self.running:
+            return web.json_response({"success": False, "num_paused_requests": 0, "message":
+                                      "Weights were updated, but the cache was not flushed because "
+                                      "requests are still running or queued. Retract or finish them, "
+                                      "then call /flush_cache."}, status=400)
+        message = "Succeeded to update model weights."
+        if req.weight_version is not None:
+            self.label = req.weight_version
+            message += f" Weight version updated to {req.weight_version}."
+        self.served_name = req.model_path  # _update_model_path_info
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.path, "served_model_name": self.served_name, "tokenizer_path": self.path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.label,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+            "disaggregation_mode": "null", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"]})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        if request.content_type != "application/json":
+            return self.error(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            req = _validate(SGLangCompletionRequest, request[BODY_KEY])
+        except ValidationError as e:
+            return self.error(400, str(e))
+        if ":" in req.model and req.model != self.served_name:  # base:adapter, no such adapter
+            return self.error(400, f"LoRA adapter {req.model.split(':', 1)[1]!r} is not loaded")
+        choices = [{"index": i, "text": _completion_text(i),
+                    "logprobs": {"text_offset": [], "token_logprobs": [-0.5] * len(_completion_text(i)),
+                                 "tokens": list(_completion_text(i)), "top_logprobs": []}
+                    if req.logprobs is not None else None,
+                    "finish_reason": "length", "matched_stop": None} for i in range(req.n)]
+        first = len(choices[0]["text"])
+        spans = self.label_spans if self.label_spans is not None else \
+            [{"version": self.scheduler_label, "start": 0, "end": first}]
+        tokens = sum(len(c["text"]) for c in choices)
+        return web.json_response({
+            "id": uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+            "model": req.model, "choices": choices,
+            "usage": {"prompt_tokens": 4, "total_tokens": 4 + tokens, "completion_tokens": tokens,
+                      "prompt_tokens_details": None, "reasoning_tokens": 0},
+            "metadata": {"weight_version": spans[-1]["version"], "weight_versions": spans}})
+
+
+@pytest.fixture
+def vllm():
+    fake = FakeVLLM().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def sglang():
+    fake = FakeSGLang().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def weights(tmp_path) -> Path:
+    d = tmp_path / "export-v3"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+BODY = {"model": SERVED, "prompt": "2+3=", "n": 2, "max_tokens": 4, "temperature": 1.0,
+        "top_p": 1.0, "logprobs": 0}
+
+
+# ------------------------------------------------------------------ vLLM adapter
+
+
+def test_vllm_load_pauses_reloads_labels_flushes_and_resumes(vllm, weights):
+    engine = VLLMEngine(vllm.url)
+    assert engine.served() is None  # "default": not one of ours
+    engine.load(str(weights), 3)
+    assert vllm.posted() == [
+        ("/pause", {"mode": "wait"}, None),
+        ("/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}),
+        ("/update_weight_version", {}, {"new_version": "3"}),
+        ("/reset_prefix_cache", {}, None),
+        ("/resume", {}, None),
+    ]
+    assert vllm.reloaded_while_paused == [True] and vllm.paused is None
+    assert vllm.path == str(weights) and vllm.label == "3" and engine.served() == 3
+
+
+@pytest.mark.parametrize("label, served", [("default", None), ("3", 3), ("0", 0),
+                                           ("failed-reload-4", None), ("v3", None), ("", None)])
+def test_vllm_served_reads_the_engines_label(vllm, label, served):
+    vllm.label = label
+    assert VLLMEngine(vllm.url).served() == served
+    assert vllm.calls[-1][:2] == ("GET", "/weight_info")
+
+
+def test_vllm_failed_reload_is_labelled_unknown_and_resumed(vllm, tmp_path):
+    vllm.label = "2"
+    engine = VLLMEngine(vllm.url)
+    with pytest.raises(SyncError, match="collective_rpc: HTTP 500"):
+        engine.load(str(tmp_path / "missing"), 3)
+    assert [p for p, _, _ in vllm.posted()] == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
+    assert vllm.label == "failed-reload-3" and engine.served() is None and vllm.paused is None
+
+
+def test_vllm_without_dev_mode_says_so(weights):
+    fake = FakeVLLM(dev_mode=False).start()
+    try:
+        with pytest.raises(SyncError, match="VLLM_SERVER_DEV_MODE=1"):
+            VLLMEngine(fake.url).load(str(weights), 3)
+        with pytest.raises(SyncError, match="HTTP 404"):
+            VLLMEngine(fake.url).served()
+    finally:
+        fake.stop()
+
+
+# ------------------------------------------------------------------ SGLang adapter
+
+
+def test_sglang_load_posts_the_disk_update_with_its_version(sglang, weights):
+    engine = SGLangEngine(sglang.url)
+    assert engine.served() is None  # --weight-version default "default"
+    engine.load(str(weights), 3)
+    assert sglang.posted() == [("/update_weights_from_disk", {}, {
+        "model_path": str(weights), "weight_version": "3", "abort_all_requests": False})]
+    assert sglang.calls[-1][3] == {"model_path": str(weights), "weight_version": "3",
+                                   "abort_all_requests": False}
+    assert engine.served() == 3 and sglang.path == str(weights)
+
+
+def test_sglang_refusals_are_sync_errors(sglang, weights, tmp_path):
+    engine = SGLangEngine(sglang.url)
+    engine.load(str(weights), 3)
+    with pytest.raises(SyncError, match="HTTP 400.*Rolling back"):
+        engine.load(str(tmp_path / "missing"), 4)
+    assert engine.served() == 3
+    sglang.running = 1  # requests left in the scheduler: the flush is refused (success false)
+    with pytest.raises(SyncError, match="cache was not flushed"):
+        engine.load(str(weights), 5)
+    assert engine.served() == 3 and sglang.aborted == 0  # label unchanged: the agent retries
+
+
+def test_sglang_keeps_answering_policy_after_it_renames_the_model(sglang, weights):
+    SGLangEngine(sglang.url).load(str(weights), 3)
+    assert sglang.served_name == str(weights)  # what /v1/models now lists
+    client = InferenceClient([sglang.url])
+    response, versions = client.complete(BODY)
+    assert response["model"] == SERVED and versions == [3, 3]
+    with pytest.raises(Exception, match="LoRA"):  # a ':' would mean base:adapter
+        client.complete({**BODY, "model": "policy:v3"})
+
+
+# ------------------------------------------------------------------ the agent
+
+
+class FakeJobApi:
+    """patch_status's API call; every patch is fed back to the agent as its watch would."""
+
+    def __init__(self):
+        self.status: dict = {}
+        self.patches: list[dict] = []
+        self.agent: SyncAgent | None = None
+
+    def patch_namespaced_custom_object_status(self, group, version, ns, plural, name, body, **kw):
+        from rft_contract.jobapi import merge
+
+        entry = body["status"]["weightSync"]["replicas"]["job-inference-0"]
+        self.patches.append(dict(entry))
+        merge(self.status, json.loads(json.dumps(body["status"])))
+        self.agent._update({"status": self.status})
+
+
+def make_agent(engine, tmp_path: Path, target: dict) -> tuple[SyncAgent, FakeJobApi]:
+    api = FakeJobApi()
+    agent = SyncAgent("job", "ns", "job-inference-0", engine, tmp_path / "dest", api=api)
+    api.agent = agent
+    api.status = {"weightSync": {"target": target}}
+    agent._update({"status": api.status})
+    return agent, api
+
+
+class MemoryEngine:
+    """An engine whose container can restart (back to its start-up weights, no version)."""
+
+    def __init__(self):
+        self.version: int | None = None
+        self.loads: list[tuple[str, int]] = []
+
+    def served(self) -> int | None:
+        return self.version
+
+    def load(self, path: str, version: int) -> None:
+        self.loads.append((path, version))
+        self.version = version
+
+
+def test_an_engine_that_restarts_is_reloaded_although_the_agent_loaded_it(tmp_path, weights):
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    engine = MemoryEngine()
+    agent, api = make_agent(engine, tmp_path, target)
+    assert agent.converge(target) and engine.loads == [(str(weights), 3)]
+    assert api.patches[-1]["version"] == 3 and agent.served["version"] == 3
+    assert not agent.converge(target)  # in sync: nothing to do
+    engine.version = None  # the engine container restarted; the agent still believes v3
+    assert agent.converge(target) and engine.loads[-1] == (str(weights), 3)
+    assert [p["version"] for p in api.patches] == [3, None, 3]  # says so, then reports again
+    assert api.patches[-1]["id"] == "abc" and api.patches[-1]["error"] is None
+    engine.version = 0  # restarted on other weights that carry a version of ours
+    assert agent.converge(target) and len(engine.loads) == 3
+    assert api.status["weightSync"]["replicas"]["job-inference-0"]["version"] == 3
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_restarted_engine_container_is_reloaded_over_http(kind, tmp_path, weights):
+    fake = (FakeVLLM() if kind == "vllm" else FakeSGLang()).start()
+    try:
+        engine = VLLMEngine(fake.url) if kind == "vllm" else SGLangEngine(fake.url)
+        target = {"version": 3, "id": "abc", "uri": str(weights)}
+        agent, api = make_agent(engine, tmp_path, target)
+        assert agent.converge(target) and fake.reloads == 1 and engine.served() == 3
+        assert not agent.converge(target) and fake.reloads == 1
+        fake.restart()
+        assert agent.converge(target) and fake.reloads == 2 and engine.served() == 3
+        assert [p["version"] for p in api.patches] == [3, None, 3]
+    finally:
+        fake.stop()
+
+
+def test_the_start_up_link_follows_the_loaded_weights(tmp_path, weights):
+    """vLLM/SGLang start from <dest>/initial: after a load it names the loaded weights, and
+    the directory it names is never cleaned up."""
+    dest = tmp_path / "dest"
+    first = dest / "v00000000-base"
+    first.mkdir(parents=True)
+    (dest / INITIAL_LINK).symlink_to(first)
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent, _ = make_agent(MemoryEngine(), tmp_path, target)
+    agent.converge(target)
+    assert (dest / INITIAL_LINK).resolve() == weights.resolve() and not first.exists()
+    kept = dest / "v00000003-abc"  # an s3 version's local copy, named by the link
+    kept.mkdir()
+    (dest / INITIAL_LINK).unlink()
+    (dest / INITIAL_LINK).symlink_to(kept)
+    agent._cleanup({"version": 4, "id": "x"})
+    assert kept.exists()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_pod_starts_the_engine_from_the_agents_link(engine):
+    from rft_contract.spec import parse_spec
+    from rft_operator.builders import JobRef, build_inference_pod
+    from tests.unit.conftest import SPEC
+
+    spec = parse_spec({**SPEC, "inference": {"replicas": 1, "engine": engine, "image": "e:1"}})
+    pod = build_inference_pod(JobRef("demo", "ns", "uid"), spec, 0)
+    engine_c, agent = pod["spec"]["containers"]
+    args = pod["spec"]["initContainers"][0]["args"]
+    dest = agent["args"][agent["args"].index("--dest") + 1]
+    assert args[args.index("--fetch-only") + 1] == f"{dest}/{INITIAL_LINK}" in engine_c["args"]
+
+
+# ------------------------------------------------------------------ versions of rollouts
+
+
+def test_reference_server_accepts_the_opt_in():
+    parse_sampling({"prompt": "1", "return_weight_versions": True}, COMPLETION_FIELDS)
+
+
+def test_vllm_versions_per_choice_and_straddles_dropped(vllm, weights):
+    VLLMEngine(vllm.url).load(str(weights), 3)
+    client = InferenceClient([vllm.url])
+    response, versions = client.complete(BODY)
+    assert vllm.calls[-1][3]["return_weight_versions"] is True  # the opt-in
+    assert versions == [3, 3]
+    vllm.label_spans = [[{"version": "3", "start": 0, "end": 2}],
+                        [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]]
+    response, versions = client.complete(BODY)
+    assert versions == [3, STRADDLED] and client.dropped == {STRADDLED: 1}
+    samples = build_samples(response, {"prompt": "2+3=", "answer": "5"}, Tok(), lambda *a: 0.0, 0,
+                            None, versions)
+    assert [(s.response_ids, s.weights_version) for s in samples] == [([1, 2], 3)]
+    vllm.label_spans = None
+    vllm.restart()  # restarted, not reloaded yet: "default" says nothing of ours
+    assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
+
+
+def test_sglang_versions_from_the_first_choices_metadata(sglang, weights):
+    SGLangEngine(sglang.url).load(str(weights), 3)
+    client = InferenceClient([sglang.url])
+    assert client.complete(BODY).versions == [3, 3]
+    assert client.complete({**BODY, "n": 1}).versions == [3]
+    sglang.label_spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]
+    assert client.complete(BODY).versions == [STRADDLED, STRADDLED]  # the others are unknown
+    assert client.complete({**BODY, "n": 1}).versions == [STRADDLED]
+    sglang.label_spans = None
+    sglang.restart()
+    assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
+    assert client.dropped == {STRADDLED: 3, UNVERSIONED: 2}
+
+
+def test_choice_versions_of_each_engines_shape():
+    two = [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]
+    assert choice_versions({"weights_version": 7, "choices": two}) == [7, 7]  # reference body
+    assert choice_versions({"choices": two}, header_version=6) == [6, 6]  # reference header
+    vllm = {"choices": [{"index": 1, "weight_versions": [{"version": "5", "start": 0, "end": 1},
+                                                          {"version": "5", "start": 1, "end": 3}]},
+                        {"index": 0, "weight_versions": [{"version": "4", "start": 0, "end": 1},
+                                                          {"version": "5", "start": 1, "end": 3}]}]}
+    assert choice_versions(vllm) == [STRADDLED, 5]  # in index order
+    nulls = {"choices": [{"index": 0, "weight_versions": None}]}  # vLLM without the opt-in
+    assert choice_versions(nulls) is None
+    assert choice_versions(nulls, record=(4, 4)) == [4]
+    assert choice_versions(nulls, record=(4, 5)) == [STRADDLED]
+    assert choice_versions(nulls, record=(None, 5)) == [UNVERSIONED]
+    sgl = {"choices": two, "metadata": {"weight_version": "8", "weight_versions": [
+        {"version": "8", "start": 0, "end": 2}]}}
+    assert choice_versions(sgl, record=(2, 3)) == [8, 8]  # the engine's word wins
+    # Only a label (no spans: the version when it finished, not when it started): not enough.
+    assert choice_versions({"choices": two, "metadata": {"weight_version": "8"}}) is None
+    with pytest.raises(ValueError, match="no weights version"):
+        build_samples(nulls, {"prompt": "1", "answer": "1"}, Tok(), lambda *a: 0.0, 0)
+
+
+class Tok:
+    """Characters as ids: enough for build_samples."""
+    eos_token_id = 99
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [int(c) if c.isdigit() else 0 for c in text]}
+
+
+def test_fallback_to_the_agents_record_drops_requests_that_straddle_a_reload(weights):
+    """An engine that reports nothing (a vLLM that ignores the opt-in): each request is
+    attributed to the sync agent's record of its replica, read before and after it."""
+    fake = FakeVLLM(honours_opt_in=False).start()
+    try:
+        VLLMEngine(fake.url).load(str(weights), 3)
+        record = {"value": 3, "reads": 0, "bump_after": None}
+
+        def version_of(i: int) -> int | None:
+            assert i == 0
+            record["reads"] += 1
+            if record["bump_after"] is not None and record["reads"] > record["bump_after"]:
+                record["value"] = 4  # the agent recorded a reload while the request ran
+            return record["value"]
+
+        client = InferenceClient([fake.url], version_of=version_of)
+        assert client.complete(BODY).versions == [3, 3] and record["reads"] == 2
+        record["bump_after"] = record["reads"] + 1  # changes between this request's reads
+        response, versions = client.complete(BODY)
+        assert versions == [STRADDLED, STRADDLED] and client.dropped == {STRADDLED: 2}
+        assert build_samples(response, {"prompt": "1", "answer": "1"}, Tok(), lambda *a: 0.0, 0,
+                             None, versions) == []
+        record["bump_after"] = None
+        assert client.complete(BODY).versions == [4, 4]
+        record["value"] = None  # no entry (or the API failed): unknown
+        assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
+    finally:
+        fake.stop()
+
+
+def test_no_record_reads_once_the_engine_reports_versions(vllm, weights):
+    VLLMEngine(vllm.url).load(str(weights), 3)
+    reads = []
+    client = InferenceClient([vllm.url], version_of=lambda i: reads.append(i) or 3)
+    assert client.complete(BODY).versions == [3, 3]
+    assert client.complete(BODY).versions == [3, 3] and len(reads) == 1  # the first request only
+
+
+def test_the_explorer_reads_each_replicas_record_from_the_job_status():
+    class Api:
+        def get_namespaced_custom_object_status(self, group, version, ns, plural, name):
+            return {"status": {"weightSync": {"replicas": {"demo-inference-1": {"version": 5},
+                                                           "demo-inference-0": {"version": 4},
+                                                           "demo-inference-2": {"version": None}}}}}
+
+    endpoints = ["http://demo-inference-0.demo-inference.ns.svc:8000",
+                 "http://demo-inference-1.demo-inference.ns.svc:8000/", "http://10.0.0.7:8000",
+                 "http://demo-inference-2.demo-inference.ns.svc:8000"]
+    assert [replica_pod(e, "demo") for e in endpoints] == [
+        "demo-inference-0", "demo-inference-1", None, "demo-inference-2"]
+    assert replica_pod("http://demo2-inference-0.x:1", "demo") is None
+    version_of = replica_versions(KubeProgress(Api(), "demo", "ns", 10), endpoints)
+    assert [version_of(i) for i in range(4)] == [4, 5, None, None]  # no version: unknown
+    assert replica_versions(lambda: (0, 10), endpoints) is None  # no job status to read
+
+
+def test_the_explorer_drops_straddling_choices_and_logs_them(vllm, weights, tmp_path, caplog):
+    from tests.trainer.test_explorer import job_config
+
+    save_tiny_tokenizer(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    VLLMEngine(vllm.url).load(str(weights), 3)
+    vllm.label_spans = [[{"version": "3", "start": 0, "end": 2}],
+                        [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]] * 2
+    config = load_explorer_config(job_config(tmp_path, str(tmp_path / "buffer"), "unused.jsonl",
+                                             max_n=2))
+    explorer = Explorer(config, [vllm.url], tokenizer=tokenizer, tasks=arithmetic(4, seed=1))
+    with caplog.at_level(logging.INFO, logger="rft_rollout.explorer"):
+        assert explorer.run(max_shards=1) == 1
+    shard = [json.loads(r.getMessage()) for r in caplog.records if '"event": "shard"' in r.getMessage()]
+    # 2 tasks x 4 rollouts, as 2 requests of n=2 each: one choice of every request straddled.
+    assert shard[0]["samples"] == 4 and shard[0]["dropped_straddling"] == 4
+    assert shard[0]["version_min"] == shard[0]["version_max"] == 3
