@@ -72,6 +72,20 @@ INVALID = [
     ("bad-engine", "spec.inference", {"engine": "tgi"}, "spec.inference.engine"),
     ("staleness-negative", "spec.buffer", {"maxStaleness": -1}, "spec.buffer.maxStaleness"),
     ("sync-interval-0", "spec.sync", {"interval": 0}, "spec.sync.interval"),
+    ("clip-high-10", "spec.algorithm.clipRatioHigh", 10, "spec.algorithm.clipRatioHigh"),
+    ("clip-low-0", "spec.algorithm.clipRatioLow", 0, "spec.algorithm.clipRatioLow"),
+    ("dual-clip-1", "spec.algorithm.dualClipRatio", 1.0, "spec.algorithm.dualClipRatio"),
+    ("kl-full", "spec.algorithm.klEstimator", "full", 'spec.algorithm.klEstimator: Unsupported value: "full"'),
+    ("warmup-negative", "spec.optimizer.warmupSteps", -1, "spec.optimizer.warmupSteps"),
+    ("schedule-linear", "spec.optimizer.lrSchedule", "linear", "spec.optimizer.lrSchedule"),
+    ("min-lr-ratio-2", "spec.optimizer.minLrRatio", 2, "spec.optimizer.minLrRatio"),
+    ("betas-one", "spec.optimizer.betas", [0.9, 1.0], "spec.optimizer.betas[1]"),
+    ("betas-three", "spec.optimizer.betas", [0.9, 0.99, 0.999], "spec.optimizer.betas"),
+    ("seed-negative", "spec.trainer.seed", -1, "spec.trainer.seed"),
+    ("dtype-fp8", "spec.model.dtype", "fp8", "spec.model.dtype"),
+    ("prompt-format-xml", "spec.explorer", {"tasksetUri": "s3://b/t.jsonl", "promptFormat": "xml"},
+     "spec.explorer.promptFormat"),
+    ("buffer-local-path", "spec.buffer.uri", "/data/buffer", "buffer.uri must be an S3 URI"),
     ("long-name", "metadata.name", "a" * 41, "metadata.name must be at most 40 characters"),
     ("name-starts-with-digit", "metadata.name", "1job", "metadata.name must start with a letter"),
 ]
@@ -130,6 +144,21 @@ def test_immutable_fields_cannot_change(installed, api, namespace, path, value, 
     with pytest.raises(ApiException) as e:
         _patch(api, namespace, _set({}, path, value))
     assert e.value.status == 422 and expected in _message(e.value), _message(e.value)
+
+
+def test_verl_knobs_are_accepted_and_null_disables_dual_clip(installed, api, namespace):
+    """verl's names pass admission, and `dualClipRatio: null` is stored as null (the
+    field is nullable), which the operator parses as "dual clip off"."""
+    from rft_contract.spec import parse_spec
+
+    manifest = _set(BASE, "spec.algorithm", {
+        "name": "grpo", "klEstimator": "abs", "clipRatioLow": 0.2, "clipRatioHigh": 0.28,
+        "dualClipRatio": None, "useKlLoss": False})
+    manifest = _set(manifest, "spec.optimizer", {"warmupSteps": 5, "lrSchedule": "cosine", "minLrRatio": 0.1})
+    created = _create(api, namespace, manifest)
+    assert created["spec"]["algorithm"]["dualClipRatio"] is None
+    assert parse_spec(created["spec"]).algorithm.dual_clip_ratio is None
+    assert parse_spec(BASE["spec"]).algorithm.dual_clip_ratio == 3.0
 
 
 def test_mutable_fields_can_change(installed, api, namespace):
