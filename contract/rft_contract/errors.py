@@ -37,18 +37,20 @@ def _message(kind: str, value: Any, ctx: dict, annotation: Any, model: type[Base
              loc: list, style: str, msg: str) -> str:
     if kind == "extra_forbidden":
         parent = _walk(model, loc[:-1], style)[0]
-        known = _field_names(parent, style) if _is_model(parent) else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        return "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
+        return "unknown key" + _suggest(parent, str(loc[-1]), style)
     if kind == "missing":
         return "required section is missing" if _is_model(annotation) else "required key is missing"
-    if kind == "tuple_length":
+    if kind in ("tuple_length", "too_long", "too_short", "tuple_type") and typing.get_origin(annotation) is tuple:
         n = len(typing.get_args(annotation))
         return f"expected a list of {n} numbers, got {value!r}"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
+        if value is None and _is_model(annotation):
+            return "required section is missing"
         return f"expected a mapping, got {type(value).__name__}"
     if kind in _TYPES:
-        return f"expected {_TYPES[kind]}, got {type(value).__name__} {value!r}"
+        options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+        want = " or ".join(a.__name__ for a in options) if options else _TYPES[kind]
+        return f"expected {want}, got {type(value).__name__} {value!r}"
     if kind == "literal_error":
         allowed = ctx.get("expected", "").replace(" or ", ", ")
         return f"must be one of {allowed}, got {value!r}"
@@ -62,6 +64,21 @@ def _message(kind: str, value: Any, ctx: dict, annotation: Any, model: type[Base
     if kind == "value_error":
         return str(ctx.get("error", msg))
     return msg[:1].lower() + msg[1:]
+
+
+def _suggest(parent: Any, key: str, style: str) -> str:
+    """` (did you mean x?)`: a close name at this level, else the same name one level
+    down (a top-level `fsdp` belongs under `trainer`)."""
+    if not _is_model(parent):
+        return ""
+    close = difflib.get_close_matches(key, _field_names(parent, style), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    for name, info in parent.model_fields.items():
+        child = _unwrap(info.annotation)
+        if _is_model(child) and key in _field_names(child, style):
+            return f" (did you mean {(info.alias or name) if style == 'camel' else name}.{key}?)"
+    return ""
 
 
 def _num(x: Any) -> Any:
@@ -114,6 +131,12 @@ def _walk(model: type[BaseModel], loc: list, style: str) -> tuple[Any, list]:
         if _is_model(annotation):
             fields = annotation.model_fields
             field = next((n for n, i in fields.items() if part in (n, i.alias)), None)
+        elif typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            continue  # pydantic names the union member it tried (`int`, `str`): not a key
+        elif typing.get_origin(annotation) is dict:
+            names.append(part)  # a user's key in a mapping (resources.requests.cpu)
+            annotation = typing.get_args(annotation)[1]
+            continue
         if field is None:
             names.append(part)
             annotation = Any

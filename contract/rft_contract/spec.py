@@ -250,6 +250,7 @@ class TrainerSpec(Model):
 
 class CheckpointSpec(Model):
     uri: str = Field(
+        min_length=1,
         max_length=1024,
         json_schema_extra={
             "rules": [
@@ -433,8 +434,6 @@ ROOT_RULES = [
         "and '-' (it names the headless Service and pod hostnames)",
     ),
 ]
-
-
 
 
 def missing_admission_fields(model: BaseModel, where: str = "spec") -> list[str]:

@@ -101,41 +101,28 @@ def build_status_role_binding(ref: JobRef, spec: RFTJobSpec) -> Obj:
 # ------------------------------------------------------------------ services
 
 
+def _headless(ref: JobRef, name: str, role: str, port_name: str, port: int,
+              publish_not_ready: bool = False) -> Obj:
+    spec: Obj = {"clusterIP": "None"}
+    if publish_not_ready:
+        spec["publishNotReadyAddresses"] = True
+    spec["selector"] = {c.LABEL_JOB: ref.name, c.LABEL_ROLE: role}
+    spec["ports"] = [{"name": port_name, "port": port, "targetPort": port}]
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": build_meta(ref, name, labels(ref.name, role)), "spec": spec}
+
+
 def build_headless_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
-    """Gives each trainer pod a stable DNS name `<pod>.<job>-trainer` for rendezvous."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": build_meta(ref, c.service_name(ref.name), labels(ref.name, c.ROLE_TRAINER)),
-        "spec": {
-            "clusterIP": "None",
-            # torchrun must resolve rank 0 before any pod is Ready.
-            "publishNotReadyAddresses": True,
-            "selector": {c.LABEL_JOB: ref.name, c.LABEL_ROLE: c.ROLE_TRAINER},
-            "ports": [
-                {
-                    "name": "rendezvous",
-                    "port": spec.trainer.master_port,
-                    "targetPort": spec.trainer.master_port,
-                }
-            ],
-        },
-    }
+    """Gives each trainer pod a stable DNS name `<pod>.<job>-trainer` for rendezvous;
+    torchrun must resolve rank 0 before any pod is Ready (publishNotReadyAddresses)."""
+    return _headless(ref, c.service_name(ref.name), c.ROLE_TRAINER, "rendezvous",
+                     spec.trainer.master_port, publish_not_ready=True)
 
 
 def build_inference_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """Headless: DNS names per replica (`<pod>.<job>-inference`) for explorers, and the
     Service for anything else that wants to query the policy."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": build_meta(ref, c.inference_service_name(ref.name), labels(ref.name, c.ROLE_INFERENCE)),
-        "spec": {
-            "clusterIP": "None",
-            "selector": {c.LABEL_JOB: ref.name, c.LABEL_ROLE: c.ROLE_INFERENCE},
-            "ports": [{"name": "http", "port": spec.inference.port, "targetPort": spec.inference.port}],
-        },
-    }
+    return _headless(ref, c.inference_service_name(ref.name), c.ROLE_INFERENCE, "http", spec.inference.port)
 
 
 def build_static_children(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:

@@ -189,3 +189,33 @@ def test_config_is_frozen(operator_json):
     cfg = load_config(operator_json, env={})
     with pytest.raises(AttributeError):
         cfg.trainer.batch_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["trainer"].update(resources={"requests": {"cpu": 1.5}}),
+     "trainer.resources.requests.cpu: expected int or str, got float 1.5"),
+    (lambda d: d.setdefault("optimizer", {}).update(betas=[0.9, 0.99, 0.999]),
+     "optimizer.betas: expected a list of 2 numbers, got [0.9, 0.99, 0.999]"),
+    (lambda d: d.setdefault("optimizer", {}).update(betas="x"),
+     "optimizer.betas: expected a list of 2 numbers, got 'x'"),
+    (lambda d: d.update(fsdp={}), "fsdp: unknown key (did you mean trainer.fsdp?)"),
+    (lambda d: d.update(algorithm=None), "algorithm: required section is missing"),
+    (lambda d: d["checkpoint"].update(uri=""), "checkpoint.uri: must not be empty"),
+])
+def test_messages_name_the_key_in_the_users_words(operator_json, mutate, message):
+    """The contract's wording (rft_contract.errors) for cases pydantic words its own way:
+    union members, tuples, a section one level too high, a null section."""
+    mutate(operator_json)
+    assert error(operator_json) == message
+
+
+def test_operator_and_pods_word_errors_alike(operator_json):
+    """The operator parses the camelCase spec, pods the snake_case config: same message,
+    each in its own spelling."""
+    from rft_contract.spec import parse_spec
+
+    spec = copy.deepcopy(SPEC)
+    spec["algorithm"]["lerningRate"] = 1
+    with pytest.raises(ValueError) as e:
+        parse_spec(spec)
+    assert str(e.value) == "spec.algorithm.lerningRate: unknown key (did you mean learningRate?)"

@@ -86,11 +86,15 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 
 def closure(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every project module that importing `start` runs, its own parent packages included
+    (`import a.b.c` runs a/__init__.py and a/b/__init__.py first)."""
     seen, todo = set(), [start]
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
+            parts = m.split(".")
+            todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in edges]
             todo += edges[m]
     return seen
 
@@ -129,6 +133,29 @@ def test_contract_imports_no_operator_framework_and_no_deployable():
         bad = {i for i in g[m] if i.split(".")[0] in ("kopf", "rft_operator", "rft_trainer",
                                                     "rft_rollout", "rft_serving")}
         assert not bad, f"{m} imports {sorted(bad)}"
+
+
+ALLOWED = {  # package -> the other deployables' modules it may import
+    "rft_operator": set(),
+    "rft_serving": set(),
+    "rft_trainer": set(),
+    "rft_rollout": {"rft_trainer", "rft_trainer.experience"},  # the shard format
+}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_deployables_meet_only_through_the_contract(package):
+    g = graph()
+    others = {p for p in ALLOWED if p != package}
+    for m in (m for m in g if m.split(".")[0] == package):
+        bad = {i for i in g[m] if i in g and i.split(".")[0] in others and i not in ALLOWED[package]}
+        assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def test_a_package_init_that_imports_torch_taints_its_modules():
+    """The walk follows parent packages: sync_agent would run rft_serving/__init__.py."""
+    edges = {"p": {"p.heavy"}, "p.heavy": set(), "p.light": set()}
+    assert "p.heavy" in closure(edges, "p.light")
 
 
 def test_operator_uses_only_the_contract():

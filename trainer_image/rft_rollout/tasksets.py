@@ -14,7 +14,7 @@ same). Other keys of a line are ignored.
     python -m rft_rollout.tasksets arithmetic --n 256 --seed 0 --out s3://data/arith.jsonl
 
 writes a synthetic set of one-step sums ("3+4=" -> "7") over the tiny test vocabulary
-(digits and "+-*= ?", see testing.py), so a tiny model can learn it in a demo.
+(digits and "+-*= ?", see tests/fixtures/models.py), so a tiny model can learn it in a demo.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ import torch
 
 from rft_contract.config import JobConfig
 from rft_contract.layout import weights_uri
-from .export import apply_weights_retention
 
 from .checkpoint import should_save_on_stop
 from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
+from .export import apply_weights_retention
 from .metrics import MetricsLog
 from .reporting import StatusReporter
 
