@@ -3,7 +3,7 @@ on an arithmetic taskset phrased as chat questions, through the production piece
 reference inference server, the explorer (chat template, rewards, experience shards),
 the buffer reader, the FSDP2 engine, the HF export and the server's hot reload.
 
-    python bench/learning.py [--steps 12] [--tasks-per-step 8] [--rollouts 8]
+    python bench/learning.py [--steps 12] [--tasks-per-step 8] [--rollouts 4]
 
 Prints held-out accuracy (greedy decoding, `math_accuracy`) before and after training,
 the mean training reward per step, and seconds per step split into rollouts, training
@@ -63,11 +63,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--tasks-per-step", type=int, default=8)
-    ap.add_argument("--rollouts", type=int, default=8, help="samples per task (the GRPO group)")
+    ap.add_argument("--rollouts", type=int, default=4, help="samples per task (the GRPO group)")
     ap.add_argument("--eval", type=int, default=64, help="held-out tasks")
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-6)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--temperature", type=float, default=0.7)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model_dir = smollm2_dir()
