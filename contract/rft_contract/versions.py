@@ -2,7 +2,7 @@
 sync agent labels an engine with it as a string (vLLM's `/update_weight_version`,
 SGLang's `weight_version`), and engines report labels back (`/weight_info`,
 `/model_info`, per-completion spans). Anything else an engine may report ("default", its
-start-up label; a failed-reload marker) is not one of ours."""
+start-up label; the `reloading-<v>` label during a vLLM reload) is not one of ours."""
 
 from __future__ import annotations
 

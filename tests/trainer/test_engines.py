@@ -14,7 +14,11 @@ vLLM 0.33.0 (vllm/...):
   entrypoints/serve/dev/cache/api_router.py:20-44    POST /reset_prefix_cache
   v1/worker/gpu_model_runner.py:5226-5243            reload_weights(weights_iterator, weights_path, is_checkpoint_format)
   v1/engine/core.py:147, 1796-1810                   "default" label; paused requests -> 503
-  entrypoints/openai/completion/protocol.py:182-190, 675-722   return_weight_versions, choices[].weight_versions
+  entrypoints/openai/completion/protocol.py:118-124   add_special_tokens (default true)
+  entrypoints/openai/completion/protocol.py:172-190, 675-722   return_token_ids, return_weight_versions,
+                                                     choices[].prompt_token_ids/token_ids/weight_versions
+  entrypoints/openai/completion/serving.py:643-648   token ids only when the request asked for them
+  v1/core/sched/utils.py:98-112                      a sampled stop token is the last output token
   entrypoints/openai/completion/serving.py:650-654   spans only when the request opted in
   entrypoints/serve/engine/protocol.py:37-39, 79-87  extra="allow"; {"error": {message, type, param, code}}
   entrypoints/serve/exception_handling/handlers/validation.py   validation errors -> 400
@@ -150,7 +154,21 @@ class VLLMCompletionRequest(BaseModel):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     logprobs: Optional[int] = None
+    add_special_tokens: bool = True
+    return_token_ids: Optional[bool] = None
     return_weight_versions: bool = False
+
+
+# The fake vLLM's own tokenizer: ids no explorer-side tokenizer produces, so a test can tell
+# the engine's ids from a re-tokenization.
+ENGINE_BOS = 990
+
+
+def engine_ids(text: str) -> list[int]:
+    """Characters as 1000 + ord; the text "<bos>" (a template's `{{ bos_token }}`) is ENGINE_BOS."""
+    parts = text.split("<bos>")
+    return [i for k, part in enumerate(parts)
+            for i in ([ENGINE_BOS] if k else []) + [1000 + ord(c) for c in part]]
 
 
 class UpdateWeightVersionBody(BaseModel):
@@ -168,6 +186,12 @@ class FakeVLLM(Fake):
         self.dev_mode, self.honours_opt_in = dev_mode, honours_opt_in
         self.paused: str | None = None  # the pause mode, while paused
         self.reloaded_while_paused: list[bool] = []
+        # Test hooks: route -> predicate on the JSON body; True answers 500 as vLLM's
+        # generic handler does. `stop_with` (token id, stop_reason): every choice ends by
+        # sampling that stop token. `gate`: completions wait until it is set.
+        self.refuse: dict[str, Any] = {}
+        self.stop_with: tuple[int, int | None] | None = None
+        self.gate: threading.Event | None = None
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
@@ -196,7 +220,15 @@ class FakeVLLM(Fake):
         self.paused = mode
         return web.json_response({"status": "paused"})
 
+    def refused(self, request: web.Request) -> web.Response | None:
+        check = self.refuse.get(request.path)
+        if check is not None and check(request[BODY_KEY]):
+            return self.error(500, f"RuntimeError: {request.path} failed", "InternalServerError")
+        return None
+
     async def resume(self, request: web.Request) -> web.Response:
+        if (refused := self.refused(request)) is not None:
+            return refused
         self.paused = None
         return web.json_response({"status": "resumed"})
 
@@ -226,6 +258,8 @@ class FakeVLLM(Fake):
             body = _validate(UpdateWeightVersionBody, request[BODY_KEY])
         except ValidationError as e:
             return self.error(400, f"{e.error_count()} validation error: body.new_version")
+        if (refused := self.refused(request)) is not None:
+            return refused
         self.label = body.new_version
         return web.json_response({"success": True, "new_version": body.new_version})
 
@@ -246,26 +280,39 @@ class FakeVLLM(Fake):
         if req.model is not None and req.model != SERVED:
             return self.error(404, f"The model `{req.model}` does not exist. Valid aliases: {SERVED}.",
                               "NotFoundError")
-        choices = []
-        for i in range(req.n):
-            text = _completion_text(i)
-            spans = [{"version": self.label, "start": 0, "end": len(text)}]
-            if self.label_spans is not None:
-                spans = self.label_spans[i]
-            choices.append({
-                "index": i, "text": text,
-                "logprobs": {"text_offset": list(range(len(text))), "token_logprobs": [-0.5] * len(text),
-                             "tokens": list(text), "top_logprobs": [None] * len(text)}
-                if req.logprobs is not None else None,
-                "finish_reason": "length", "stop_reason": None, "token_ids": None,
-                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
-                "weight_versions": spans if req.return_weight_versions and self.honours_opt_in else None})
-        tokens = sum(len(c["text"]) for c in choices)
+        while self.gate is not None and not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        choices, num_prompt, num_out = [], 0, 0
+        for prompt in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
+            # serving.py:578-660: the engine's own prompt ids (BOS only if add_special_tokens)
+            prompt_ids = [ENGINE_BOS] * req.add_special_tokens + engine_ids(prompt)
+            num_prompt += len(prompt_ids)
+            for i in range(req.n):
+                text = _completion_text(i)  # the text never holds a special token
+                out_ids, finish, stop_reason = engine_ids(text), "length", None
+                if self.stop_with is not None:  # the sampled stop token is the last id
+                    out_ids, finish, stop_reason = out_ids + [self.stop_with[0]], "stop", self.stop_with[1]
+                num_out += len(out_ids)
+                spans = [{"version": self.label, "start": 0, "end": len(out_ids)}]
+                if self.label_spans is not None:
+                    spans = self.label_spans[i]
+                choices.append({
+                    "index": len(choices), "text": text,
+                    "logprobs": {"text_offset": list(range(len(out_ids))),
+                                 "token_logprobs": [-0.5] * len(out_ids),
+                                 "tokens": [f"t{t}" for t in out_ids], "top_logprobs": [None] * len(out_ids)}
+                    if req.logprobs is not None else None,
+                    "finish_reason": finish, "stop_reason": stop_reason,
+                    "token_ids": out_ids if req.return_token_ids else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
+                    "routed_experts": None,
+                    "weight_versions": spans if req.return_weight_versions and self.honours_opt_in else None})
         return web.json_response({
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": req.model or SERVED, "choices": choices, "service_tier": None,
-            "system_fingerprint": None, "usage": {"prompt_tokens": 4, "total_tokens": 4 + tokens,
-                                                  "completion_tokens": tokens, "prompt_tokens_details": None},
+            "system_fingerprint": None, "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt + num_out,
+                                                  "completion_tokens": num_out, "prompt_tokens_details": None},
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
 
 
@@ -424,6 +471,7 @@ def test_vllm_load_pauses_reloads_labels_flushes_and_resumes(vllm, weights):
     engine.load(str(weights), 3)
     assert vllm.posted() == [
         ("/pause", {"mode": "wait"}, None),
+        ("/update_weight_version", {}, {"new_version": "reloading-3"}),  # before the weights change
         ("/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}),
         ("/update_weight_version", {}, {"new_version": "3"}),
         ("/reset_prefix_cache", {}, None),
@@ -434,6 +482,7 @@ def test_vllm_load_pauses_reloads_labels_flushes_and_resumes(vllm, weights):
 
 
 @pytest.mark.parametrize("label, served", [("default", None), ("3", 3), ("0", 0),
+                                           ("reloading-4", None), ("resume-failed-4", None),
                                            ("failed-reload-4", None), ("v3", None), ("", None)])
 def test_vllm_served_reads_the_engines_label(vllm, label, served):
     vllm.label = label
@@ -446,8 +495,57 @@ def test_vllm_failed_reload_is_labelled_unknown_and_resumed(vllm, tmp_path):
     engine = VLLMEngine(vllm.url)
     with pytest.raises(SyncError, match="collective_rpc: HTTP 500"):
         engine.load(str(tmp_path / "missing"), 3)
-    assert [p for p, _, _ in vllm.posted()] == ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
-    assert vllm.label == "failed-reload-3" and engine.served() is None and vllm.paused is None
+    assert [p for p, _, _ in vllm.posted()] == ["/pause", "/update_weight_version", "/collective_rpc", "/resume"]
+    assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused is None
+
+
+def test_vllm_new_weights_never_serve_under_the_old_label(vllm, weights):
+    """The reload succeeds, setting the new label fails: the engine serves the new weights
+    labelled "reloading-3", never "2"; explorers drop its samples and the agent retries."""
+    vllm.label = "2"
+    vllm.refuse["/update_weight_version"] = lambda body: body["new_version"] == "3"
+    engine = VLLMEngine(vllm.url)
+    with pytest.raises(SyncError, match="update_weight_version: HTTP 500"):
+        engine.load(str(weights), 3)
+    assert vllm.path == str(weights) and vllm.reloads == 1  # the new weights are in
+    assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused is None
+    assert InferenceClient([vllm.url]).complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
+    vllm.refuse.clear()
+    engine.load(str(weights), 3)
+    assert engine.served() == 3
+
+
+def test_vllm_a_failing_resume_does_not_hide_the_first_error(vllm, tmp_path, caplog):
+    vllm.refuse["/resume"] = lambda body: True
+    with caplog.at_level(logging.WARNING, logger="rft_serving.engines"), \
+            pytest.raises(SyncError, match="collective_rpc: HTTP 500"):
+        VLLMEngine(vllm.url).load(str(tmp_path / "missing"), 3)
+    assert "could not resume vLLM after a failed load of version 3" in caplog.text
+    assert vllm.label == "reloading-3" and vllm.paused == "wait"
+
+
+def test_vllm_a_failing_resume_alone_is_a_sync_error_and_the_agent_resumes_it(vllm, tmp_path, weights):
+    """Weights and label are in, /resume fails: a SyncError, and the label says so, so the
+    agent's next pass reloads (and resumes) instead of counting a paused replica synced,
+    even for a target without an id (a pinned version, or the base model)."""
+    vllm.refuse["/resume"] = lambda body: True
+    engine = VLLMEngine(vllm.url)
+    with pytest.raises(SyncError, match="loaded version 3 but could not resume: .*resume: HTTP 500"):
+        engine.load(str(weights), 3)
+    assert vllm.label == "resume-failed-3" and engine.served() is None and vllm.paused == "wait"
+
+    vllm.label, vllm.paused = "2", None
+    target = {"version": 3, "id": None, "uri": str(weights)}
+    agent, api = make_agent(engine, tmp_path, target)
+    with pytest.raises(SyncError, match="could not resume"):
+        agent.converge(target)
+    agent.attempts += 1  # what run() does with the error
+    agent.report_error("could not resume")
+    assert vllm.paused == "wait"
+    vllm.refuse.clear()
+    assert agent.converge(target)  # reloaded: paused, resumed
+    assert vllm.paused is None and vllm.reloads == 3 and engine.served() == 3
+    assert api.status["weightSync"]["replicas"]["job-inference-0"]["version"] == 3
 
 
 def test_vllm_without_dev_mode_says_so(weights):
@@ -550,7 +648,8 @@ def test_an_engine_that_restarts_is_reloaded_although_the_agent_loaded_it(tmp_pa
     assert not agent.converge(target)  # in sync: nothing to do
     engine.version = None  # the engine container restarted; the agent still believes v3
     assert agent.converge(target) and engine.loads[-1] == (str(weights), 3)
-    assert [p["version"] for p in api.patches] == [3, None, 3]  # says so, then reports again
+    # Each load is preceded by "no version" (None); the restart is said first, then reported again.
+    assert [p["version"] for p in api.patches] == [None, 3, None, None, 3]
     assert api.patches[-1]["id"] == "abc" and api.patches[-1]["error"] is None
     engine.version = 0  # restarted on other weights that carry a version of ours
     assert agent.converge(target) and len(engine.loads) == 3
@@ -568,8 +667,137 @@ def test_a_restarted_engine_container_is_reloaded_over_http(kind, tmp_path, weig
         assert not agent.converge(target) and fake.reloads == 1
         fake.restart()
         assert agent.converge(target) and fake.reloads == 2 and engine.served() == 3
-        assert [p["version"] for p in api.patches] == [3, None, 3]
+        assert [p["version"] for p in api.patches] == [None, 3, None, None, 3]
     finally:
+        fake.stop()
+
+
+class RecordingEngine(MemoryEngine):
+    """Records this pod's status entry as it is when each load starts; `fail` refuses loads
+    (the old weights keep serving), `hook` runs inside the load after the weights changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.api: FakeJobApi | None = None  # set once the agent has one
+        self.entries_at_load, self.fail, self.hook = [], False, None
+
+    def load(self, path: str, version: int) -> None:
+        self.entries_at_load.append(dict(self.api.status["weightSync"]["replicas"]["job-inference-0"]))
+        if self.fail:
+            raise SyncError("engine refused the weights")
+        super().load(path, version)
+        if self.hook:
+            self.hook()
+
+
+def test_the_record_says_no_version_while_the_engine_reloads(tmp_path, weights):
+    from rft_operator.weightsync import count_synced, is_synced
+
+    engine = RecordingEngine()
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent, api = make_agent(engine, tmp_path, target)
+    engine.api = api
+    assert agent.converge(target)
+    during = engine.entries_at_load[0]
+    assert during["version"] is None and during["id"] is None  # written before the load began
+    assert not is_synced(during, target)  # the operator counts it unsynced
+    assert count_synced({"job-inference-0": during}, ["job-inference-0"], target, 5).lag_steps is None
+    assert api.patches[-1]["version"] == 3 and api.patches[-1]["id"] == "abc"
+
+    # A failed load: None while it ran, then the version the engine itself still reports.
+    engine.fail = True
+    target4 = {"version": 4, "id": "def", "uri": str(weights)}
+    with pytest.raises(SyncError, match="refused"):
+        agent.converge(target4)
+    assert engine.entries_at_load[1]["version"] is None
+    agent.attempts += 1
+    agent.report_error("engine refused the weights")
+    entry = api.status["weightSync"]["replicas"]["job-inference-0"]
+    assert entry["version"] == 3 and entry["error"] == "engine refused the weights"
+
+
+def test_an_engine_that_cannot_be_asked_after_a_load_is_reported_as_unknown(tmp_path, weights):
+    """Not the version from before the load: the load may have changed it."""
+    engine = MemoryEngine()
+    engine.version = 2
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent, api = make_agent(engine, tmp_path, target)
+    asked = []
+
+    def served():
+        asked.append(1)
+        if len(asked) > 1:  # the first answer; then the engine stops answering
+            raise SyncError("engine not reachable")
+        return engine.version
+
+    engine.served = served
+    with pytest.raises(SyncError, match="not reachable"):
+        agent.converge(target)
+    agent.report_error("engine not reachable")
+    assert api.patches[-1]["version"] is None
+
+
+def test_no_reload_without_the_no_version_entry(tmp_path, weights):
+    class Refusing(FakeJobApi):
+        def patch_namespaced_custom_object_status(self, *args, **kw):
+            raise RuntimeError("forbidden")
+
+    api = Refusing()
+    engine = MemoryEngine()
+    agent = SyncAgent("job", "ns", "job-inference-0", engine, tmp_path / "dest", api=api)
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent._update({"status": {"weightSync": {"target": target}}})
+    agent._stop.set()  # no waits between the patch retries
+    with pytest.raises(SyncError, match="could not mark the replica's status entry unsynced"):
+        agent.converge(target)
+    assert engine.loads == []
+
+
+def test_requests_around_the_end_of_a_load_are_dropped_not_labelled_old(tmp_path, weights):
+    """An engine that reports no versions (the record decides): a request that started on
+    the old weights and ended after the load, before the new version was recorded, and a
+    request that ran entirely in that window, are both dropped; before the fix the record
+    still said 3 then, and both were labelled 3."""
+    fake = FakeVLLM(honours_opt_in=False).start()
+    try:
+        engine = RecordingEngine()
+        engine.version = 3
+        target3 = {"version": 3, "id": "a", "uri": str(weights)}
+        agent, api = make_agent(engine, tmp_path, target3)
+        engine.api = api
+        agent.report_ok(target3, None)
+
+        def version_of(i: int) -> int | None:  # what KubeProgress.replica_version reads
+            v = api.status["weightSync"]["replicas"]["job-inference-0"].get("version")
+            return v if isinstance(v, int) else None
+
+        client = InferenceClient([fake.url], version_of=version_of)
+        assert client.complete(BODY).versions == [3, 3]
+        fake.gate = threading.Event()
+        straddler: list = []
+        started = len(fake.calls)
+        thread = threading.Thread(target=lambda: straddler.append(client.complete(BODY)))
+        thread.start()  # reads 3, then waits in the engine
+        deadline = time.monotonic() + 10
+        while len(fake.calls) == started:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        inside: list = []
+
+        def after_the_weights_changed():  # the load is done; the agent has not recorded it
+            fake.gate.set()
+            thread.join(10)
+            inside.append(client.complete(BODY))
+
+        engine.hook = after_the_weights_changed
+        target4 = {"version": 4, "id": "b", "uri": str(weights)}
+        assert agent.converge(target4)
+        assert straddler[0].versions == [UNVERSIONED, UNVERSIONED]
+        assert inside[0].versions == [UNVERSIONED, UNVERSIONED]
+        assert client.complete(BODY).versions == [4, 4]  # once recorded
+    finally:
+        if fake.gate is not None:
+            fake.gate.set()  # never leave the request waiting (a failing test)
         fake.stop()
 
 
@@ -625,7 +853,8 @@ def test_vllm_versions_per_choice_and_straddles_dropped(vllm, weights):
     assert versions == [3, STRADDLED] and client.dropped == {STRADDLED: 1}
     samples = build_samples(response, {"prompt": "2+3=", "answer": "5"}, Tok(), lambda *a: 0.0, 0,
                             None, versions)
-    assert [(s.response_ids, s.weights_version) for s in samples] == [([1, 2], 3)]
+    # The engine's ids, not the explorer-side tokenizer's ([1, 2] for "12").
+    assert [(s.response_ids, s.weights_version) for s in samples] == [(engine_ids("12"), 3)]
     vllm.label_spans = None
     vllm.restart()  # restarted, not reloaded yet: "default" says nothing of ours
     assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
@@ -751,3 +980,58 @@ def test_the_explorer_drops_straddling_choices_and_logs_them(vllm, weights, tmp_
     # 2 tasks x 4 rollouts, as 2 requests of n=2 each: one choice of every request straddled.
     assert shard[0]["samples"] == 4 and shard[0]["dropped_straddling"] == 4
     assert shard[0]["version_min"] == shard[0]["version_max"] == 3
+
+
+# ------------------------------------------------------------------ token ids of rollouts
+
+
+def test_samples_hold_vllms_token_ids_and_the_stop_token_it_sampled(vllm, weights):
+    VLLMEngine(vllm.url).load(str(weights), 3)
+    client = InferenceClient([vllm.url])
+    task = {"prompt": "2+3=", "answer": "5"}
+    response, versions = client.complete(BODY)
+    assert vllm.calls[-1][3]["return_token_ids"] is True
+    first = min(response["choices"], key=lambda c: c["index"])
+    assert first["prompt_token_ids"] == [ENGINE_BOS] + engine_ids("2+3=")  # vLLM's shape: per choice
+    samples = build_samples(response, task, Tok(), lambda *a: 0.0, 0, None, versions)
+    assert [s.prompt_ids for s in samples] == [[ENGINE_BOS] + engine_ids("2+3=")] * 2
+    assert [s.response_ids for s in samples] == [engine_ids("12"), engine_ids("3")]
+    assert [s.response_logprobs for s in samples] == [[-0.5] * 2, [-0.5]]
+    # Stopped by the EOS, or by another stop token (generation_config's eos list): vLLM's
+    # token_ids end with it, and nothing is appended (Tok's EOS is 99).
+    for stop, reason in [(99, None), (77, 77)]:
+        vllm.stop_with = (stop, reason)
+        response, versions = client.complete(BODY)
+        samples = build_samples(response, task, Tok(), lambda *a: 0.0, 0, None, versions)
+        assert [s.response_ids for s in samples] == [engine_ids("12") + [stop], engine_ids("3") + [stop]]
+        assert [len(s.response_logprobs) for s in samples] == [3, 2]
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "raw"])
+def test_the_explorer_trains_on_the_ids_vllm_ran(vllm, weights, tmp_path, prompt_format):
+    """Chat prompts go out with add_special_tokens false: the template's BOS is the only one;
+    the samples hold vLLM's own ids (ENGINE_BOS, 1000 + ord), not a re-tokenization."""
+    from tests.trainer.test_explorer import job_config
+    from transformers import AutoTokenizer
+
+    save_tiny_tokenizer(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}?{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}={% endif %}")
+    VLLMEngine(vllm.url).load(str(weights), 3)
+    config = load_explorer_config(job_config(tmp_path, str(tmp_path / "buffer"), "unused.jsonl",
+                                             prompt_format=prompt_format))
+    explorer = Explorer(config, [vllm.url], tokenizer=tokenizer,
+                        tasks=[{"id": "t0", "prompt": "3+4", "answer": "7"}])
+    samples = explorer._rollouts([(0, 0)])
+    body = vllm.calls[-1][3]
+    assert body["return_token_ids"] is True and body["return_weight_versions"] is True
+    if prompt_format == "chat":
+        assert body["prompt"] == "<bos>?3+4=" and body["add_special_tokens"] is False
+        want = [ENGINE_BOS] + engine_ids("?3+4=")
+    else:
+        assert body["prompt"] == "3+4" and "add_special_tokens" not in body  # vLLM's default: true
+        want = [ENGINE_BOS] + engine_ids("3+4")
+    assert len(samples) == 4
+    assert all(s.prompt_ids == want and s.prompt_ids.count(ENGINE_BOS) == 1 for s in samples)
+    assert sorted(s.response_ids for s in samples) == sorted([engine_ids("12"), engine_ids("3")] * 2)

@@ -262,6 +262,35 @@ def test_chat_prompts_are_sent_and_stored_templated(tmp_path, servers, model_dir
         assert info["reward"] == pytest.approx(float(exp.rewards[i]))
 
 
+def test_a_chat_template_bos_is_the_only_bos(tmp_path):
+    """A Llama-3-style model: its tokenizer adds a BOS and its chat template writes one.
+    The explorer asks the server not to add another, so the shard's prompts (the ids the
+    server ran) start with exactly one BOS."""
+    from transformers import AutoTokenizer
+
+    from tests.trainer.test_prompts import save_bos_tokenizer
+
+    model = save_tiny_model(tmp_path / "bos-model", seed=0, with_tokenizer=False)
+    save_bos_tokenizer(model)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    server = ReferenceServer(max_concurrency=2)
+    server.start()
+    try:
+        server.load(str(model), 3)
+        tasks = arithmetic(4, seed=2)
+        buffer = str(tmp_path / "buffer")
+        explorer = make_explorer(model, tok, buffer, [server.url], tasks)
+        assert explorer.prompt_format == "chat" and explorer.run(max_shards=1) == 1
+    finally:
+        server.stop()
+    exp = read_shard(join(buffer, shard_name(0, 0)))
+    for i, info in enumerate(exp.info):
+        task = next(t for t in tasks if t["id"] == info["task_id"])
+        prompt = exp.tokens[i, :int(exp.prompt_lengths[i])].tolist()
+        assert prompt == [tok.bos_token_id] + tok(f"?{task['prompt']}=", add_special_tokens=False)["input_ids"]
+        assert prompt.count(tok.bos_token_id) == 1
+
+
 def test_staleness_drops_old_versions(tmp_path, servers, model_dir, tokenizer):
     """Shard 0 from version 3 only, shard 1 from both servers, shard 2 from version 4 only:
     at trainer version 5 with max_staleness 1, the first batch is the 8 version-4 samples

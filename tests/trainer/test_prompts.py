@@ -28,6 +28,34 @@ TINY_TEMPLATE = ("{{ bos_token }}{% for m in messages %}?{{ m['content'] }}{% en
                  "{% if add_generation_prompt %}={% endif %}")
 
 
+def save_bos_tokenizer(path, template: str | None = TINY_TEMPLATE) -> None:
+    """The tiny character-level tokenizer, but one that adds a BOS when it encodes (a
+    TemplateProcessing post-processor, as Llama-3's tokenizer.json has), saved with a chat
+    template that writes `{{ bos_token }}` itself (Llama-3-style)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.fixtures.models import tiny_vocab
+
+    vocab = {t: i for i, t in enumerate(tiny_vocab())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def bos_tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bos-tok")
+    save_bos_tokenizer(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
@@ -175,3 +203,38 @@ def test_the_rendered_prompt_is_sent_and_its_tokens_are_stored(tok_dir, setting,
     if sent[0] != "3+4":
         assert samples[0].prompt_ids == [tok.bos_token_id] + tok("?3+4=")["input_ids"]
     assert RECEIVED == ["3+4", "3+4", "2-5", "2-5"]  # rewards get the task's own text
+
+
+# ------------------------------------------------------------------ one BOS
+
+
+def test_the_bos_tokenizer_adds_a_bos_and_its_template_writes_one(bos_tok_dir):
+    tok = load_tokenizer(str(bos_tok_dir))
+    bos = tok.bos_token_id
+    assert tok("3+4")["input_ids"] == [bos] + tok("3+4", add_special_tokens=False)["input_ids"]
+    rendered = render_prompt("3+4", "chat", tok)
+    assert rendered == "<bos>?3+4="
+    assert tok(rendered)["input_ids"].count(bos) == 2  # the double BOS this guards against
+
+
+@pytest.mark.parametrize("setting", ["chat", None, "raw"])
+def test_a_tokenizer_that_adds_a_bos_gets_exactly_one(bos_tok_dir, setting):
+    """Chat: the template wrote the BOS, so the request says add_special_tokens false and the
+    fallback tokenization (a server that returns no ids) adds none; raw: the tokenizer's
+    BOS, the server's default."""
+    tok = load_tokenizer(str(bos_tok_dir))
+    explorer = make(tok, setting, reward=f"{__name__}:recording_reward")
+    bodies = []
+
+    def complete(body):
+        bodies.append(body)
+        return {"weights_version": 1, "choices": [
+            {"index": k, "text": "7", "finish_reason": "length"} for k in range(body["n"])]}, None
+
+    explorer.client.complete = complete
+    samples = explorer._rollouts([(0, 0)])
+    chat = setting != "raw"
+    assert [b.get("add_special_tokens", True) for b in bodies] == [not chat]
+    want = [tok.bos_token_id] + tok("?3+4=" if chat else "3+4", add_special_tokens=False)["input_ids"]
+    assert [s.prompt_ids for s in samples] == [want, want]
+    assert all(s.prompt_ids.count(tok.bos_token_id) == 1 for s in samples)

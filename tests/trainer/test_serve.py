@@ -222,6 +222,7 @@ def test_reload_switches_model_and_a_failed_load_keeps_the_old(server, versions,
     ("/v1/completions", {"prompt": "1", "stop": 3}, "stop"),
     ("/v1/completions", {"prompt": "1", "max_token": 3}, "max_token"),
     ("/v1/completions", {"prompt": "1", "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "1", "add_special_tokens": "no"}, "add_special_tokens"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, versions, path, body, param):
@@ -346,6 +347,42 @@ def test_chat_completions(server, versions):
         assert c["index"] == i and c["message"]["role"] == "assistant"
         assert c["token_ids"] == expect and c["finish_reason"] in ("stop", "length")
         assert c["message"]["content"] == versions[0][2].decode(expect, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    """A tiny model whose tokenizer adds a BOS and whose chat template writes one."""
+    from tests.trainer.test_prompts import save_bos_tokenizer
+
+    path = save_tiny_model(tmp_path_factory.mktemp("bos") / "m", with_tokenizer=False)
+    save_bos_tokenizer(path)
+    return str(path), AutoTokenizer.from_pretrained(str(path))
+
+
+def test_add_special_tokens_is_honoured_and_return_token_ids_accepted(server, bos_model):
+    """Default true (a raw prompt gets the tokenizer's BOS); false for a prompt a chat
+    template rendered (it has its BOS): one BOS either way. The explorer's opt-ins are
+    accepted; the ids are returned regardless."""
+    path, tok = bos_model
+    server.load(path, 0)
+    bos = tok.bos_token_id
+    rendered = tok.apply_chat_template([{"role": "user", "content": "3+4"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered == "<bos>?3+4="
+    common = dict(max_tokens=2, temperature=0, return_token_ids=True, return_weight_versions=True)
+    out = completion(server, prompt=rendered, add_special_tokens=False, **common)
+    assert out["prompt_token_ids"] == [[bos] + tok("?3+4=", add_special_tokens=False)["input_ids"]]
+    assert all(c["token_ids"] is not None for c in out["choices"])
+    out = completion(server, prompt="3+4", **common)  # the default: true
+    assert out["prompt_token_ids"] == [[bos] + tok("3+4", add_special_tokens=False)["input_ids"]]
+    out = completion(server, prompt=rendered, add_special_tokens=True, **common)
+    assert out["prompt_token_ids"][0].count(bos) == 2  # asked for: the double BOS
+
+    # /v1/chat/completions: the template wrote the BOS, so none is added (as vLLM does).
+    status, _, out = call(server.url, "/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "3+4"}], max_tokens=2, temperature=0))
+    assert status == 200 and out["prompt_token_ids"] == [tok(rendered, add_special_tokens=False)["input_ids"]]
+    assert out["prompt_token_ids"][0].count(bos) == 1
 
 
 def test_cli_defaults_come_from_the_pod_env(monkeypatch):

@@ -31,6 +31,13 @@ the tokenizer's chat template (with the assistant's generation prompt), "raw" se
 text as is; unset means chat when the tokenizer has a chat template, else raw. The
 rendered text is the `prompt` of /v1/completions, so the prompt tokens the trainer learns
 from are the templated ones; rewards still get the task's own text as their `prompt`.
+A chat prompt is sent with `"add_special_tokens": false`: the template already wrote the
+special tokens (a Llama-3-style `{{ bos_token }}`), and a tokenizer that adds a BOS would
+add a second one. vLLM (CompletionRequest.add_special_tokens) and the reference server
+honour it, and the samples' fallback tokenization uses it too; SGLang 0.5.23's
+CompletionRequest has no such field (ignored) and its tokenizer manager always adds the
+tokenizer's special tokens to a text prompt, so there such a template still gets two BOS
+(the samples then hold the ids SGLang returns: what it ran).
 
 Exit codes: 0 when done, after --max-shards, or on SIGTERM; 78 for a bad config (a restart
 cannot fix it); 1 otherwise (retryable).
@@ -144,6 +151,8 @@ class Explorer:
             tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.tokenizer = tokenizer
         self.prompt_format = resolve_prompt_format(self.section.prompt_format, tokenizer)
+        # Whether the prompt's text still needs the tokenizer's special tokens (not for chat).
+        self.add_special_tokens = self.prompt_format != "chat"
         try:  # a template that cannot render a user message fails here, not mid-run
             example = self.prompt_text(self.tasks[0])
         except Exception as e:  # noqa: BLE001 - any template error is a config error
@@ -274,7 +283,8 @@ class Explorer:
             info = {"task_id": task["id"], "explorer": self.index, "epoch": epoch}
             for response, versions in answers:  # choices without a version are dropped
                 samples += build_samples(response, sent, self.tokenizer, reward_fn,
-                                         epoch * len(self.tasks) + task_index, info, versions)
+                                         epoch * len(self.tasks) + task_index, info, versions,
+                                         add_special_tokens=self.add_special_tokens)
         return samples
 
     def _generate(self, task: dict[str, str], prompt: str | None = None) -> list[Completion]:
@@ -289,6 +299,8 @@ class Explorer:
                     "max_tokens": section.sampling.max_tokens,
                     "temperature": section.sampling.temperature,
                     "top_p": section.sampling.top_p, "logprobs": 0}
+            if not self.add_special_tokens:  # the chat template wrote them (module doc)
+                body["add_special_tokens"] = False
             try:
                 out.append(self.client.complete(body))
             except ClientError as e:

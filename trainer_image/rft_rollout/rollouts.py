@@ -7,9 +7,19 @@
   Transient errors never escape; other 4xx are `ClientError` (retrying cannot help).
 - `choice_versions`: which weights version sampled each choice of a response (below).
 - `build_samples`: one server response -> `Sample`s (prompt ids + response ids, logprobs,
-  reward, version). Token ids come from the server when it returns them (exact: what the
-  policy actually sampled), else from the tokenizer. An EOS id is appended to responses
-  that finished with "stop" when the server left it out, so the policy learns to stop.
+  reward, version). Token ids come from the server when it returns them (exact: the prompt
+  the engine ran and the tokens the policy actually sampled), else from the tokenizer.
+  Every request asks `"return_token_ids": true`: vLLM 0.33.0 then returns each choice's
+  `prompt_token_ids` and `token_ids` (entrypoints/openai/completion/protocol.py:172-181,
+  675-702; serving.py:643-648), and so does SGLang 0.5.23 (srt/entrypoints/openai/
+  protocol.py:394, serving_completions.py:133, 622-628); the reference server always
+  returns top-level `prompt_token_ids` (one list per prompt) and each choice's `token_ids`
+  and lists the field as ignored. The fallback tokenizes the prompt with the same
+  `add_special_tokens` the request sent (false for chat prompts: the template already
+  wrote the special tokens). A stop token the policy sampled is kept, so the policy learns
+  to stop: vLLM's `token_ids` already end with it (a choice with `stop_reason`: nothing is
+  appended), the reference server reports it as `stop_token_id`, and otherwise the
+  tokenizer's EOS is appended to a "stop" choice that does not end with it.
 - `build_experiences`: `Sample`s -> one right-padded `Experiences` batch.
 
 Versions. Every request asks `"return_weight_versions": true` (vLLM's opt-in; SGLang's
@@ -32,10 +42,15 @@ A label that is not one of our integer versions (vLLM's and SGLang's start-up la
 "default": an engine container that restarted and was not reloaded yet) drops the choice.
 When the engine reports nothing, the version is the sync agent's record of what that
 replica loaded (`status.weightSync.replicas[<pod>].version`, through the explorer's
-`version_of(endpoint index)`), read before the request and after it: if it changed, the
-request straddled a reload and its choices are dropped, never mislabelled. (The record is
-written just after a load completes, so a request that ends in that short gap is still
-attributed to the old version: engines that report versions do not have that gap.)
+`version_of(endpoint index)`), read before the request and after it: equal integers are
+the version; a change (STRADDLED) or a missing/null value (UNVERSIONED) drops the choices.
+The agent writes null to the record before it starts a reload and the new version only
+once the engine reports it (rft_serving.sync_agent), so a request that ran while the
+weights changed reads null at least once, or two different versions: it is dropped, never
+mislabelled (except when the record comes back to the first value within one request: two
+reloads, the second to the same version number). A request that ends after the load but
+before the new version is recorded is dropped too (it reads null), not attributed to
+the old version.
 Dropped choices are counted in `InferenceClient.dropped`.
 """
 
@@ -59,7 +74,7 @@ from rft_contract.storage import get_storage
 from rft_contract.versions import parse_version
 from rft_trainer.experience import Experiences
 
-log = logging.getLogger("rft_rollout.explorer")
+log = logging.getLogger("rft_rollout.rollouts")
 
 VERSION_HEADER = "X-RFT-Weights-Version"
 # Why a choice has no version (it is dropped): it straddled a reload, or nothing says.
@@ -115,7 +130,7 @@ class InferenceClient:
 
     def complete(self, body: dict[str, Any]) -> Completion:
         """The response and each choice's weights version (see the module doc)."""
-        body = {**body, "return_weight_versions": True}
+        body = {**body, "return_weight_versions": True, "return_token_ids": True}
         while True:
             i, wait = self._pick()
             if wait > 0 and self.stop.wait(wait):
@@ -297,10 +312,11 @@ class Sample:
 def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any,
                   reward_fn: Callable[[str, str, str], float], group_id: int,
                   info: dict[str, Any] | None = None, versions: Sequence[int | str] | None = None,
-                  *, header_version: int | None = None) -> list[Sample]:
+                  *, header_version: int | None = None, add_special_tokens: bool = True) -> list[Sample]:
     """The samples of one /v1/completions response for a single prompt (`task["prompt"]`).
     `versions`: each choice's version in index order (`Completion.versions`; default: what
-    the engine reports, with `header_version`); choices without one are left out."""
+    the engine reports, with `header_version`); choices without one are left out.
+    `add_special_tokens`: what the request sent (the fallback tokenizes the prompt so)."""
     if versions is None:
         versions = engine_versions(response, header_version)
     if versions is None:
@@ -314,27 +330,38 @@ def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any
     if len(versions) != len(choices):
         raise ValueError(f"{len(versions)} versions for {len(choices)} choices")
     prompt, answer = task["prompt"], task["answer"]
-    prompt_token_ids = response.get("prompt_token_ids")
-    prompt_ids = list(prompt_token_ids[0]) if prompt_token_ids else tokenizer(prompt)["input_ids"]
+    top = response.get("prompt_token_ids")  # the reference server: one list per prompt
+    tokenized: list[int] | None = None
     eos = getattr(tokenizer, "eos_token_id", None)
     samples = []
     for choice, version in zip(choices, versions):
         if isinstance(version, str) or isinstance(version, bool) or not isinstance(version, int):
             continue  # straddled a reload or unversioned: dropped, never mislabelled
+        prompt_ids = choice.get("prompt_token_ids") or (top[0] if top else None)  # vLLM, SGLang: per choice
+        if prompt_ids is None:
+            if tokenized is None:
+                tokenized = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            prompt_ids = tokenized
         text = choice.get("text") or ""
-        ids = choice.get("token_ids")
-        ids = list(ids) if ids is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
+        engine_ids = choice.get("token_ids")
+        ids = list(engine_ids) if engine_ids is not None else \
+            tokenizer(text, add_special_tokens=False)["input_ids"]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if logprobs is None or len(logprobs) != len(ids):
             logprobs = [0.0] * len(ids)  # unknown: keep the field's shape (see module doc)
         logprobs = [0.0 if lp is None else float(lp) for lp in logprobs]
-        stop_id = choice.get("stop_token_id", eos)
+        if "stop_token_id" in choice:  # the reference server: the stop token is not in token_ids
+            stop_id = choice["stop_token_id"]
+        elif engine_ids is not None and "stop_reason" in choice:
+            stop_id = None  # vLLM: token_ids end with the stop token that ended the sample
+        else:
+            stop_id = eos
         if choice.get("finish_reason") == "stop" and stop_id is not None and (not ids or ids[-1] != stop_id):
             ids.append(stop_id)  # the policy chose to stop: train on that choice too
             lp = choice.get("stop_token_logprob")
             logprobs.append(0.0 if lp is None else float(lp))  # 0.0: engine did not report it
         reward = reward_fn(prompt, text, answer)
-        samples.append(Sample(prompt_ids, ids, logprobs, reward, group_id, version, {
+        samples.append(Sample(list(prompt_ids), ids, logprobs, reward, group_id, version, {
             **(info or {}), "reward": reward, "response": text,
             "finish_reason": choice.get("finish_reason")}))
     return samples

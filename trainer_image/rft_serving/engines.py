@@ -131,18 +131,29 @@ class VLLMEngine(Engine):
     load: POST /pause?mode=wait  (entrypoints/rl/online/api_router.py:31-75; query params,
               no body; returns once in-flight requests finished on the old weights, new
               ones get 503 until /resume; caches are cleared when it completes)
+          POST /update_weight_version {"new_version": "reloading-<version>"}
+              (rl/online/api_router.py:217-223; FastAPI Body(embed=True), a str): a label
+              that is not one of our versions, set BEFORE the weights change
           POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": path}}
               (entrypoints/serve/dev/rpc/api_router.py:23-59; raw JSON;
               v1/worker/gpu_model_runner.py:5226-5243 ->
               model_executor/model_loader/reload/inplace.py: in-place layerwise reload)
-          POST /update_weight_version {"new_version": str(version)}
-              (rl/online/api_router.py:217-223; FastAPI Body(embed=True), a str)
+          POST /update_weight_version {"new_version": str(version)}, only once the reload
+              succeeded
           POST /reset_prefix_cache  (entrypoints/serve/dev/cache/api_router.py:20-44;
               {"success": bool}; a belt-and-braces flush, pause already cleared it)
-          POST /resume  (rl/online/api_router.py:78-94), always, in a `finally`.
-    A reload that fails part-way may leave the weights half-replaced, so before resuming
-    the label is set to a non-integer marker: `served()` is then None (the agent retries)
-    and explorers drop what the engine samples meanwhile instead of mislabelling it.
+          POST /resume  (rl/online/api_router.py:78-94), always, however the steps before
+              ended.
+    So the engine never serves weights under a label they do not have: from the first byte
+    of new weights until the version label is set, and after a failed reload or label
+    update (the weights may be half-replaced) until a later load succeeds, the label is
+    "reloading-<version>";
+    `served()` is then None (the agent retries) and explorers drop what the engine samples
+    meanwhile instead of mislabelling it. A failed /resume after a failed step is logged and
+    the first error is raised; a failed /resume alone is a SyncError too, and the label is
+    then set to "resume-failed-<version>" (best effort) so that `served()` is None and the
+    agent's retry reloads, which pauses and resumes again, instead of counting a replica
+    that may still be paused (new requests 503) as synced.
 
     served: GET /weight_info -> {"weight_version": str} (rl/online/api_router.py:226-229);
     it starts as "default" (v1/engine/core.py:147) and no CLI flag sets it.
@@ -159,25 +170,35 @@ class VLLMEngine(Engine):
                 raise SyncError(f"{e} (is VLLM_SERVER_DEV_MODE=1 set in the engine's env?)") from None
             raise
         try:
+            self._reload(path, version)
+        except BaseException:
             try:
-                self._post("/collective_rpc", {"method": "reload_weights",
-                                               "kwargs": {"weights_path": path}})
-            except SyncError:
-                self._mark_unknown(version)
-                raise
-            self._post("/update_weight_version", {"new_version": str(version)})
-            out = self._post("/reset_prefix_cache")
-            if isinstance(out, dict) and out.get("success") is False:
-                log.warning("vLLM did not reset its prefix cache after loading version %s "
-                            "(the pause already cleared it)", version)
-        finally:
-            self._post("/resume")
-
-    def _mark_unknown(self, version: int) -> None:
+                self._post("/resume")
+            except SyncError as e:  # the first error says more; raise that one
+                log.warning("could not resume vLLM after a failed load of version %s: %s", version, e)
+            raise
         try:
-            self._post("/update_weight_version", {"new_version": f"failed-reload-{version}"})
+            self._post("/resume")
         except SyncError as e:
-            log.warning("could not mark the weights unknown after a failed reload: %s", e)
+            self._label(f"resume-failed-{version}")  # served() None: the agent reloads, resumes
+            raise SyncError(f"loaded version {version} but could not resume: {e}") from None
+
+    def _reload(self, path: str, version: int) -> None:
+        """The steps between /pause and /resume."""
+        # Before any weight changes: whatever happens next, no integer label until it worked.
+        self._post("/update_weight_version", {"new_version": f"reloading-{version}"})
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        self._post("/update_weight_version", {"new_version": str(version)})
+        out = self._post("/reset_prefix_cache")
+        if isinstance(out, dict) and out.get("success") is False:
+            log.warning("vLLM did not reset its prefix cache after loading version %s "
+                        "(the pause already cleared it)", version)
+
+    def _label(self, label: str) -> None:
+        try:
+            self._post("/update_weight_version", {"new_version": label})
+        except SyncError as e:
+            log.warning("could not set vLLM's weight version label to %r: %s", label, e)
 
 
 ENGINES = {"reference": ReferenceEngine, "sglang": SGLangEngine, "vllm": VLLMEngine}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -38,9 +39,13 @@ log = logging.getLogger(__name__)
 MAX_N = 64
 # Fields OpenAI clients commonly send that change nothing here; any other unknown field is
 # a 400, so a typo such as "max_token" is not silently ignored.
-IGNORED_FIELDS = {"user", "stream", "return_weight_versions"}  # explorers send vLLM's opt-in
+# Explorers send vLLM's opt-ins; this server always returns versions and token ids.
+IGNORED_FIELDS = {"user", "stream", "return_weight_versions", "return_token_ids"}
+# add_special_tokens (vLLM's field): whether tokenizing the prompt adds the tokenizer's
+# special tokens (a BOS); default true for /v1/completions, and for /v1/chat/completions
+# false when the chat template rendered the prompt (it wrote them), as vLLM does.
 COMPLETION_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
-                     "logprobs", "model"} | IGNORED_FIELDS
+                     "logprobs", "model", "add_special_tokens"} | IGNORED_FIELDS
 CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "logprobs"}) | {"messages"}
 
 
@@ -74,6 +79,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    add_special_tokens: bool | None = None  # None: the endpoint's default
 
 
 def _is_int(v, kinds=(int,)) -> bool:
@@ -109,6 +115,7 @@ def parse_sampling(body: dict, allowed: set[str]) -> Sampling:
         seed=get("seed", None, _is_int, "an integer"),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         logprobs=get("logprobs", None, lambda v: _is_int(v) and v >= 0, "an integer >= 0") is not None,
+        add_special_tokens=get("add_special_tokens", None, lambda v: isinstance(v, bool), "true or false"),
     )
 
 
@@ -172,7 +179,7 @@ def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int
     limit = getattr(w.model.config, "max_position_embeddings", None)
     prompt_ids, choices = [], []
     for p in prompts:
-        ids = w.tokenizer(p)["input_ids"]
+        ids = w.tokenizer(p, add_special_tokens=s.add_special_tokens is not False)["input_ids"]
         if not ids:
             raise RequestError(400, "prompt is empty after tokenization", "prompt")
         if limit and len(ids) + s.max_tokens > limit:
@@ -273,8 +280,9 @@ class ReferenceServer:
             "id": self.name, "object": "model", "owned_by": "rft",
             "weights_version": w and w.version}]})
 
-    async def _run(self, body: dict, allowed: set[str], build_prompts) -> tuple:
-        """Snapshot the weights, validate, generate in a worker thread."""
+    async def _run(self, body: dict, allowed: set[str], build_prompts, special_tokens=None) -> tuple:
+        """Snapshot the weights, validate, generate in a worker thread. `special_tokens(w)`:
+        the default of add_special_tokens (else true)."""
         w = self.current  # the one snapshot this request uses, start to finish
         if w is None:
             raise RequestError(503, "no weights loaded yet (POST /weights/load first)", None,
@@ -284,6 +292,8 @@ class ReferenceServer:
                                "model_not_found")
         s = parse_sampling(body, allowed)
         prompts = build_prompts(w)
+        if s.add_special_tokens is None:
+            s = dataclasses.replace(s, add_special_tokens=special_tokens(w) if special_tokens else True)
         async with self._sem:
             prompt_ids, choices = await asyncio.get_running_loop().run_in_executor(
                 self._pool, generate, w, prompts, s)
@@ -316,7 +326,8 @@ class ReferenceServer:
     async def chat(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         w, s, prompt_ids, rows = await self._run(
-            body, CHAT_FIELDS, lambda w: [_chat_prompt(w.tokenizer, body.get("messages"))])
+            body, CHAT_FIELDS, lambda w: [_chat_prompt(w.tokenizer, body.get("messages"))],
+            lambda w: not getattr(w.tokenizer, "chat_template", None))  # the template wrote them
         choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
                     "finish_reason": r["finish_reason"], "token_ids": r["token_ids"]}
                    for i, r in enumerate(rows)]

@@ -4,6 +4,8 @@ It watches its RFTJob and converges the engine to `status.weightSync.target`:
 
     target != served  ->  download the weights to local disk (once per version)
                       ->  verify every file against the export's manifest.json
+                      ->  merge-patch status.weightSync.replicas[<pod>] = {version: null,
+                          id: null}, and go no further unless that patch was written
                       ->  ask the engine to reload from that directory (hot: no restart)
                       ->  confirm the engine reports the new version
                       ->  merge-patch status.weightSync.replicas[<pod>]
@@ -21,6 +23,24 @@ then loaded unverified.
 vLLM and SGLang start from `<dest>/initial`, a link the init container points at the
 weights it fetched; after each load the agent points it at the weights just loaded (and
 never deletes what it points at), so an engine container that restarts finds weights.
+
+The entry's `version` is null while a reload may be changing the weights: null is written
+(and the write confirmed) before `engine.load` starts, and replaced only after the engine
+reports the target (by the new version) or after a failure (by the version the engine
+itself reports then, null if it reports none of ours). So, as far as the engine's report
+after a failed load is true, the engine serves the weights of the entry's integer version
+whenever the entry has one. Exceptions: an engine container that restarts, until the next
+pass (at most `resync_seconds` later) finds it out (vLLM and SGLang restart from
+`<dest>/initial`, the weights last loaded, except when they restart after a load and
+before the link is moved); and SGLang's refused cache flush, after which SGLang has the new
+weights but reports the old version (its responses carry their own versions, so explorers
+never use the record for it). Explorers that attribute requests to this record (engines
+that report no version) read it before and after each request, so a request that ran
+during a reload reads null at least once, or two different versions, and is dropped
+(unless the record came back to the version first read within that one request: two
+reloads, the second to the same version number). The time between the end of a load and
+the entry's new version costs requests (dropped), never labels. The operator counts a
+null entry as not synced.
 """
 
 from __future__ import annotations
@@ -137,12 +157,21 @@ class SyncAgent:
         path, times = fetch(target, self.dest, self.storage)
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
+        # Before the weights change: say the replica serves no known version (see the module
+        # doc). Without that entry written, the record could attribute new weights to the
+        # old version, so a patch that fails stops this attempt before the engine is touched.
+        if not self._patch({"version": None, "id": None}):
+            raise SyncError("could not mark the replica's status entry unsynced before reloading")
         try:
             self.engine.load(str(path), target["version"])
         except SyncError:
             self._ask_engine()  # a failed load may have changed what it serves
             raise
-        self.engine_version = self.engine.served()
+        try:
+            self.engine_version = self.engine.served()
+        except SyncError:
+            self.engine_version = None  # not the version from before the load
+            raise
         if self.engine_version != target["version"]:
             raise SyncError(f"engine reports version {self.engine_version} after loading {target['version']}")
         times["reloadSeconds"] = time.perf_counter() - t_reload
@@ -204,15 +233,17 @@ class SyncAgent:
         self._patch({"version": self.engine_version, "error": message[:500],
                      "errorTime": now(), "attempts": self.attempts})
 
-    def _patch(self, entry: dict) -> None:
+    def _patch(self, entry: dict) -> bool:
+        """Merge-patch this pod's entry; False when 5 tries failed (the next pass reports again)."""
         status = {"weightSync": {"replicas": {self.pod: entry}}}
         for attempt in range(5):
             try:
                 patch_status(self.api, self.namespace, self.job, status)
-                return
+                return True
             except Exception as e:  # noqa: BLE001 - the next pass reports again
                 log.warning("status patch failed (%s); retry %d/5", describe(e), attempt + 1)
                 self._stop.wait(min(10.0, 0.5 * 2 ** attempt))
+        return False
 
 
 def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
