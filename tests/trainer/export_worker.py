@@ -30,6 +30,7 @@ def main(model_dir: str, dest: str, dtype: str, out: str) -> None:
     full = get_model_state_dict(engine.actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save(full, out)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 

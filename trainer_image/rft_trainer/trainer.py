@@ -42,6 +42,7 @@ class Trainer:
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.last_synced: int | None = None
+        self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
 
     def prepare(self) -> None:
         self.engine.prepare()
@@ -65,6 +66,7 @@ class Trainer:
         if not self.stop_requested and self.last_synced != self.train_step_num and self.train_step_num:
             self.sync_weight()  # the inference pods end on the final policy
         self.save_final_checkpoint()
+        self.finished = not self.stop_requested
         return "stopped" if self.stop_requested else "finished"
 
     async def train_step(self) -> bool:
@@ -168,6 +170,10 @@ class Trainer:
         if self.metrics_log is not None:
             self.metrics_log.close()
         if torch.distributed.is_initialized():
+            if self.finished:
+                # Every rank ran the same steps: wait for all before tearing the group down,
+                # or a rank whose last sends are still in flight aborts (gloo: SIGABRT).
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
     @property
