@@ -34,9 +34,9 @@ run() {  # name, then the command; its last line is the JSON result
   if "$@" 2>&1 | tee "$out/$name.log"; then :; else echo "gpu_check: FAILED"; status=1; fi
 }
 name=bf16-nccl run "1. bf16 + NCCL, 5 GRPO steps" \
-  torchrun --nproc-per-node=1 bench/gpu_step.py --model "$model" --steps 5
+  python3 -m torch.distributed.run --nproc-per-node=1 bench/gpu_step.py --model "$model" --steps 5
 name=cpu-offload run "2. CPU offload (cuda:nccl,cpu:gloo), 3 steps" \
-  torchrun --nproc-per-node=1 bench/gpu_step.py --model "$model" --steps 3 --cpu-offload
+  python3 -m torch.distributed.run --nproc-per-node=1 bench/gpu_step.py --model "$model" --steps 3 --cpu-offload
 if python3 -c 'import vllm' 2>/dev/null; then
   name=vllm run "3. vLLM reload through the sync agent's adapter" \
     python3 bench/vllm_check.py --model "$model"
