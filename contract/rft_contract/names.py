@@ -42,6 +42,7 @@ COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 COND_CHECKPOINTED = "Checkpointed"
 COND_WEIGHTS_SYNCED = "WeightsSynced"
+COND_PROGRESSING = "Progressing"
 
 # Condition / event reasons.
 REASON_CREATED = "Created"
@@ -65,6 +66,11 @@ REASON_SYNCING = "Syncing"
 REASON_SYNC_ERROR = "SyncError"
 REASON_PIN_MISSING = "PinnedVersionNotFound"
 REASON_NO_REPLICAS = "NoInferenceReplicas"
+REASON_STEPPING = "Stepping"
+REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
+# Why the trainer waits (status.trainer.waiting.reason, copied into Progressing=False).
+WAIT_DATA = "WaitingForExperiences"
+WAIT_STALE = "ExperiencesStale"
 
 # Environment given to trainer containers.
 ENV_JOB_NAME = "RFT_JOB_NAME"
@@ -85,6 +91,10 @@ WEIGHTS_MOUNT = "/var/lib/rft/weights"
 # The `model` name inference replicas answer to (explorers send it, as OpenAI clients do).
 SERVED_MODEL_NAME = "policy"
 MODEL_CACHE_MOUNT = "/var/cache/rft/models"
+# A resuming pod downloads the checkpoint here once (local rank 0); every rank loads it.
+STAGING_MOUNT = "/var/lib/rft/staging"
+ENV_STAGING_DIR = "RFT_STAGING_DIR"
+ENV_GRACE_SECONDS = "RFT_TERMINATION_GRACE_SECONDS"
 # Inference pods stay after success until they serve the final weights, at most this long.
 FINAL_SYNC_GRACE_SECONDS = 600
 CONFIG_FILE = "config.json"

@@ -110,6 +110,37 @@ class SecurityContext(Model):
     seccomp_profile: Literal["RuntimeDefault", "Unconfined"] | None = None
 
 
+QUANTITY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
+
+
+class ModelCacheSpec(Model):
+    """Where trainer pods keep the downloaded base model (one download per node: local
+    rank 0 fetches, the other ranks read the same directory). The default emptyDir lives
+    as long as the pod; a hostPath or a PersistentVolumeClaim keeps the files across gang
+    attempts on the same node (a file is reused only when its size and checksum match)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "rules": [
+                cel(
+                    "!(has(self.hostPath) && has(self.persistentVolumeClaim))",
+                    "model.cache: set at most one of hostPath and persistentVolumeClaim",
+                )
+            ]
+        }
+    )
+
+    host_path: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/.*[^/]$",
+                                  description="A node directory (type DirectoryOrCreate).")
+    persistent_volume_claim: str | None = Field(default=None, max_length=253, pattern=K8S_NAME,
+                                                description="An existing PVC (ReadWriteMany for several nodes).")
+    size_limit: str | None = Field(default=None, pattern=QUANTITY,
+                                   description="sizeLimit of the default emptyDir.")
+    download_timeout_seconds: int = Field(
+        default=3600, ge=60, le=86400,
+        description="How long the other ranks wait for local rank 0 to download the model.")
+
+
 class ModelSpec(Model):
     path: str = Field(
         min_length=1,
@@ -120,6 +151,7 @@ class ModelSpec(Model):
     # fp32 master weights by default: FSDP's MixedPrecisionPolicy already computes in
     # bf16, while an lr of 1e-6 applied to bf16 weights (8 mantissa bits) rounds to nothing.
     dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="Master weights dtype.")
+    cache: ModelCacheSpec = Field(default_factory=ModelCacheSpec)
 
 
 class AlgorithmSpec(Model):
@@ -276,6 +308,13 @@ class CheckpointSpec(Model):
         description="S3-compatible endpoint URL, e.g. http://minio.storage:9000. Empty means AWS.",
     )
     region: str | None = Field(default=None, max_length=64)
+    staging_size_limit: str | None = Field(
+        default=None, pattern=QUANTITY,
+        description=(
+            "sizeLimit of the emptyDir a resuming trainer pod downloads the checkpoint into "
+            "(one copy per node, read by every rank there). Unset: no limit. Size it above "
+            "the largest checkpoint (model + optimizer state)."),
+    )
 
 
 class FailurePolicy(Model):
@@ -302,6 +341,14 @@ class FailurePolicy(Model):
         default=None,
         max_length=64,
         description="If set, only these exit codes restart the gang; any other fails the job.",
+    )
+    progress_deadline_seconds: int = Field(
+        default=1800, ge=0, le=7 * 86400,
+        description=(
+            "Restart the gang (counting against maxRestarts) when status.trainer.step has not "
+            "moved for this long while the job runs; the Progressing condition says why. "
+            "0 turns the deadline off. Set it a few minutes above the slowest expected step "
+            "(the first step includes the model download)."),
     )
 
 

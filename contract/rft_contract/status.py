@@ -43,6 +43,26 @@ class WeightsRef(Model):
     id: str | None = Field(default=None, description="Export id: tells re-exports of a version apart")
 
 
+class BufferStatus(Model):
+    """What the trainer has taken from the buffer: explorers throttle on it."""
+
+    model_config = ConfigDict(extra="allow")
+    consumed: dict[str, int] | None = Field(
+        default=None, description="Samples consumed (trained or dropped as stale) per writer, e.g. e000")
+    dropped_stale: int | None = None
+    samples: int | None = Field(default=None, description="Samples trained")
+
+
+class WaitStatus(Model):
+    """Why the trainer is not stepping (absent while it steps)."""
+
+    model_config = ConfigDict(extra="allow")
+    reason: str
+    message: str = ""
+    since: str | None = None
+    seconds: float | None = None
+
+
 class TrainerStatus(Model):
     """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
 
@@ -57,6 +77,8 @@ class TrainerStatus(Model):
     metrics: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
+    buffer: BufferStatus | None = None
+    waiting: WaitStatus | None = None
 
 
 class ReplicaSync(Model):
@@ -85,6 +107,15 @@ class WeightSyncStatus(Model):
     lag_steps: int | None = None
 
 
+class ProgressStatus(Model):
+    """The operator's record for the progress deadline."""
+
+    model_config = ConfigDict(extra="allow")
+    step: int | None = None
+    attempt: int | None = None
+    since: str | None = Field(default=None, description="When step (or the attempt) last changed")
+
+
 class FailureRecord(Model):
     attempt: int
     pod: str | None = None
@@ -107,6 +138,7 @@ class RFTJobStatus(Model):
     conditions: list[Condition] | None = None
     trainer: TrainerStatus | None = None
     weight_sync: WeightSyncStatus | None = None
+    progress: ProgressStatus | None = None
 
 
 # Printer columns for `kubectl get rftjobs` (jsonPath into the object).
