@@ -58,11 +58,15 @@ def get_status(api: Any, namespace: str, name: str) -> dict:
     return api.get_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name)
 
 
+# A connection the network dropped silently would hang a patch for good; retries cover it.
+REQUEST_TIMEOUT = (10, 30)  # connect, read seconds
+
+
 def patch_status(api: Any, namespace: str, name: str, status: dict) -> None:
     """Merge-patch `status` into the job's status subresource."""
     api.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": status},
-        _content_type=MERGE_PATCH, _preload_content=False)
+        _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
 
 
 def watch_job(api: Any, namespace: str, name: str, stop: Any, timeout_seconds: int = 60):

@@ -1,11 +1,15 @@
 """A small fault-injecting HTTP proxy for S3 tests: forwards to a real S3-compatible
 server, and answers a chosen fraction of requests (or every request during an outage
-window) with `503 SlowDown`, as S3 does under load. Deterministic with a seed."""
+window) with `503 SlowDown`, as S3 does under load. Deterministic with a seed.
+
+`TcpProxy` forwards raw TCP (so HTTPS passes through untouched, e.g. to the API server)
+and can cut every connection for an outage."""
 
 from __future__ import annotations
 
 import http.client
 import random
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,3 +92,87 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
 
         return Handler
+
+
+class TcpProxy:
+    """Forwards TCP connections on a loopback port to `host:port`, bytes untouched (TLS
+    clients still verify the upstream's certificate, which must name 127.0.0.1).
+    `down()` cuts every open connection and closes new ones at once until `up()`: to a
+    client, the server is unreachable."""
+
+    def __init__(self, host: str, port: int):
+        self.upstream = (host, port)
+        self.connections = 0  # forwarded
+        self.refused = 0  # closed at once while down
+        self._down = False
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1]
+
+    def start(self) -> "TcpProxy":
+        self._thread.start()
+        return self
+
+    def down(self) -> None:
+        with self._lock:
+            self._down = True
+            for s in self._open:
+                _shutdown(s)
+
+    def up(self) -> None:
+        with self._lock:
+            self._down = False
+
+    def stop(self) -> None:
+        _shutdown(self._listener)
+        self._listener.close()
+        self.down()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            with self._lock:
+                if self._down:
+                    self.refused += 1
+                    client.close()
+                    continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self.connections += 1
+                self._open.update((client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:  # either side gone: end both, so the client sees the cut
+            with self._lock:
+                self._open.discard(src)
+                self._open.discard(dst)
+            _shutdown(src)
+            _shutdown(dst)
+            src.close()  # each socket is the source of exactly one pump
+
+
+def _shutdown(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
