@@ -205,7 +205,7 @@ def test_resume_continues_exactly(tmp_path):
     reader = BufferReader(str(tmp_path), batch_size=5)
     first = ids(reader.next_batch())
     state = json.loads(json.dumps(reader.state_dict()))  # must survive serialisation
-    assert state["shard"] == "shard-001" and state["offset"] == 2
+    assert state["streams"] == {"": {"shard": "shard-001", "offset": 2}} and state["consumed"] == {"": 5}
     resumed = BufferReader(str(tmp_path), batch_size=5)
     resumed.load_state_dict(state)
     assert [first] + [ids(b) for b in resumed] == full == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
@@ -215,7 +215,7 @@ def test_resume_continues_exactly(tmp_path):
 def test_incomplete_batch_consumes_nothing_and_new_shards_are_picked_up(tmp_path):
     fill(tmp_path, [3])
     reader = BufferReader(str(tmp_path), batch_size=4)
-    assert reader.next_batch() is None and reader.state_dict()["shard"] is None
+    assert reader.next_batch() is None and reader.state_dict()["streams"] == {}
     write_shard(str(tmp_path), "shard-001", make(3, start=3))
     assert ids(reader.next_batch()) == [0, 1, 2, 3]
     assert reader.next_batch(wait=True, timeout=0.05) is None
@@ -238,7 +238,7 @@ def test_staleness_within_a_shard(tmp_path):
     reader = BufferReader(str(tmp_path), batch_size=2, max_staleness=0)
     assert ids(reader.next_batch(current_version=3)) == [0, 2]
     assert reader.stats["dropped_stale"] == 1  # sample 3 is not looked at yet
-    assert reader.state_dict()["offset"] == 3
+    assert reader.state_dict()["streams"][""]["offset"] == 3
 
 
 def test_reader_wait_polls_until_data_arrives(tmp_path, monkeypatch):
@@ -274,3 +274,60 @@ def test_local_storage_list_is_prefix_match(tmp_path):
     s.delete(f"{tmp_path}/buffer/b")
     s.delete(f"{tmp_path}/buffer/b")  # missing is fine, as on S3
     assert not s.exists(f"{tmp_path}/buffer/b") and s.list(f"{tmp_path}/nothing/") == []
+
+
+# ------------------------------------------------------------------ several writers
+
+
+def test_a_slow_writers_shard_committed_late_is_still_read(tmp_path):
+    """Explorer e001 commits seq 0 after e000 committed seq 0 and 1 and the reader went
+    past them: a single name-order position skipped it forever (samples lost)."""
+    d = str(tmp_path)
+    write_shard(d, "0000000000-e000", make(2, start=0))
+    write_shard(d, "0000000001-e000", make(2, start=2))
+    reader = BufferReader(d, batch_size=4)
+    assert ids(reader.next_batch()) == [0, 1, 2, 3]
+    write_shard(d, "0000000000-e001", make(2, start=100))  # late
+    write_shard(d, "0000000002-e000", make(2, start=4))
+    assert ids(reader.next_batch()) == [100, 101, 4, 5]
+    assert reader.consumed == {"e000": 6, "e001": 2}
+    assert reader.next_batch() is None
+
+
+def test_streams_merge_in_name_order_and_resume_exactly(tmp_path):
+    d = str(tmp_path)
+    for seq in range(3):
+        for e in range(2):
+            write_shard(d, f"{seq:010d}-e{e:03d}", make(3, start=100 * e + 3 * seq))
+    full = [ids(b) for b in BufferReader(d, batch_size=4)]
+    assert sum(full, []) == [0, 1, 2, 100, 101, 102, 3, 4, 5, 103, 104, 105, 6, 7, 8, 106, 107, 108][:16]
+    reader = BufferReader(d, batch_size=4)
+    first = [ids(reader.next_batch()) for _ in range(2)]
+    state = json.loads(json.dumps(reader.state_dict()))
+    assert state["streams"] == {"e000": {"shard": "0000000001-e000", "offset": 2},
+                                "e001": {"shard": "0000000000-e001", "offset": 3}}
+    resumed = BufferReader(d, batch_size=4)
+    resumed.load_state_dict(state)
+    assert first + [ids(b) for b in resumed] == full
+
+
+def test_a_single_position_state_still_resumes(tmp_path):
+    fill(tmp_path, [3, 3, 3])
+    resumed = BufferReader(str(tmp_path), batch_size=2)
+    resumed.load_state_dict({"shard": "shard-001", "offset": 1, "stats": {"batches": 2}})
+    assert [ids(b) for b in resumed] == [[4, 5], [6, 7]]
+
+
+def test_stale_samples_an_incomplete_batch_passes_count_as_consumed_for_writers(tmp_path):
+    """The explorers throttle on what the trainer is done with: stale samples it cannot
+    use must release their budget even while no full batch of fresh ones exists."""
+    d = str(tmp_path)
+    write_shard(d, "0000000000-e000", make(4, start=0, version=0))
+    write_shard(d, "0000000001-e000", make(2, start=4, version=5))
+    reader = BufferReader(d, batch_size=4, max_staleness=1)
+    assert reader.next_batch(current_version=5) is None
+    assert reader.consumed == {} and reader.consumed_counts() == {"e000": 4}
+    write_shard(d, "0000000002-e000", make(2, start=6, version=5))
+    assert ids(reader.next_batch(current_version=5)) == [4, 5, 6, 7]
+    assert reader.consumed_counts() == reader.consumed == {"e000": 8}
+    assert reader.stats["dropped_stale"] == 4

@@ -282,13 +282,32 @@ def _dtype_name(t: torch.Tensor) -> str:
 # ------------------------------------------------------------------ reader
 
 
-class BufferReader:
-    """Batches of exactly `batch_size` samples from the shards under `uri`, in name order.
+def stream_of(name: str) -> str:
+    """The writer a shard belongs to: `<seq>-<writer>` names (the explorers' `0000000005-e001`)
+    form one stream per writer; any other name belongs to the single stream ""."""
+    m = _STREAM.match(name)
+    return m.group(1) if m else ""
 
-    The position is (shard name, samples of it consumed); `state_dict()` saves it so a
-    resumed trainer continues with the very next sample. A batch may span shards. With
-    `max_staleness`, `next_batch(current_version)` drops samples whose weights_version is
-    below `current_version - max_staleness` (samples without a version are never stale).
+
+_STREAM = re.compile(r"^[0-9]+-(.+)$")
+
+
+class BufferReader:
+    """Batches of exactly `batch_size` samples from the shards under `uri`.
+
+    Shards form streams, one per writer (`stream_of`); each stream is read in name order
+    and never goes back, and a batch takes the unread shard with the smallest name among
+    the streams' heads. So a slow writer's shard committed after a faster writer's later
+    ones is still read (a single name-order position would skip it), and the order is a
+    function of what is listed: the trainer's rank 0 reads and broadcasts the batch, so
+    every rank trains on the same samples.
+
+    The position is per stream (last shard touched, samples of it consumed), plus the
+    samples consumed per stream (trained or dropped as stale); `state_dict()` saves it so
+    a resumed trainer continues with the very next sample. A batch may span shards and
+    streams. With `max_staleness`, `next_batch(current_version)` drops samples whose
+    weights_version is below `current_version - max_staleness` (samples without a
+    version are never stale).
     """
 
     def __init__(self, uri: str, batch_size: int, max_staleness: int | None = None,
@@ -299,19 +318,31 @@ class BufferReader:
         self.storage = storage or get_storage(uri)
         self.poll_interval = poll_interval
         self.stats = {"batches": 0, "samples": 0, "dropped_stale": 0, "shards": 0}
-        self._shard: str | None = None  # None: before the first shard
-        self._offset = 0  # samples of _shard consumed (kept or dropped)
-        self._names: list[str] | None = None  # committed shard names, sorted
+        self._pos: dict[str, tuple[str, int]] = {}  # stream -> (shard touched last, offset)
+        self.consumed: dict[str, int] = {}  # stream -> samples consumed (kept or dropped)
+        self._floor: str | None = None  # v1 states: names below it were consumed
+        self._streams: dict[str, list[str]] | None = None  # committed names per stream, sorted
         self._metas: dict[str, dict] = {}
         self._loaded: tuple[str, Experiences] | None = None  # the shard we are inside
+        self.pending_stale: dict[str, int] = {}  # stale samples an incomplete batch passed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shard": self._shard, "offset": self._offset, "stats": dict(self.stats)}
+        return {"streams": {k: {"shard": n, "offset": o} for k, (n, o) in sorted(self._pos.items())},
+                "consumed": dict(sorted(self.consumed.items())), "floor": self._floor,
+                "stats": dict(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._shard, self._offset = state["shard"], int(state["offset"])
+        if "streams" in state:
+            self._pos = {k: (v["shard"], int(v["offset"])) for k, v in state["streams"].items()}
+            self._floor = state.get("floor")
+        else:  # a single name-order position (checkpoints before per-stream positions)
+            self._pos, self._floor = {}, state.get("shard")
+            if state.get("shard") is not None:
+                self._pos[stream_of(state["shard"])] = (state["shard"], int(state["offset"]))
+        self.consumed = {k: int(v) for k, v in state.get("consumed", {}).items()}
+        self.pending_stale = {}
         self.stats = {**self.stats, **state.get("stats", {})}
-        self._names, self._metas, self._loaded = None, {}, None
+        self._streams, self._metas, self._loaded = None, {}, None
 
     def __iter__(self) -> Iterator[Experiences]:
         while (batch := self.next_batch()) is not None:
@@ -320,7 +351,8 @@ class BufferReader:
     def next_batch(self, current_version: int | None = None, wait: bool = False,
                    timeout: float | None = None) -> Experiences | None:
         """The next full batch, or None once the data runs out (after `timeout` seconds
-        of polling with `wait=True`). An incomplete batch consumes nothing."""
+        of polling with `wait=True`). An incomplete batch consumes nothing (stale samples
+        passed over are counted in `pending_stale`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         min_version = None
         if self.max_staleness is not None and current_version is not None:
@@ -331,37 +363,75 @@ class BufferReader:
                 return batch
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-            time.sleep(self.poll_interval)
+            time.sleep(self.poll_interval if deadline is None
+                       else max(0.0, min(self.poll_interval, deadline - time.monotonic())))
 
     def _try_batch(self, min_version: int | None) -> Experiences | None:
-        if self._names is None:
-            self._names = self._list()
-        shard, offset = self._shard, self._offset
+        if self._streams is None:
+            self._streams = self._list()
+        pos = dict(self._pos)
+        consumed = dict(self.consumed)
         pieces, need, dropped, relisted, shards = [], self.batch_size, 0, False, 0
+        drops: dict[str, int] = {}
         while need > 0:
-            # A shard gone since (retention) counts as consumed.
-            if self._known(shard) and offset < self._meta(shard)["num_samples"]:
-                name, start = shard, offset
-            else:
-                name = self._after(shard)
-                if name is None and not relisted:  # new shards may have been committed
-                    self._names, relisted = self._list(), True
-                    name = self._after(shard)
-                if name is None:
-                    return None
-                start, shards = 0, shards + 1
+            head = self._head(pos)
+            if head is None and not relisted:  # new shards may have been committed
+                self._streams, relisted = self._list(), True
+                head = self._head(pos)
+            if head is None:  # not enough fresh samples yet: consume nothing
+                self.pending_stale = drops
+                return None
+            name, start, fresh_start = head
             taken, end, num_dropped = self._take(name, start, need, min_version)
+            if fresh_start:
+                shards += 1
             if taken is not None:
                 pieces.append(taken)
                 need -= len(taken)
-            shard, offset, dropped = name, end, dropped + num_dropped
-        self._shard, self._offset = shard, offset
-        self._metas = {k: v for k, v in self._metas.items() if k >= shard}
+            stream = stream_of(name)
+            pos[stream] = (name, end)
+            consumed[stream] = consumed.get(stream, 0) + (end - start)
+            dropped += num_dropped
+            if num_dropped:
+                drops[stream] = drops.get(stream, 0) + num_dropped
+        self._pos, self.consumed, self.pending_stale = pos, consumed, {}
+        live = min((n for n, _ in pos.values()), default="")
+        self._metas = {k: v for k, v in self._metas.items() if k >= live}
         self.stats["batches"] += 1
         self.stats["samples"] += self.batch_size
         self.stats["dropped_stale"] += dropped
         self.stats["shards"] += shards
         return Experiences.concat(pieces)
+
+    def consumed_counts(self) -> dict[str, int]:
+        """Samples per stream the trainer is done with: consumed, plus the stale samples
+        an incomplete batch has passed over (they can never become fresh, so writers
+        throttled on this count may replace them; without them a buffer full of stale
+        samples would hold every writer back: a deadlock)."""
+        out = dict(self.consumed)
+        for k, v in self.pending_stale.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def _head(self, pos: dict[str, tuple[str, int]]) -> tuple[str, int, bool] | None:
+        """The unread shard with the smallest name over all streams: (name, offset in it,
+        whether it is a shard not touched before)."""
+        best = None
+        for stream, names in (self._streams or {}).items():
+            shard, offset = pos.get(stream, (None, 0))
+            # A shard gone since (retention) counts as consumed.
+            if shard is not None and _contains(names, shard) and offset < self._meta(shard)["num_samples"]:
+                cand = (shard, offset, False)
+            else:
+                i = 0 if shard is None else bisect.bisect_right(names, shard)
+                if shard is None and self._floor is not None:
+                    i = bisect.bisect_right(names, self._floor)
+                if i >= len(names):
+                    continue
+                cand = (names[i], 0, True)
+            if best is None or cand[0] < best[0]:
+                best = cand
+        return best
 
     def _take(self, name: str, start: int, need: int, min_version: int | None):
         """Up to `need` fresh samples of shard `name` from `start`:
@@ -378,24 +448,15 @@ class BufferReader:
         end = int(chosen[-1]) + 1 if len(chosen) == need else n
         return (exp.select(chosen) if len(chosen) else None), end, (end - start) - len(chosen)
 
-    def _known(self, shard: str | None) -> bool:
-        names = self._names or []
-        i = bisect.bisect_left(names, shard) if shard is not None else len(names)
-        return i < len(names) and names[i] == shard
-
-    def _after(self, shard: str | None) -> str | None:
-        names = self._names or []
-        i = 0 if shard is None else bisect.bisect_right(names, shard)
-        return names[i] if i < len(names) else None
-
-    def _list(self) -> list[str]:
+    def _list(self) -> dict[str, list[str]]:
         prefix = self.uri.rstrip("/") + "/"
-        names = []
+        streams: dict[str, list[str]] = {}
         for uri in self.storage.list(prefix):
             rel = uri[len(prefix):]
             if "/" not in rel and rel.endswith(".json"):  # only committed, top-level shards
-                names.append(rel[: -len(".json")])
-        return sorted(names)
+                name = rel[: -len(".json")]
+                streams.setdefault(stream_of(name), []).append(name)
+        return {k: sorted(v) for k, v in streams.items()}
 
     def _meta(self, name: str) -> dict[str, Any]:
         if name not in self._metas:
@@ -406,3 +467,8 @@ class BufferReader:
         if self._loaded is None or self._loaded[0] != name:
             self._loaded = (name, read_shard(join(self.uri, name), self.storage))
         return self._loaded[1]
+
+
+def _contains(names: list[str], name: str) -> bool:
+    i = bisect.bisect_left(names, name)
+    return i < len(names) and names[i] == name

@@ -5,15 +5,50 @@ The operator's failure policy needs that code (78 means "a restart cannot fix th
 143 "terminated"), so this launcher runs torchrun in-process and exits with the first
 failed worker's code; a signal to the launcher (SIGTERM on preemption or gang restart)
 is forwarded to the workers by torchrun and reported as 128 + signal number.
+
+After forwarding SIGTERM torchrun's agent kills the workers `--shutdown-timeout` seconds
+later (30 by default), whatever the pod's grace period (300 s by default): a final save
+needs more. Unless set explicitly, the launcher sets it to the grace period
+(RFT_TERMINATION_GRACE_SECONDS, from the pod spec) minus KILL_MARGIN seconds for the
+launcher itself to exit, and the workers read the same value as their save budget
+(`trainer.stop_budget_seconds`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
+
+
+log = logging.getLogger("rft_trainer.launch")
+
+KILL_MARGIN = 5
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def set_shutdown_timeout(args, env=os.environ) -> int | None:
+    """The workers' kill timeout after SIGTERM: explicit (flag or env) wins, else the
+    pod's grace period minus KILL_MARGIN; exported so the workers see their budget."""
+    if args.shutdown_timeout is not None:
+        env[SHUTDOWN_ENV] = str(args.shutdown_timeout)
+        return args.shutdown_timeout
+    if env.get(SHUTDOWN_ENV):
+        return int(env[SHUTDOWN_ENV])
+    try:
+        grace = int(float(env.get("RFT_TERMINATION_GRACE_SECONDS", "") or 0))
+    except ValueError:
+        return None
+    if grace <= 0:
+        return None
+    timeout = max(1, grace - KILL_MARGIN)
+    env[SHUTDOWN_ENV] = str(timeout)
+    log.info("workers get %ds after SIGTERM (grace period %ds)", timeout, grace)
+    return timeout
 
 
 def exit_code_of(error: ChildFailedError) -> int:
@@ -25,6 +60,8 @@ def exit_code_of(error: ChildFailedError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(name)s: %(message)s")
+    set_shutdown_timeout(args)
     try:
         run(args)
     except ChildFailedError as e:

@@ -2,6 +2,15 @@
 
 `Trainer` consumes experiences from the buffer and trains; the engine (engine.py) decides
 what a step is, the buffer what data comes next. The loop reads on one screen.
+
+Every rank takes the same decisions at the same step, or the collectives hang:
+- The batch: rank 0 reads the buffer (its position is the job's) and broadcasts the
+  batch with the position, so every rank trains on the same samples and checkpoints the
+  same position, and S3 is read once, not once per rank.
+- The stop: SIGTERM reaches the pods at different moments and only sets a flag; at each
+  step boundary the ranks reduce it (MAX, with the age of the first SIGTERM), so all
+  leave after the same step, and rank 0 decides for all whether the final save fits the
+  time the launcher leaves before it kills the workers (`stop_budget_seconds`).
 """
 
 from __future__ import annotations
@@ -14,8 +23,11 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from rft_contract import names
 from rft_contract.config import JobConfig
+from rft_contract.jobapi import now
 from rft_contract.layout import weights_uri
 
 from .checkpoint import should_save_on_stop
@@ -27,6 +39,22 @@ from .reporting import StatusReporter
 
 log = logging.getLogger("rft_trainer")
 
+WAIT_REPORT_EVERY = 30.0  # seconds between status.trainer.waiting updates
+WAIT_LOG_EVERY = 60.0
+
+
+def stop_budget_seconds() -> float | None:
+    """Seconds a worker has after SIGTERM before it is killed: the launcher's worker-kill
+    timeout (launch.py derives it from the pod's grace period), else the grace period."""
+    for key in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", names.ENV_GRACE_SECONDS):
+        try:
+            value = float(os.environ.get(key, "") or 0)
+        except ValueError:
+            continue
+        if value > 0:
+            return value
+    return None
+
 
 class Trainer:
     """Consume the experience and train the model."""
@@ -36,8 +64,10 @@ class Trainer:
         self.engine = get_trainer_wrapper(config)
         self.buffer: BufferReader | None = None
         self._alive = True
-        self.stop_requested = False
+        self.stop_requested = False  # this rank got SIGTERM
+        self.stopping = False  # every rank agreed to stop at this step boundary
         self._stop_at = 0.0
+        self._wait_marks: tuple[float | None, float | None] = (None, None)  # last wait log, report
         self.last_metrics: dict[str, Any] = {}
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
@@ -61,13 +91,13 @@ class Trainer:
             self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps)
 
     async def train(self) -> str:
-        while not self.stop_requested and await self.train_step():
+        while await self.train_step():
             pass
-        if not self.stop_requested and self.last_synced != self.train_step_num and self.train_step_num:
+        if not self.stopping and self.last_synced != self.train_step_num and self.train_step_num:
             self.sync_weight()  # the inference pods end on the final policy
         self.save_final_checkpoint()
-        self.finished = not self.stop_requested
-        return "stopped" if self.stop_requested else "finished"
+        self.finished = not self.stopping
+        return "stopped" if self.stopping else "finished"
 
     async def train_step(self) -> bool:
         batch = self.next_batch()
@@ -76,6 +106,7 @@ class Trainer:
         cont, metrics = self.engine.train_step(batch)
         metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
         self.last_metrics = metrics
+        self._report_buffer()
         self.engine.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
         if self.need_sync():
             self.sync_weight()
@@ -83,48 +114,116 @@ class Trainer:
         return cont and self.train_step_num < self.config.trainer.total_steps
 
     def next_batch(self) -> Experiences | None:
-        """The next batch no staler than buffer.max_staleness versions. Train-only jobs
-        end when the buffer runs dry; with explorers the trainer waits for them."""
+        """The next batch no staler than buffer.max_staleness versions, the same on every
+        rank; None once the ranks agreed to stop, or when a train-only buffer (no
+        explorers, `buffer.wait` false) runs dry. With explorers the trainer waits for
+        them, polling every buffer.pollSeconds (one collective per poll keeps the other
+        ranks inside the process group's timeout), and says why it waits."""
         b, step = self.config.buffer, self.train_step_num
-        if not b.wait:
-            batch = self.buffer.next_batch(current_version=step)
-            if batch is None:
-                log.info("buffer exhausted at step %d", step)
-            return batch
-        waited = 0.0
-        while not self.stop_requested:
-            batch = self.buffer.next_batch(current_version=step, wait=True, timeout=b.poll_seconds)
+        waiting_since = None
+        while not self.agree_stop():
+            batch = None
+            if self.engine.rt is None or self.engine.rt.is_main:
+                batch = self.buffer.next_batch(current_version=step, wait=b.wait,
+                                               timeout=b.poll_seconds if b.wait else None)
+            batch, state = self._share((batch, self.buffer.state_dict()))
+            if self.engine.rt is not None and not self.engine.rt.is_main:
+                self.buffer.load_state_dict(state)  # the same position on every rank
             if batch is not None:
+                self._wait_marks = (None, None)
+                if waiting_since is not None:
+                    log.info("step %d: experiences arrived after %.0fs", step, time.monotonic() - waiting_since[0])
                 return batch
-            waited += b.poll_seconds
-            if waited % 60 < b.poll_seconds:
-                log.info("step %d: waiting for experiences in %s (%.0fs so far, %d stale dropped)",
-                         step, b.uri, waited, self.buffer.stats["dropped_stale"])
+            if not b.wait:
+                log.info("buffer exhausted at step %d", step)
+                return None
+            if waiting_since is None:
+                waiting_since = (time.monotonic(), now(), self.buffer.stats["dropped_stale"])
+            self._tell_waiting(step, *waiting_since)
         return None
+
+    def _tell_waiting(self, step: int, started: float, since: str, dropped_before: int) -> None:
+        """Rank 0: why no batch yet, with true counts and times, in the log (every
+        minute) and in status.trainer.waiting (every WAIT_REPORT_EVERY seconds)."""
+        if self.engine.rt is not None and not self.engine.rt.is_main:
+            return
+        waited = time.monotonic() - started
+        pending = sum(self.buffer.pending_stale.values())
+        dropped = self.buffer.stats["dropped_stale"] - dropped_before + pending
+        reason = names.WAIT_STALE if dropped else names.WAIT_DATA
+        message = (f"step {step}: waiting for experiences in {self.config.buffer.uri} for {waited:.0f}s "
+                   f"({dropped} samples dropped as stale while waiting, max staleness "
+                   f"{self.config.buffer.max_staleness}; consumed per explorer "
+                   f"{self.buffer.consumed_counts() or {}})")
+        last_log, last_report = self._wait_marks
+        t = time.monotonic()
+        if last_log is None or t - last_log >= WAIT_LOG_EVERY:
+            log.info("%s", message)
+            last_log = t
+        if last_report is None or t - last_report >= WAIT_REPORT_EVERY:
+            self.reporter.report_waiting(reason, message, since, round(waited, 1))
+            self._report_buffer()
+            last_report = t
+        self._wait_marks = (last_log, last_report)
+
+    def _report_buffer(self) -> None:
+        if self.engine.rt is None or self.engine.rt.is_main:
+            self.reporter.report_buffer(self.buffer.consumed_counts(), int(self.buffer.stats["dropped_stale"]),
+                                        int(self.buffer.stats["samples"]))
+
+    def agree_stop(self) -> bool:
+        """At a step boundary: stop when any rank was asked to (MAX over ranks of the age
+        of its SIGTERM, -1 for none). Every rank calls this once per poll at the same
+        point, so all leave the loop after the same step and save together."""
+        age = time.monotonic() - self._stop_at if self.stop_requested else -1.0
+        if self._distributed():
+            t = torch.tensor([age], dtype=torch.float64, device=self.engine.rt.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            age = float(t.item())
+        if age >= 0 and not self.stopping:
+            self.stopping = True
+            self._stop_at = time.monotonic() - age
+            log.info("stop agreed after step %d: first SIGTERM %.1fs ago%s", self.train_step_num, age,
+                     "" if self.stop_requested else " (on another rank)")
+        return self.stopping
+
+    def _distributed(self) -> bool:
+        rt = self.engine.rt
+        return rt is not None and rt.world_size > 1 and dist.is_initialized()
+
+    def _share(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self._distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.engine.rt.device)
+        return box[0]
 
     def checkpoint_extra(self) -> dict:
         return {"buffer": self.buffer.state_dict()}
 
     def request_stop(self) -> None:
-        """SIGTERM: finish the current step, maybe checkpoint, then leave."""
-        self.stop_requested = True
-        self._stop_at = time.monotonic()
+        """SIGTERM (signal-safe: only flags): finish the current step, maybe checkpoint,
+        then leave, together with the other ranks (`agree_stop`)."""
+        if not self.stop_requested:
+            self.stop_requested = True
+            self._stop_at = time.monotonic()
 
     def save_final_checkpoint(self) -> None:
-        """On finish: commit the current step unless it is already saved. On SIGTERM: the
-        same, unless a checkpoint is recent or the save would not fit the grace period
-        (`should_save_on_stop`; the operator passes RFT_TERMINATION_GRACE_SECONDS)."""
+        """On finish: commit the current step unless it is already saved. On a stop: the
+        same, unless a checkpoint is recent or the save would not fit the time left before
+        the workers are killed (`should_save_on_stop`, `stop_budget_seconds`); rank 0
+        decides for every rank (a save is collective)."""
         ckpt = self.engine.checkpointer
         ckpt.wait()  # an upload in flight commits first (it is usually the recent one)
         if ckpt.last_saved == self.train_step_num or self.train_step_num == 0:
-            if self.stop_requested:
+            if self.stopping:
                 log.info("stopping at step %d: nothing new to save", self.train_step_num)
             return
-        if self.stop_requested:
-            grace = float(os.environ.get("RFT_TERMINATION_GRACE_SECONDS", "0")) or None
-            save, why = should_save_on_stop(time.monotonic(), self._stop_at,
-                                            getattr(ckpt, "last_commit_at", None),
-                                            getattr(ckpt, "last_commit_seconds", None), grace)
+        if self.stopping:
+            save, why = self._share(should_save_on_stop(
+                time.monotonic(), self._stop_at, getattr(ckpt, "last_commit_at", None),
+                getattr(ckpt, "last_commit_seconds", None), stop_budget_seconds()))
             log.info("stopping at step %d: %s", self.train_step_num, why)
             if not save:
                 return
