@@ -199,6 +199,29 @@ def test_throttle_waits_for_the_trainer(tmp_path, servers, model_dir, tokenizer)
     assert explorer.run() == 0 and explorer.finished
 
 
+def test_throttle_follows_what_the_trainer_consumed_and_stale_drops_release_it(tmp_path, servers, model_dir,
+                                                                               tokenizer):
+    """The deadlock of issue 12: the trainer dropped the explorer's samples as stale and
+    waits for fresh ones at the same step; an explorer throttled on the step (or on what it
+    wrote) waits for the trainer for ever. Throttled on what the trainer is done with
+    (status.trainer.buffer.consumed, stale drops included), it writes on."""
+    trainer = {"step": 5, "consumed": {"e000": 0}}
+    explorer = make_explorer(model_dir, tokenizer, str(tmp_path / "buffer"), [servers[0].url],
+                             progress=lambda: (trainer["step"], 10, dict(trainer["consumed"])),
+                             poll_interval=0.02)
+    done = threading.Thread(target=explorer.run, kwargs={"max_shards": 3}, daemon=True)
+    done.start()
+    # (staleness 1 + 1) * batch 8 / 1 replica = 16 unconsumed samples = 2 shards, then wait,
+    # however far the step is.
+    assert explorer.waiting.wait(timeout=60)
+    assert shard_names(str(tmp_path / "buffer")) == [shard_name(0, 0), shard_name(1, 0)]
+    assert done.is_alive()
+    trainer["consumed"] = {"e000": 8}  # dropped as stale: the step did not move
+    done.join(timeout=60)
+    assert not done.is_alive()
+    assert shard_names(str(tmp_path / "buffer")) == [shard_name(i, 0) for i in range(3)]
+
+
 def test_stop_drops_the_partial_shard(tmp_path, servers, model_dir, tokenizer):
     explorer = make_explorer(model_dir, tokenizer, str(tmp_path / "buffer"), [servers[0].url])
     complete = explorer.client.complete
@@ -379,11 +402,11 @@ def test_kube_progress_reads_the_rftjob_status():
 
     api = Api()
     progress = KubeProgress(api, "demo", "ns", total_steps=10)
-    assert progress() == (0, 10)  # the trainer has not reported yet
-    api.status = {"trainer": {"step": 3, "totalSteps": 12}}
-    assert progress() == (3, 12)
+    assert progress() == (0, 10, None)  # the trainer has not reported yet
+    api.status = {"trainer": {"step": 3, "totalSteps": 12, "buffer": {"consumed": {"e000": 24}}}}
+    assert progress() == (3, 12, {"e000": 24})
     api.status = RuntimeError("apiserver down")
-    assert progress() == (3, 12)  # the last known value
+    assert progress() == (3, 12, {"e000": 24})  # the last known value
 
 
 def test_tasksets_round_trip_through_s3_and_reject_bad_lines(bucket):

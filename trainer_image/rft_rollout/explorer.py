@@ -20,11 +20,16 @@ and skips those tasks instead of writing them again. A partial shard is dropped 
 SIGTERM (its tasks are redone after the restart). Only the current shard is in memory.
 
 Throttle. Before generating a shard the explorer waits while the samples it has written
-reach its share of what the trainer may still use,
-`ceil((trainer_step + max_staleness + 1) * batch_size / replicas)`, so rollouts are
-generated with weights at most `max_staleness` versions old when the trainer reads them
-(generating only after the wait, rather than waiting with a finished shard, keeps them
-fresh). It stops (exit 0) once trainer_step >= total_steps.
+and the trainer is not done with reach its share of `max_staleness + 1` batches,
+`ceil((max_staleness + 1) * batch_size / replicas)`, so rollouts are generated with
+weights at most `max_staleness` versions old when the trainer reads them (generating only
+after the wait, rather than waiting with a finished shard, keeps them fresh). "Done with"
+is what the trainer reports in `status.trainer.buffer.consumed[e<index>]`: samples it
+trained or dropped as stale, stale ones it passed over included. So stale samples
+release budget, and an explorer whose samples went stale (weight sync lagging) writes
+fresh ones instead of waiting for a trainer that waits for it. A trainer that does not
+report it counts as having consumed its share of each step (`step * batch_size /
+replicas`). The explorer stops (exit 0) once trainer_step >= total_steps.
 
 Prompts. `explorer.prompt_format` "chat" sends a task's text as one user message through
 the tokenizer's chat template (with the assistant's generation prompt), "raw" sends the
@@ -58,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
 from rft_contract.jobapi import get_status, job_api
@@ -77,7 +82,13 @@ EX_CONFIG = 78
 # Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
 # is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
 MAX_REJECTED_IN_ROW = 8
-Progress = Callable[[], "tuple[int, int] | None"]
+class TrainerProgress(NamedTuple):
+    step: int
+    total: int
+    consumed: dict[str, int] | None = None  # status.trainer.buffer.consumed
+
+
+Progress = Callable[[], "TrainerProgress | tuple[int, int] | None"]
 
 
 def shard_name(seq: int, index: int) -> str:
@@ -141,7 +152,8 @@ class Explorer:
         self.index, self.replicas, self.progress = index, replicas, progress
         self.buffer_uri = config.buffer.uri
         self.storage = storage or get_storage(self.buffer_uri)
-        self.state_uri = join(self.buffer_uri, "_explorer", f"e{index:03d}.json")
+        self.stream = f"e{index:03d}"  # the trainer's name for our shards (experience.stream_of)
+        self.state_uri = join(self.buffer_uri, "_explorer", f"{self.stream}.json")
         self.tasks = tasks if tasks is not None else load_taskset(self.section.taskset_uri)
         if len(self.tasks) <= index:
             raise ValueError(f"taskset has {len(self.tasks)} tasks: explorer {index} of "
@@ -317,19 +329,24 @@ class Explorer:
             progress = self.progress() if self.progress else None
             if progress is None:
                 break
-            step, total = progress
+            step, total, consumed_by = TrainerProgress(*progress)
             if step >= total:
                 log.info("trainer finished (step %d of %d): explorer done", step, total)
                 self.finished = True
                 return False
-            allowed = -(-(step + self.config.buffer.max_staleness + 1) * self.config.trainer.batch_size
-                        // self.replicas)
-            if samples_written < allowed:
+            batch = self.config.trainer.batch_size
+            if consumed_by is None:  # a trainer that does not report it: its share per step
+                consumed = step * batch // self.replicas
+            else:
+                consumed = int(consumed_by.get(self.stream, 0))
+            allowed = -(-(self.config.buffer.max_staleness + 1) * batch // self.replicas)
+            if samples_written - consumed < allowed:
                 break
             now = time.monotonic()
             if waited_since is None or now - waited_since >= 60:
-                log.info("ahead of the trainer (step %d of %d; %d samples written, %d allowed): waiting",
-                         step, total, samples_written, allowed)
+                log.info("ahead of the trainer (step %d of %d; %d samples written, %d consumed or dropped "
+                         "by the trainer, %d unconsumed allowed): waiting",
+                         step, total, samples_written, consumed, allowed)
                 waited_since = now
             self.waiting.set()
             self._stop.wait(self.section.poll_interval)
@@ -375,21 +392,24 @@ class Explorer:
 
 
 class KubeProgress:
-    """(trainer step, total steps) from the RFTJob's `status.trainer`; the last known value
-    on API errors. A missing step is 0; a missing totalSteps is the config's."""
+    """(trainer step, total steps, samples consumed per explorer) from the RFTJob's
+    `status.trainer`; the last known value on API errors. A missing step is 0; a missing
+    totalSteps is the config's; a missing buffer report is None."""
 
     def __init__(self, api: Any, name: str, namespace: str, total_steps: int):
         self.api, self.name, self.namespace, self.total_steps = api, name, namespace, total_steps
-        self.last: tuple[int, int] | None = None
+        self.last: TrainerProgress | None = None
 
-    def __call__(self) -> tuple[int, int] | None:
+    def __call__(self) -> TrainerProgress | None:
         try:
             obj = get_status(self.api, self.namespace, self.name)
         except Exception as e:  # noqa: BLE001 - keep exploring on the last known progress
             log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
             return self.last
         trainer = (obj.get("status") or {}).get("trainer") or {}
-        self.last = (int(trainer.get("step") or 0), int(trainer.get("totalSteps") or self.total_steps))
+        consumed = (trainer.get("buffer") or {}).get("consumed")
+        self.last = TrainerProgress(int(trainer.get("step") or 0), int(trainer.get("totalSteps") or self.total_steps),
+                                    consumed if isinstance(consumed, dict) else None)
         return self.last
 
     def replica_version(self, pod: str) -> int | None:
