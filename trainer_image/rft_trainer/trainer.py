@@ -168,8 +168,8 @@ class Trainer:
 
     def _report_buffer(self) -> None:
         if self.engine.rt is None or self.engine.rt.is_main:
-            self.reporter.report_buffer(self.buffer.consumed_counts(), int(self.buffer.stats["dropped_stale"]),
-                                        int(self.buffer.stats["samples"]))
+            stale = self.buffer.stats["dropped_stale"] + sum(self.buffer.pending_stale.values())
+            self.reporter.report_buffer(self.buffer.consumed_counts(), int(stale), int(self.buffer.stats["samples"]))
 
     def agree_stop(self) -> bool:
         """At a step boundary: stop when any rank was asked to (MAX over ranks of the age

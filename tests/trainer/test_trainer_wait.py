@@ -1,0 +1,75 @@
+"""The trainer says why it waits, with true counts and times, and a stop ends the wait."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rft_contract import names
+from rft_contract.config import load_config
+from rft_trainer.experience import write_shard
+from rft_trainer.trainer import Trainer
+from tests.fixtures.batches import synthetic_batch
+from tests.fixtures.models import save_tiny_model
+
+
+class Recorder:
+    """Stands in for the status reporter (the API side is tests/integration/test_reporting.py)."""
+
+    def __init__(self):
+        self.waiting, self.buffer = [], []
+        self.reported = threading.Condition()
+
+    def report_waiting(self, reason, message, since, seconds):
+        with self.reported:
+            self.waiting.append((reason, message, seconds))
+            self.reported.notify_all()
+
+    def report_buffer(self, consumed, dropped_stale, samples):
+        self.buffer.append((consumed, dropped_stale, samples))
+
+    def __getattr__(self, name):  # report_step, report_checkpoint, close, ...
+        return lambda *a, **kw: None
+
+
+@pytest.fixture
+def trainer(tmp_path, world_of_one):
+    save_tiny_model(tmp_path / "model")
+    buffer = tmp_path / "buffer"
+    buffer.mkdir()
+    stale = synthetic_batch(8, 4, 6, vocab=24, seed=0)
+    stale.weights_version = stale.group_ids * 0  # version 0
+    write_shard(str(buffer), "0000000000-e000", stale)
+    config = load_config({
+        "model": {"path": str(tmp_path / "model")},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
+        "trainer": {"total_steps": 10, "batch_size": 8, "gpus_per_node": 0, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": str(tmp_path / "ckpt")},
+        "buffer": {"uri": str(buffer), "wait": True, "poll_seconds": 0.05, "max_staleness": 1},
+    }, env={})
+    t = Trainer(config)
+    t.prepare()
+    t.engine.step = 5  # the policy moved on: version-0 samples are stale (5 - 1 > 0)
+    t.reporter = Recorder()
+    yield t
+    t.engine.wait_on_save_thread()
+
+
+def test_waiting_on_stale_experiences_is_reported_with_true_counts_and_a_stop_ends_it(trainer, monkeypatch):
+    monkeypatch.setattr("rft_trainer.trainer.WAIT_REPORT_EVERY", 0.2)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("batch", trainer.next_batch()), daemon=True)
+    thread.start()
+    rec = trainer.reporter
+    with rec.reported:
+        assert rec.reported.wait_for(lambda: len(rec.waiting) >= 3, timeout=30)
+    reason, message, seconds = rec.waiting[-1]
+    assert reason == names.WAIT_STALE
+    assert "8 samples dropped as stale while waiting" in message and "{'e000': 8}" in message
+    # The seconds are measured, not counted per poll: polls of 0.05 s, reports 0.2 s apart.
+    assert rec.waiting[-1][2] - rec.waiting[0][2] >= 0.3
+    assert rec.buffer[-1] == ({"e000": 8}, 8, 0)  # the stale samples release the explorer's budget
+    trainer.request_stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and result["batch"] is None and trainer.stopping
