@@ -134,17 +134,18 @@ def job(tmp_path):
     return tmp_path, buffer, trace
 
 
+@pytest.mark.timeout(420)  # two runs of up to 150 s each; the launchers are killed on expiry
 def test_two_explorers_two_pods_every_sample_trained_once_in_the_same_order_and_resumed(job):
     d, buffer, trace = job
     with Explorers(buffer, trace, shards_each=12) as explorers:
         port = free_port()
         procs = [launch(d, config(d, 6, buffer, interval=3), node, port, trace) for node in (0, 1)]
-        results = finish(procs, timeout=300)
+        results = finish(procs, timeout=150)
         for code, _, err in results:
             assert code == 0, err[-3000:]
         port = free_port()
         procs = [launch(d, config(d, 10, buffer, interval=3), node, port, trace) for node in (0, 1)]
-        results = finish(procs, timeout=300)
+        results = finish(procs, timeout=150)
         for code, _, err in results:
             assert code == 0, err[-3000:]
         written = {e: list(ids) for e, ids in explorers.written.items()}
