@@ -122,11 +122,16 @@ class Trainer:
         b, step = self.config.buffer, self.train_step_num
         waiting_since = None
         while not self.agree_stop():
-            batch = None
+            batch, error = None, None
             if self.engine.rt is None or self.engine.rt.is_main:
-                batch = self.buffer.next_batch(current_version=step, wait=b.wait,
-                                               timeout=b.poll_seconds if b.wait else None)
-            batch, state = self._share((batch, self.buffer.state_dict()))
+                try:
+                    batch = self.buffer.next_batch(current_version=step, wait=b.wait,
+                                                   timeout=b.poll_seconds if b.wait else None)
+                except ValueError as e:  # a malformed shard: every rank fails with it
+                    error = str(e)
+            batch, state, error = self._share((batch, self.buffer.state_dict(), error))
+            if error is not None:
+                raise ValueError(error)
             if self.engine.rt is not None and not self.engine.rt.is_main:
                 self.buffer.load_state_dict(state)  # the same position on every rank
             if batch is not None:
