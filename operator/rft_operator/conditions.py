@@ -1,5 +1,5 @@
-"""The RFTJob's conditions: Checkpointed, Running, Suspended, Succeeded, Failed, and
-WeightsSynced when the job serves inference. Pure, no I/O.
+"""The RFTJob's conditions: Checkpointed, Running, Suspended, Succeeded, Failed,
+Progressing, and WeightsSynced when the job serves inference. Pure, no I/O.
 
 Every condition the operator manages is written on every pass, True or False, so
 `kubectl wait --for=condition=...` works both ways; the merge (`policy.compute_conditions`)
@@ -18,12 +18,14 @@ from .policy import Cond, compute_conditions
 
 def compute_job_conditions(old_conditions: list[Obj] | None, gang_status: Obj, failed_reason: str | None,
                            trainer: Obj, sync_cond: Cond | None, generation: int | None,
-                           now: datetime) -> list[Obj]:
+                           now: datetime, progress_deadline: int = 0) -> list[Obj]:
     """The merged condition list: this pass's phase and message (`gang_status`), the
-    trainer's last committed checkpoint, and the WeightsSynced condition if any."""
+    trainer's last committed checkpoint, progress against `progress_deadline`
+    (spec.failurePolicy.progressDeadlineSeconds), and the WeightsSynced condition if any."""
     reason = failed_reason or compute_failed_reason(old_conditions)
     new = [build_checkpointed(trainer.get("lastCheckpoint") or {})]
     new += build_phase_conditions(gang_status.get("phase"), gang_status.get("message") or "", reason)
+    new.append(build_progressing(gang_status, reason, progress_deadline))
     if sync_cond is not None:
         new.append(sync_cond)
     return compute_conditions(old_conditions, new, generation, now)
@@ -60,3 +62,28 @@ def build_phase_conditions(phase: str | None, message: str, failed_reason: str) 
         Cond(c.COND_FAILED, phase == c.FAILED, failed_reason if phase == c.FAILED else phase or c.PENDING,
              message if phase == c.FAILED else ""),
     ]
+
+
+def build_progressing(gang_status: Obj, failed_reason: str, deadline: int) -> Cond:
+    """True (`Stepping`) while the gang runs within the progress deadline: the clock in
+    `status.progress` restarts whenever the trainer's step moves. False otherwise, with the
+    phase as the reason, except that a deadline that ended an attempt stays the reason
+    (`ProgressDeadlineExceeded`, with the failure's message) while the gang restarts, until
+    the next attempt runs, or in the job that failed of it. The message changes only with
+    the step, so it costs no status write of its own."""
+    phase = gang_status.get("phase") or c.PENDING
+    if phase == c.RUNNING:
+        record = gang_status.get("progress") or {}
+        step, attempt, since = record.get("step"), record.get("attempt"), record.get("since")
+        what = (f"attempt {attempt}: no step reported since {since}" if step is None
+                else f"step {step} of attempt {attempt} reported at {since}")
+        limit = (f"; restarted after {deadline}s without a step (spec.failurePolicy.progressDeadlineSeconds)"
+                 if deadline else "; no progress deadline (spec.failurePolicy.progressDeadlineSeconds=0)")
+        return Cond(c.COND_PROGRESSING, True, c.REASON_STEPPING, what + limit)
+    failure = gang_status.get("lastFailure") or {}
+    if failure.get("reason") == c.REASON_PROGRESS_DEADLINE and (
+            (phase == c.RESTARTING and failure.get("attempt") == gang_status.get("attempt"))
+            or (phase == c.PENDING and failure.get("attempt") == (gang_status.get("attempt") or 0) - 1)
+            or (phase == c.FAILED and failed_reason == c.REASON_PROGRESS_DEADLINE)):
+        return Cond(c.COND_PROGRESSING, False, c.REASON_PROGRESS_DEADLINE, failure.get("message") or "")
+    return Cond(c.COND_PROGRESSING, False, phase, "")

@@ -11,13 +11,21 @@ Succeeded (every rank exited 0). A failure in Pending or Running goes to Restart
 Pending with the next attempt, or to Failed (fatal exit code, budget spent, invalid spec).
 Suspended can be entered from any non-terminal phase.
 
+Progress deadline: while the gang runs, `status.progress {step, attempt, since}` records
+when the trainer's reported step (`status.trainer.step` of this attempt) last moved; the
+record starts when the attempt's gang is first seen running, so the first step, model
+download included, gets the same deadline as any other. A gang that has not stepped for
+`spec.failurePolicy.progressDeadlineSeconds` is restarted like a failed pod, the failure
+saying why from what the pods report (`Progress`). Pending, Restarting and Suspended
+never run the clock, and a new attempt starts a new record.
+
 `compute_gang` threads one immutable `Gang` value through small steps; nothing here reads
 another concern's result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from rft_contract import names as c
@@ -29,7 +37,21 @@ from .objects import JobRef
 from .trainer_pods import build_trainer_pod
 
 # The status fields this concern owns.
-GANG_STATUS_KEYS = ("phase", "message", "attempt", "restarts", "startTime", "completionTime", "lastFailure")
+GANG_STATUS_KEYS = ("phase", "message", "attempt", "restarts", "startTime", "completionTime", "lastFailure",
+                    "progress")
+
+# status.trainer.waiting.reason -> what the trainer is waiting for, in words.
+WAIT_WORDS = {c.WAIT_DATA: "waiting for experiences", c.WAIT_STALE: "waiting for fresh experiences"}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the progress deadline reads besides the pods: the trainer's report
+    (`status.trainer`) and other concerns' hints on why it may not step (weight-sync lag,
+    explorer throttle; "" when they have nothing to say)."""
+
+    trainer: Obj = field(default_factory=dict)
+    hints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,7 +75,7 @@ class Gang:
 
 
 def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj,
-                 pods: list[PodView], now: datetime) -> Gang:
+                 pods: list[PodView], now: datetime, progress: Progress = Progress()) -> Gang:
     """One pass over the trainer pods. `old` is the stored operator status, `pods` the
     trainer pods of every attempt, `spec` None when the stored spec is invalid."""
     g = _start(old)
@@ -73,7 +95,7 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
         g = _restart_when_due(g, spec, pods, now)
         if g.phase == c.RESTARTING:
             return g
-    return _run(g, ref, spec, old, pods, now)
+    return _run(g, ref, spec, old, pods, now, progress)
 
 
 def _start(old: Obj) -> Gang:
@@ -119,7 +141,8 @@ def _restart_when_due(g: Gang, spec: RFTJobSpec, pods: list[PodView], now: datet
     return _next_attempt(g, "restarted", c.REASON_RESTARTED)
 
 
-def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], now: datetime) -> Gang:
+def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], now: datetime,
+         progress: Progress) -> Gang:
     """Pending/Running: create the gang, watch it, apply the failure policy."""
     nodes, attempt = spec.trainer.nodes, g.attempt
     # Pods of earlier attempts: stop the live ones; keep terminated ones for their logs.
@@ -135,7 +158,8 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
         return replace(g, status={**g.status, "completionTime": policy.format_time(now)})
     if len(gang) == nodes and all(x.phase in ("Running", "Succeeded") for x in gang.values()):
         g = _set_phase(g, c.RUNNING, f"all {nodes} trainer pods running", c.REASON_ALL_RUNNING)
-        return replace(g, status={**g.status, "startTime": g.status.get("startTime") or policy.format_time(now)})
+        g = replace(g, status={**g.status, "startTime": g.status.get("startTime") or policy.format_time(now)})
+        return _check_progress(g, spec, progress, list(gang.values()), pods, now)
     if not stale:  # a new gang starts only once the previous one is gone
         missing = [build_trainer_pod(ref, spec, attempt, r) for r in range(nodes) if r not in gang]
         g = replace(g, create=g.create + tuple(missing))
@@ -168,9 +192,76 @@ def compute_first_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodV
     return None
 
 
-def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Obj, gang: list[PodView],
+def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[PodView],
                     pods: list[PodView], now: datetime) -> Gang:
-    """Record the failure, then fail the job (fatal code, budget spent) or restart the gang."""
+    """Running: record when the step last moved; past the deadline, end the attempt like
+    a failed pod. Otherwise come back when the deadline would pass."""
+    # What an earlier attempt reported (its step, why it waited) says nothing about this gang.
+    if progress.trainer.get("attempt") not in (None, g.attempt):
+        progress = replace(progress, trainer={})
+    step = progress.trainer.get("step")
+    record = compute_progress_record(g.status.get("progress"), g.attempt, step, now)
+    g = replace(g, status={**g.status, "progress": record})
+    deadline = spec.failure_policy.progress_deadline_seconds
+    left = policy.progress_deadline_remaining(policy.parse_time(record["since"]), deadline, now)
+    if left is None:
+        return g
+    if left >= 0:  # not past it yet: come back when it would be
+        return replace(g, requeue_after=left)
+    message = build_stall_message(record, progress, deadline, now)
+    failure = {"pod": None, "exitCode": None, "reason": c.REASON_PROGRESS_DEADLINE, "message": message}
+    g = replace(g, events=g.events + (Event("Warning", c.REASON_PROGRESS_DEADLINE, message),))
+    return _handle_failure(g, spec, failure, gang, pods, now, exhausted=c.REASON_PROGRESS_DEADLINE)
+
+
+def compute_progress_record(old: Obj | None, attempt: int, step: int | None, now: datetime) -> Obj:
+    """`status.progress`: kept while (attempt, step) stays the same, restarted with
+    `since: now` when either moves (or on the first pass that sees the gang running)."""
+    if old and old.get("attempt") == attempt and old.get("step") == step and old.get("since"):
+        return old
+    return {"step": step, "attempt": attempt, "since": policy.format_time(now)}
+
+
+def build_stall_message(record: Obj, progress: Progress, deadline: int, now: datetime) -> str:
+    """Why the deadline fired, from what the pods report: the trainer's own account
+    (`status.trainer.waiting`), then the other concerns' hints."""
+    idle = int((now - policy.parse_time(record["since"])).total_seconds())
+    step = record.get("step")
+    head = (f"attempt {record['attempt']} reported no step in {idle}s" if step is None
+            else f"step {step} has not moved for {idle}s")
+    head += f" (spec.failurePolicy.progressDeadlineSeconds={deadline})"
+    why = [x for x in (describe_trainer_wait(progress.trainer, now), *progress.hints) if x]
+    return head + (": " + "; ".join(why) if why else "")
+
+
+def describe_trainer_wait(trainer: Obj, now: datetime) -> str:
+    """The trainer's reason for not stepping (rank 0 writes `status.trainer.waiting`), e.g.
+    "trainer waiting for experiences for 1800s (12 stale dropped)"; "" when it gave none."""
+    waiting = trainer.get("waiting") or {}
+    if not waiting.get("reason"):
+        return ""
+    since = _parse_time_or_none(waiting.get("since"))
+    seconds = (now - since).total_seconds() if since else waiting.get("seconds")
+    words = WAIT_WORDS.get(waiting["reason"], f"waiting ({waiting['reason']})")
+    out = f"trainer {words}" + (f" for {int(seconds)}s" if seconds is not None else "")
+    dropped = (trainer.get("buffer") or {}).get("droppedStale")
+    if dropped:
+        out += f" ({dropped} stale dropped)"
+    return out + (f": {waiting['message']}" if waiting.get("message") else "")
+
+
+def _parse_time_or_none(value: object) -> datetime | None:
+    """A time another writer reported; one this operator cannot read is no time at all."""
+    try:
+        return policy.parse_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Obj, gang: list[PodView],
+                    pods: list[PodView], now: datetime, exhausted: str = c.REASON_BACKOFF_LIMIT) -> Gang:
+    """Record the failure, then fail the job (fatal code, budget spent) or restart the gang.
+    `exhausted` is the Failed reason when the budget is spent."""
     fp = spec.failure_policy
     restarts = g.status["restarts"]
     record = {"attempt": g.attempt, **failure, "time": policy.format_time(now)}
@@ -181,7 +272,7 @@ def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Obj, gang: list[PodView]
                      "spec.failurePolicy (fatalExitCodes/retryableExitCodes); fix the cause and "
                      "create the job again")
     if not policy.should_restart(restarts, fp):
-        return _fail(g, pods, now, c.REASON_BACKOFF_LIMIT,
+        return _fail(g, pods, now, exhausted,
                      f"{failure['message']}; restart budget exhausted after {restarts} "
                      f"restarts (spec.failurePolicy.maxRestarts={fp.max_restarts})")
     restarts += 1

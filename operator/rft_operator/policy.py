@@ -1,4 +1,5 @@
-"""Small pure policies with table-driven tests: exit codes, backoff, conditions."""
+"""Small pure policies with table-driven tests: exit codes, backoff, progress deadline,
+conditions."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def backoff_remaining(failed_at: datetime | None, backoff_seconds: float, now: d
         return 0.0
     elapsed = (now - failed_at).total_seconds()
     return max(0.0, backoff_seconds - elapsed)
+
+
+def progress_deadline_remaining(since: datetime | None, deadline_seconds: int, now: datetime) -> float | None:
+    """Seconds left before the progress deadline passes, counted from `since` (when the
+    step last moved); negative once it has passed, i.e. once more than `deadline_seconds`
+    went by without a step. None when there is no deadline (0 turns it off) or no clock."""
+    if not deadline_seconds or since is None:
+        return None
+    return deadline_seconds - (now - since).total_seconds()
 
 
 # ------------------------------------------------------------------ time

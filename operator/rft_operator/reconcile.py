@@ -7,9 +7,9 @@ written first (with a resourceVersion precondition); the side effects in the pla
 derived from it and idempotent (create-by-name, delete-if-present).
 
 One module per concern, each a pure function of explicit inputs: `gang` (trainer pods,
-failure policy), `weightsync` (serving target, replica counts), `rollout` (inference and
-explorer pods), `conditions`. This module only composes them into a Plan
-(docs/design.md).
+failure policy, progress deadline), `weightsync` (serving target, replica counts),
+`rollout` (inference and explorer pods), `conditions`. This module only composes them into
+a Plan (docs/design.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["OPERATOR_STATUS_KEYS", "Event", "Observed", "Plan", "PodView", "reco
 
 OPERATOR_STATUS_KEYS = (
     "phase", "message", "observedGeneration", "attempt", "restarts", "startTime",
-    "completionTime", "lastFailure", "conditions",
+    "completionTime", "lastFailure", "conditions", "progress",
 )
 
 
@@ -60,18 +60,21 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     rollout_pods = [x for x in observed.pods if x.role != c.ROLE_TRAINER]
     generation = body["metadata"].get("generation")
 
-    # The order follows the data. The gang decides the phase. Weight sync reads only the
-    # stored status, so it could go anywhere before rollouts, which need both the gang's
-    # phase and completion time (what to keep) and the WeightsSynced condition (whether a
-    # succeeded job's inference pods may go yet). Conditions summarise all of it. Static
-    # children come first in the plan: pods mount the ConfigMap and resolve the Services.
+    # The order follows the data. Weight sync reads only the stored status, so it comes
+    # first: its lag is one of the hints the gang's progress deadline reports. The gang
+    # decides the phase. Rollouts need both the gang's phase and completion time (what to
+    # keep) and the WeightsSynced condition (whether a succeeded job's inference pods may
+    # go yet). Conditions summarise all of it. Static children come first in the plan:
+    # pods mount the ConfigMap and resolve the Services.
     spec, spec_error = _parse(body)
     create, replace = compute_static_children(ref, spec, old.get("phase"), observed.children)
-    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now)
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
+    progress = gang.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
+    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
+    deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
-                                              ws.condition, generation, now)
+                                              ws.condition, generation, now, deadline)
 
     status = old | g.status | {"observedGeneration": generation, "conditions": conds}
     if spec is not None and not trainer.get("progress"):
@@ -87,8 +90,8 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
         replace=replace,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
         events=[*g.events, *ws.events],
-        # Never both set (only a succeeded job waits on rollouts, and it has no backoff).
-        requeue_after=ro.requeue_after if ro.requeue_after is not None else g.requeue_after,
+        # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
+        requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
     )
 
 

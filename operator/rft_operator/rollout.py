@@ -46,6 +46,23 @@ def compute_rollouts(ref: JobRef, spec: RFTJobSpec | None, gang_status: Obj, syn
     return _keep_desired(ref, spec, pods)
 
 
+def describe_explorers(spec: RFTJobSpec | None, pods: list[PodView]) -> str:
+    """Explorer pods that are not running, for the progress deadline's message ("" when
+    all run): a trainer waiting for experiences often waits on them. Their throttle is not
+    visible here: an explorer waits on what it wrote minus what the trainer consumed
+    (`status.trainer.buffer.consumed`, which the trainer's own waiting message lists), and
+    what it wrote lives only in the buffer."""
+    if spec is None or spec.explorer is None:
+        return ""
+    want = spec.explorer.replicas
+    explorers = sorted((x for x in pods if x.role == c.ROLE_EXPLORER), key=lambda x: x.name)
+    running = [x for x in explorers if x.phase == "Running" and not x.deleting]
+    if len(running) >= want:
+        return ""
+    others = [f"{x.name} {'deleting' if x.deleting else x.phase}" for x in explorers if x not in running]
+    return f"{len(running)}/{want} explorer pods running" + (f" ({', '.join(others[:3])})" if others else "")
+
+
 def compute_final_sync_wait(sync_cond: Cond | None, completion_time: str | None, now: datetime) -> float:
     """Seconds the inference pods of a succeeded job still wait for the final weights:
     0 once every replica is synced (or nothing syncs), or once the grace is spent."""

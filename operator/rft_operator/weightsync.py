@@ -112,6 +112,25 @@ def sync_condition(count: SyncCount, target: Obj, problem: str | None) -> tuple[
     return False, c.REASON_SYNCING, msg
 
 
+def describe_lag(count: SyncCount, target: Obj, replicas: Obj, desired_pods: list[str]) -> str:
+    """The replicas not serving the target, in words, for the progress deadline's message
+    ("" when all are): replicas on old weights make explorers' samples stale, and the
+    trainer drops stale samples."""
+    if count.desired == 0 or count.synced == count.desired:
+        return ""
+    behind = []
+    for name in desired_pods:
+        entry = replicas.get(name) or {}
+        if not is_synced(entry, target):
+            served = entry.get("version")
+            behind.append(f"{name} serves {'nothing yet' if served is None else f'version {served}'}")
+    out = (f"weight sync {count.synced}/{count.desired} replicas at target version {target.get('version')} "
+           f"({', '.join(behind[:3])}{', ...' if len(behind) > 3 else ''})")
+    if count.lag_steps:
+        out += f", oldest served version {count.lag_steps} steps behind the trainer"
+    return out + ("; " + "; ".join(count.errors[:3]) if count.errors else "")
+
+
 def stale_replica_entries(replicas: Obj, desired_pods: list[str]) -> list[str]:
     """Entries of pods that are not (or no longer) desired replicas, to prune."""
     return sorted(set(replicas) - set(desired_pods))
@@ -128,6 +147,7 @@ class WeightSync:
     status: Obj | None = None
     condition: Cond | None = None  # WeightsSynced; None for train-only jobs
     events: tuple[Event, ...] = ()
+    lag: str = ""  # replicas behind the target, in words ("" when none): `describe_lag`
 
 
 def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_sync: Obj) -> WeightSync:
@@ -152,7 +172,8 @@ def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_syn
         events = (Event("Normal", "WeightsTarget", f"serving target is now version {t.target['version']}{uri}"),)
     status, reason, message = sync_condition(n, t.target, t.problem)
     cond = Cond(c.COND_WEIGHTS_SYNCED, status, reason, message)
-    return WeightSync(fields if is_sync_changed(old_sync, fields) else None, cond, events)
+    return WeightSync(fields if is_sync_changed(old_sync, fields) else None, cond, events,
+                      describe_lag(n, t.target, replicas, pods))
 
 
 def is_sync_changed(old_sync: Obj, fields: Obj) -> bool:

@@ -8,10 +8,12 @@ a permission missing from the manifests fails these tests.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +36,34 @@ class OperatorProcess:
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "RFT_RESYNC_SECONDS": "10",
                "PYTHONUNBUFFERED": "1"}
+        since = self.log_offset()  # the log is appended to: only this start's marker counts
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rft_operator", "--verbose"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         log.close()
-        wait_for(lambda: b"rftjob-operator started" in self.log_path.read_bytes()
-                 or self._died(), 60, "operator start")
+        wait_for(lambda: self.logged("rftjob-operator started", since) or self._died(), 60, "operator start")
         assert self.proc.poll() is None, f"operator exited:\n{self.tail()}"
+
+    def log_offset(self) -> int:
+        """Where the log ends now: pass it to `logged`/`wait_logged` to look only at what follows."""
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def logged(self, pattern: str, since: int = 0) -> bool:
+        """Whether the log after offset `since` matches the regular expression `pattern`."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            return re.search(pattern, f.read().decode(errors="replace")) is not None
+
+    def wait_logged(self, pattern: str, since: int, timeout: float = 60) -> None:
+        """Wait until the operator logged a line matching `pattern` after offset `since`
+        (e.g. a pass over a job: with --verbose each pass logs "<ns>/<job>: <n> pods seen,
+        phase A -> B, ...")."""
+        try:
+            wait_for(lambda: self.logged(pattern, since), timeout, f"operator log line /{pattern}/")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.tail()}") from None
 
     def _died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -133,6 +154,16 @@ def patch_spec(api, namespace: str, name: str, spec: dict) -> dict:
         c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"spec": spec})
 
 
+def patch_status(api, namespace: str, name: str, status: dict) -> dict:
+    """Merge-patch the status subresource, as the trainer's rank 0 does."""
+    return kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+        c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status})
+
+
+def pod_deleting(api, namespace: str, pod: str) -> bool:
+    return bool(kubernetes.client.CoreV1Api(api).read_namespaced_pod(pod, namespace).metadata.deletion_timestamp)
+
+
 def pods(api, namespace: str, job: str) -> list:
     return kubernetes.client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector=f"{c.LABEL_JOB}={job}").items
@@ -167,3 +198,76 @@ def events(api, namespace: str, name: str) -> list[str]:
     items = kubernetes.client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={name}").items
     return [e.reason for e in sorted(items, key=lambda e: e.metadata.creation_timestamp)]
+
+
+def gang_ranks(api, namespace: str, job: str) -> dict[int, list[int]]:
+    """attempt -> sorted ranks of the trainer pods that exist, counted by their labels (not
+    their names): a second gang under other names would show as extra ranks or attempts."""
+    out: dict[int, list[int]] = {}
+    for p in pods(api, namespace, job):
+        labels = p.metadata.labels
+        if labels.get(c.LABEL_ROLE, c.ROLE_TRAINER) == c.ROLE_TRAINER:
+            out.setdefault(int(labels[c.LABEL_ATTEMPT]), []).append(int(labels[c.LABEL_RANK]))
+    return {a: sorted(r) for a, r in sorted(out.items())}
+
+
+HOLD_FINALIZER = "test.rft.dev/hold"
+
+
+def hold_pod(api, namespace: str, pod: str) -> None:
+    """A finalizer of ours: once deleted, the pod stays (terminating) until `release_pod`,
+    a deterministic window in which the old gang is still going away."""
+    kubernetes.client.CoreV1Api(api).patch_namespaced_pod(
+        pod, namespace, {"metadata": {"finalizers": [HOLD_FINALIZER]}})
+
+
+def release_pod(api, namespace: str, pod: str) -> None:
+    try:
+        kubernetes.client.CoreV1Api(api).patch_namespaced_pod(pod, namespace, {"metadata": {"finalizers": None}})
+    except kubernetes.client.ApiException as e:
+        if e.status != 404:
+            raise
+
+
+@contextmanager
+def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
+    """While active, the API server refuses trainer pods of `attempt` with rank >= `ranks_from`
+    in `namespace` (a ValidatingAdmissionPolicy, CEL in the API server): the operator's gang
+    creation stops half way, deterministically. Active once a dry-run of such a pod is refused."""
+    adm, name = kubernetes.client.AdmissionregistrationV1Api(api), f"refuse-{namespace}"
+    labels = "object.metadata.labels"
+    expression = (f"!has(object.metadata.labels) || !('{c.LABEL_ATTEMPT}' in {labels}) || "
+                  f"!('{c.LABEL_RANK}' in {labels}) || {labels}['{c.LABEL_ATTEMPT}'] != '{attempt}' || "
+                  f"int({labels}['{c.LABEL_RANK}']) < {ranks_from}")
+    adm.create_validating_admission_policy({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {"failurePolicy": "Fail",
+                 "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                                                         "operations": ["CREATE"], "resources": ["pods"]}]},
+                 "validations": [{"expression": expression, "message": "refused by the test"}]}})
+    adm.create_validating_admission_policy_binding({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": {
+                     "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}})
+    probe = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "refusal-probe",
+                          "labels": {c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(ranks_from)}},
+             "spec": {"containers": [{"name": "c", "image": "none"}]}}
+
+    def refused() -> bool:
+        try:
+            kubernetes.client.CoreV1Api(api).create_namespaced_pod(namespace, probe, dry_run="All")
+        except kubernetes.client.ApiException as e:
+            return "refused by the test" in (e.body or "")
+        return False
+
+    try:
+        wait_for(refused, 30, "the admission policy to take effect")
+        yield
+    finally:
+        adm.delete_validating_admission_policy_binding(name)
+        adm.delete_validating_admission_policy(name)
+        wait_for(lambda: not refused(), 30, "the admission policy to be gone")

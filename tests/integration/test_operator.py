@@ -7,11 +7,13 @@ import kubernetes
 import pytest
 
 from rft_contract import names as c
+from rft_operator.policy import parse_time
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401  (fixtures)
-    api, create_job, end_pod, events, get_job, installed, job_manifest, namespace, operator,
-    patch_spec, pods, wait_phase, wait_status,
+    api, create_job, end_pod, events, gang_ranks, get_job, hold_pod, installed, job_manifest, namespace,
+    operator, patch_spec, patch_status, pod_deleting, pods, refusing_trainer_pods, release_pod, wait_phase,
+    wait_status,
 )
 
 pytestmark = pytest.mark.integration
@@ -156,21 +158,80 @@ def test_children_deleted_by_hand_are_repaired(operator, api, namespace):
     assert status["lastFailure"]["reason"] == c.REASON_POD_DELETED
 
 
-def test_operator_restart_mid_reconcile_duplicates_nothing(operator, api, namespace):
-    operator.kill()
+def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one_restart(
+        operator, api, namespace):
+    """SIGKILL the operator in the two windows where a restart is half done: after it
+    recorded `Restarting` while the old gang is still going away, and after it created only
+    part of the next gang. Each window is held open on purpose (a finalizer on an old pod,
+    then an admission policy refusing rank 1 of attempt 2), so the kills land in them every
+    time. Afterwards exactly one gang of attempt 2 exists (counted by labels, not names) and
+    restarts and attempt each moved by exactly one."""
+    start_running(api, namespace, "crash", failurePolicy={"backoffSeconds": 0})
+    hold_pod(api, namespace, "crash-trainer-1-0")
     try:
-        create_job(api, namespace, job_manifest("crash", trainer={"nodes": 4}))
-        operator.start()
-        # Kill it again as soon as it has started creating the gang.
-        wait_for(lambda: pods(api, namespace, "crash"), 60, "first pod")
+        end_pod(api, namespace, "crash-trainer-1-1", 1)
+        wait_status(api, namespace, "crash", lambda s: s.get("phase") == c.RESTARTING
+                    and pod_deleting(api, namespace, "crash-trainer-1-0"), 60, "Restarting, old gang going")
+
+        # Window 1: Restarting recorded, the old rank 0 still terminating.
         operator.kill()
-    finally:
+        since = operator.log_offset()
         operator.start()
-    status = wait_phase(api, namespace, "crash", c.RUNNING, 90)
-    assert status["attempt"] == 1 and status["restarts"] == 0
-    names = sorted(p.metadata.name for p in pods(api, namespace, "crash"))
-    assert names == [f"crash-trainer-1-{r}" for r in range(4)]
-    assert events(api, namespace, "crash").count(c.REASON_CREATED) <= 1  # 0 if killed before posting
+        operator.wait_logged(f"{namespace}/crash: 2 pods seen, phase Restarting -> Restarting,", since)
+        status = get_job(api, namespace, "crash")["status"]
+        assert (status["phase"], status["restarts"], status["attempt"]) == (c.RESTARTING, 1, 1)
+
+        # Window 2: attempt 2's rank 0 created, rank 1 refused by the API server.
+        with refusing_trainer_pods(api, namespace, attempt=2, ranks_from=1):
+            release_pod(api, namespace, "crash-trainer-1-0")
+            wait_for(lambda: "CreateFailed" in events(api, namespace, "crash"), 60, "rank 1 of attempt 2 refused")
+            operator.kill()
+            assert gang_ranks(api, namespace, "crash") == {1: [1], 2: [0]}
+        operator.start()
+    finally:
+        release_pod(api, namespace, "crash-trainer-1-0")
+
+    status = wait_phase(api, namespace, "crash", c.RUNNING, 90, attempt=2)
+    assert status["restarts"] == 1
+    assert gang_ranks(api, namespace, "crash") == {1: [1], 2: [0, 1]}  # the failed pod stays for its logs
+    assert len(running_pods(api, namespace, "crash", 2)) == 2
+    reasons = events(api, namespace, "crash")
+    assert reasons.count(c.REASON_RESTARTING) == 1 and reasons.count(c.REASON_RESTARTED) == 1
+
+
+def test_progress_deadline_restarts_a_gang_that_never_steps(operator, api, namespace):
+    """KWOK trainers never report a step: 5 s after the gang runs, the operator restarts it,
+    on its own clock (no event comes), saying why from the trainer's report."""
+    deadline = 5
+    status = start_running(api, namespace, "stall", failurePolicy={
+        "progressDeadlineSeconds": deadline, "backoffSeconds": 10, "maxRestarts": 3})
+    # Act as the trainer's rank 0, which reports why it cannot step.
+    waiting = {"reason": c.WAIT_DATA, "since": status["startTime"], "message": "no shard in the buffer"}
+    patch_status(api, namespace, "stall", {"trainer": {"waiting": waiting, "buffer": {"droppedStale": 12}}})
+
+    status = wait_status(api, namespace, "stall", lambda s: s.get("restarts") == 1, 60, "the deadline's restart")
+    failure = status["lastFailure"]
+    assert (failure["reason"], failure["attempt"]) == (c.REASON_PROGRESS_DEADLINE, 1)
+    assert f"(spec.failurePolicy.progressDeadlineSeconds={deadline})" in failure["message"]
+    assert "trainer waiting for experiences for" in failure["message"]
+    assert "(12 stale dropped): no shard in the buffer" in failure["message"]
+    # The operator woke up by itself at the deadline, not at the next 10 s resync (both
+    # times are whole seconds, rounded down).
+    since = parse_time(status["progress"]["since"])
+    assert deadline <= (parse_time(failure["time"]) - since).total_seconds() <= deadline + 2, status["progress"]
+    progressing = {x["type"]: x for x in status["conditions"]}[c.COND_PROGRESSING]
+    assert (progressing["status"], progressing["reason"]) == ("False", c.REASON_PROGRESS_DEADLINE)
+    assert progressing["message"] == failure["message"]
+    assert c.REASON_PROGRESS_DEADLINE in events(api, namespace, "stall")
+
+    # Turn the deadline off during the backoff: attempt 2 then runs and stays.
+    patch_spec(api, namespace, "stall", {"failurePolicy": {"progressDeadlineSeconds": 0}})
+    status = wait_phase(api, namespace, "stall", c.RUNNING, 90, attempt=2)
+    assert status["restarts"] == 1
+    assert gang_ranks(api, namespace, "stall") == {2: [0, 1]}  # KWOK removed the deleted attempt 1
+    assert len(running_pods(api, namespace, "stall", 2)) == 2
+    progressing = {x["type"]: x for x in status["conditions"]}[c.COND_PROGRESSING]
+    assert (progressing["status"], progressing["reason"]) == ("True", c.REASON_STEPPING)
 
 
 def test_spec_change_updates_config_for_the_next_attempt(operator, api, namespace):

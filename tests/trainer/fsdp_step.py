@@ -13,14 +13,16 @@ from rft_trainer.engine import FSDPTrainEngine
 
 
 def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
-    memory_savers = "--memory-savers" in flags
+    checkpointing = "--activation-checkpointing" in flags
     config = load_config({
         "model": {"path": model_dir},
         "algorithm": {"name": algo, "learning_rate": 1e-3, "critic_learning_rate": 1e-3,
                       "kl_coef": 0.01, "micro_batch_size": 2, "mini_batch_size": 8, "epochs": 1},
         "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32",
-                                                             "activation_checkpointing": memory_savers,
-                                                             "cpu_offload": memory_savers}},
+                                                             "activation_checkpointing": checkpointing,
+                                                             # A no-op on CPU (parameters live there
+                                                             # already): set only as GPU users would.
+                                                             "cpu_offload": checkpointing}},
         "checkpoint": {"uri": "s3://unused/x"},
     })
     engine = FSDPTrainEngine(config)

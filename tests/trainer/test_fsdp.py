@@ -45,9 +45,14 @@ def test_two_ranks_match_one_process(tiny, tmp_path, algo):
     assert abs(one["metrics"]["actor/pg_loss"] - two["metrics"]["actor/pg_loss"]) < 1e-5
 
 
-def test_activation_checkpointing_and_cpu_offload_give_the_same_step(tiny, tmp_path):
-    """The memory options change where tensors live and what is recomputed, not the math."""
+def test_activation_checkpointing_gives_the_same_step_on_cpu(tiny, tmp_path):
+    """Activation checkpointing changes what is recomputed in the backward pass, not the math.
+
+    Only activation checkpointing is exercised here. `fsdp.cpuOffload` is set as well, but on
+    CPU it is a no-op (the parameters already live on the CPU; `parallelize.apply_fsdp` logs
+    and ignores it), so CPU offload cannot be exercised without a GPU: bench/gpu_check.sh
+    runs it on one."""
     plain = run_step(tiny, tmp_path / "plain.pt", 1, "grpo")
-    both = run_step(tiny, tmp_path / "both.pt", 1, "grpo", "--memory-savers")
-    worst = max((plain["params"][k] - both["params"][k]).abs().max().item() for k in plain["params"])
+    checkpointed = run_step(tiny, tmp_path / "checkpointed.pt", 1, "grpo", "--activation-checkpointing")
+    worst = max((plain["params"][k] - checkpointed["params"][k]).abs().max().item() for k in plain["params"])
     assert worst < 1e-5, worst

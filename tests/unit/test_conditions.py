@@ -66,8 +66,9 @@ def test_failed_reason_precedence(old, this_pass, want):
 
 
 @pytest.mark.parametrize("sync_cond, want_types", [
-    (None, sorted(PHASE_TYPES + (c.COND_CHECKPOINTED,))),
-    (Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED), sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_WEIGHTS_SYNCED))),
+    (None, sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING))),
+    (Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED),
+     sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_WEIGHTS_SYNCED))),
 ])
 def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types):
     out = conditions.compute_job_conditions(None, {"phase": c.RUNNING, "message": "m"}, None,
@@ -75,4 +76,37 @@ def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types)
     assert [x["type"] for x in out] == want_types
     assert all(x["observedGeneration"] == 3 for x in out)
     assert {x["type"] for x in out if x["status"] == "True"} == (
-        {c.COND_RUNNING, c.COND_CHECKPOINTED} | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))
+        {c.COND_RUNNING, c.COND_CHECKPOINTED, c.COND_PROGRESSING} | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))
+
+
+PD = c.REASON_PROGRESS_DEADLINE
+PD_FAILURE = {"attempt": 1, "reason": PD, "message": "step 4 has not moved for 61s", "time": "t"}
+POD_FAILURE = {**PD_FAILURE, "reason": c.REASON_POD_FAILED, "message": "pod failed"}
+PROGRESS = {"step": 4, "attempt": 1, "since": "2026-11-30T11:59:00Z"}
+
+
+@pytest.mark.parametrize("gang_status, failed_reason, deadline, want", [
+    ({"phase": c.RUNNING, "attempt": 1, "progress": PROGRESS}, c.FAILED, 60,
+     (True, c.REASON_STEPPING, "step 4 of attempt 1 reported at 2026-11-30T11:59:00Z; restarted after 60s")),
+    ({"phase": c.RUNNING, "attempt": 2, "progress": {"step": None, "attempt": 2, "since": "T"}}, c.FAILED, 60,
+     (True, c.REASON_STEPPING, "attempt 2: no step reported since T")),
+    ({"phase": c.RUNNING, "attempt": 1, "progress": PROGRESS}, c.FAILED, 0,
+     (True, c.REASON_STEPPING, "no progress deadline")),
+    ({"phase": c.PENDING, "attempt": 1}, c.FAILED, 60, (False, c.PENDING, "")),
+    (None, c.FAILED, 60, (False, c.PENDING, "")),
+    ({"phase": c.SUSPENDED, "attempt": 1}, c.FAILED, 60, (False, c.SUSPENDED, "")),
+    ({"phase": c.SUCCEEDED, "attempt": 1}, c.FAILED, 60, (False, c.SUCCEEDED, "")),
+    # The deadline's failure stays the reason while the gang restarts and the next one starts...
+    ({"phase": c.RESTARTING, "attempt": 1, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, PD, "has not moved")),
+    ({"phase": c.PENDING, "attempt": 2, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, PD, "has not moved")),
+    ({"phase": c.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, PD, 60, (False, PD, "has not moved")),
+    # ... but not for other failures, nor once the job failed of something else.
+    ({"phase": c.RESTARTING, "attempt": 1, "lastFailure": POD_FAILURE}, c.FAILED, 60, (False, c.RESTARTING, "")),
+    ({"phase": c.PENDING, "attempt": 3, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, c.PENDING, "")),
+    ({"phase": c.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, c.REASON_INVALID_SPEC, 60, (False, c.FAILED, "")),
+])
+def test_build_progressing(gang_status, failed_reason, deadline, want):
+    got = conditions.build_progressing(gang_status or {}, failed_reason, deadline)
+    assert got.type == c.COND_PROGRESSING
+    assert (got.status, got.reason) == want[:2]
+    assert want[2] in got.message and (want[2] or not got.message)

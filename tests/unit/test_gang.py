@@ -39,10 +39,11 @@ CASES = [
      (c.SUSPENDED, 0, 0, [], [], [c.REASON_SUSPENDED], None)),
     ("resume", {}, st(c.SUSPENDED), [], 0,
      (c.PENDING, 2, 0, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [c.REASON_RESUMED], None)),
+    # A running gang comes back when its progress deadline (1800 s by default) would pass.
     ("all-running", {}, st(c.PENDING), [pod(1, 0), pod(1, 1)], 0,
-     (c.RUNNING, 1, 0, [], [], [c.REASON_ALL_RUNNING], None)),
+     (c.RUNNING, 1, 0, [], [], [c.REASON_ALL_RUNNING], 1800.0)),
     ("running-steady-no-event", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1)], 0,
-     (c.RUNNING, 1, 0, [], [], [], None)),
+     (c.RUNNING, 1, 0, [], [], [], 1800.0)),
     ("partial-gang-fills-gaps", {}, st(c.PENDING), [pod(1, 1, "Pending")], 0,
      (c.PENDING, 1, 0, ["demo-trainer-1-0"], [], [], None)),
     ("all-succeeded", {}, st(c.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,

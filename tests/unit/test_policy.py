@@ -39,6 +39,17 @@ def test_backoff_remaining(ago, backoff, left):
     assert policy.backoff_remaining(failed_at, backoff, NOW) == left
 
 
+@pytest.mark.parametrize("ago, deadline, left", [
+    (0, 600, 600), (599.5, 600, 0.5), (600, 600, 0),  # exactly the deadline: not past it yet
+    (601, 600, -1),                                     # past it: negative
+    (10**6, 0, None),                                   # 0 turns it off
+    (None, 600, None),                                  # no clock running
+])
+def test_progress_deadline_remaining(ago, deadline, left):
+    since = None if ago is None else NOW - timedelta(seconds=ago)
+    assert policy.progress_deadline_remaining(since, deadline, NOW) == left
+
+
 def test_time_roundtrip():
     assert policy.parse_time(policy.format_time(NOW)) == NOW
     assert policy.parse_time(None) is None
