@@ -37,4 +37,7 @@ def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
 
 
 if __name__ == "__main__":
+    from rft_trainer.__main__ import exit_process
+
     main(*sys.argv[1:])
+    exit_process(0)  # see exit_process: teardown may abort after the work is done

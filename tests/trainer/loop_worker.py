@@ -24,4 +24,4 @@ def traced(self, batch):
 FSDPTrainEngine.train_step = traced
 
 if __name__ == "__main__":
-    sys.exit(entry.main(sys.argv[1:]))
+    entry.exit_process(entry.main(sys.argv[1:]))
