@@ -153,3 +153,18 @@ def test_sigterm_stops_after_the_step_and_exits_nonzero(job, tmp_path):
     assert proc.returncode == 143, err[-2000:]
     assert "SIGTERM: stopping after the current step" in err
     assert "stopping at step" in err  # the save-on-stop decision is logged with its reason
+
+
+def test_launcher_gives_workers_the_grace_period_not_torchruns_30s():
+    from torch.distributed.run import get_args_parser
+
+    from rft_trainer.launch import SHUTDOWN_ENV, set_shutdown_timeout
+
+    args = lambda *a: get_args_parser().parse_args([*a, "--nproc-per-node=1", "x.py"])  # noqa: E731
+    env = {"RFT_TERMINATION_GRACE_SECONDS": "300"}
+    assert set_shutdown_timeout(args(), env) == 295 and env[SHUTDOWN_ENV] == "295"
+    env = {"RFT_TERMINATION_GRACE_SECONDS": "300", SHUTDOWN_ENV: "100"}  # explicit wins
+    assert set_shutdown_timeout(args(), env) == 100
+    env = {"RFT_TERMINATION_GRACE_SECONDS": "300"}
+    assert set_shutdown_timeout(args("--shutdown-timeout=60"), env) == 60 and env[SHUTDOWN_ENV] == "60"
+    assert set_shutdown_timeout(args(), {}) is None  # outside a pod: torchrun's default
