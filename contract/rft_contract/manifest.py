@@ -1,7 +1,9 @@
 """The commit marker of a checkpoint step or a weights export: `manifest.json`, written
 last, listing every file with its size and sha256. S3 has no rename, so a directory
-without a manifest is an upload that never finished. One verifier (remote objects or a
-local copy) and one retention policy serve checkpoints and weight exports alike.
+without a manifest is an upload that never finished. One verifier (remote objects, a
+local copy, or `download_verified`, which checks each file in the pass that downloads
+it) and one retention policy serve checkpoints and weight exports alike. Every check
+streams: no file is ever whole in memory.
 """
 
 from __future__ import annotations
@@ -14,20 +16,11 @@ from pathlib import Path
 from typing import Any, Collection
 
 from .layout import list_step_dirs
-from .storage import Storage, join
+from .storage import IntegrityError, Storage, download_to, join, mismatch, read_parts, sha256_file
 
 log = logging.getLogger("rft_contract.manifest")
 
 MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_entry(data: bytes) -> dict[str, Any]:
@@ -45,16 +38,13 @@ def write_manifest(storage: Storage, prefix: str, manifest: dict[str, Any]) -> N
 
 
 def _mismatch(name: str, size: int, digest: str, meta: dict[str, Any]) -> str | None:
-    if size != meta["size"]:
-        return f"{name}: size {size}, {MANIFEST} says {meta['size']}"
-    if digest != meta["sha256"]:
-        return f"{name}: sha256 differs from {MANIFEST} (corrupted object)"
-    return None
+    reason = mismatch(size, digest, meta)
+    return f"{name}: {reason}" if reason else None
 
 
 def verify_objects(storage: Storage, prefix: str) -> str | None:
     """None if the directory at `prefix` is committed and intact, else why it is not.
-    Reads every object (sha256 needs the bytes)."""
+    Reads every object (sha256 needs the bytes), streamed part by part."""
     try:
         manifest = read_manifest(storage, prefix)
     except FileNotFoundError:
@@ -62,11 +52,14 @@ def verify_objects(storage: Storage, prefix: str) -> str | None:
     except ValueError as e:
         return f"unreadable {MANIFEST}: {e}"
     for name, meta in sorted(manifest.get("files", {}).items()):
+        h, size = hashlib.sha256(), 0
         try:
-            data = storage.read_bytes(join(prefix, name))
+            for part in read_parts(storage, join(prefix, name)):
+                h.update(part)
+                size += len(part)
         except FileNotFoundError:
             return f"{name}: listed in {MANIFEST} but missing"
-        if reason := _mismatch(name, len(data), hashlib.sha256(data).hexdigest(), meta):
+        if reason := _mismatch(name, size, h.hexdigest(), meta):
             return reason
     return None
 
@@ -80,6 +73,30 @@ def verify_local(path: Path, manifest: dict[str, Any]) -> str | None:
         if reason := _mismatch(name, f.stat().st_size, sha256_file(f), meta):
             return reason
     return None
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    files: int  # downloaded (and verified in the same pass)
+    reused: int  # already in `dest` with the listed size and sha256
+    bytes: int  # of the downloaded files
+
+
+def download_verified(storage: Storage, prefix: str, dest: Path, manifest: dict[str, Any]) -> Downloaded:
+    """Copy every file the manifest lists from `prefix` into `dest`, each checked against
+    its entry while it streams to disk (see `storage.download_to`); files already in
+    `dest` with the listed size and sha256 are kept. IntegrityError names the first file
+    that is missing or differs; a file that fails is never left in `dest`."""
+    files = reused = nbytes = 0
+    for name, meta in sorted(manifest.get("files", {}).items()):
+        try:
+            got = download_to(storage, join(prefix, name), dest / name, meta)
+        except FileNotFoundError:
+            raise IntegrityError(f"{join(prefix, name)}: listed in {MANIFEST} but missing") from None
+        reused += got.reused
+        files += not got.reused
+        nbytes += 0 if got.reused else got.size
+    return Downloaded(files, reused, nbytes)
 
 
 def committed(found: dict[int, tuple[str, set[str]]]) -> list[int]:

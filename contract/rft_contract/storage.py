@@ -6,14 +6,22 @@ because that is the weakest backend we must support: no directories, no rename, 
 append; `write_bytes` replaces a whole object atomically (a reader sees the old object,
 the new one, or none, never half of one); `list(prefix)` is a plain string-prefix match
 over object URIs, recursive.
+
+Large objects are read as a stream of parts (`read_parts`, optional: both backends here
+have it), so a multi-GB checkpoint shard is never whole in memory: `download_to` writes
+the parts to disk and hashes them in the same pass.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+_CHUNK = 1 << 20
 
 
 @runtime_checkable
@@ -81,6 +89,12 @@ class LocalStorage:
     def read_bytes(self, uri: str) -> bytes:
         return self._path(uri).read_bytes()
 
+    def read_parts(self, uri: str, size: int | None = None) -> Iterator[bytes]:
+        """The file's bytes in order, 1 MiB at a time (`size`, the expected one, is for
+        backends that plan their reads with it)."""
+        with open(self._path(uri), "rb") as f:
+            yield from iter(lambda: f.read(_CHUNK), b"")
+
     def write_bytes(self, uri: str, data: bytes) -> None:
         path = self._path(uri)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,15 +115,77 @@ class LocalStorage:
         self._path(uri).unlink(missing_ok=True)
 
 
-def download_to(storage: Storage, uri: str, path: Path) -> None:
-    """Copy one object to a local file, streamed when the backend can (S3's multipart
-    download); never more than one part in memory there."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stream = getattr(storage, "download_file", None)
+class IntegrityError(Exception):
+    """A downloaded object is not what its manifest entry says (size or sha256)."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    size: int
+    sha256: str
+    reused: bool = False  # already on disk with the expected size and sha256: not downloaded
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_parts(storage: Storage, uri: str, size: int | None = None) -> Iterator[bytes]:
+    """An object's bytes in order, in parts when the backend streams (both here do).
+    `size`: the expected size, if known (S3 then requests every part at once)."""
+    stream = getattr(storage, "read_parts", None)
     if stream is not None:
-        stream(uri, path)
-    else:
-        path.write_bytes(storage.read_bytes(uri))
+        return stream(uri, size)
+    return iter([storage.read_bytes(uri)])
+
+
+def is_intact(path: Path, expected: dict[str, Any]) -> bool:
+    """`path` is a file with the expected size and sha256 (read from disk once)."""
+    return ("sha256" in expected and path.is_file() and path.stat().st_size == expected["size"]
+            and sha256_file(path) == expected["sha256"])
+
+
+def mismatch(size: int, digest: str, expected: dict[str, Any]) -> str | None:
+    """Why (size, digest) is not the manifest entry `expected`, or None; an entry without
+    "sha256" checks the size only."""
+    if "size" in expected and size != expected["size"]:
+        return f"size {size}, manifest.json says {expected['size']}"
+    if "sha256" in expected and digest != expected["sha256"]:
+        return "sha256 differs from manifest.json (corrupted object)"
+    return None
+
+
+def download_to(storage: Storage, uri: str, path: str | os.PathLike,
+                expected: dict[str, Any] | None = None) -> Fetched:
+    """Copy one object to a local file in one streamed pass: each part is written to a
+    temp file beside `path` and hashed as it arrives (on S3, a few parts in memory at
+    most, whatever the object's size; no second read to verify). The temp file becomes
+    `path` only when it matches `expected` (a manifest entry, {"size", "sha256"}), else
+    IntegrityError naming the object. A file already at `path` with the expected size and
+    sha256 is kept without downloading (`reused`)."""
+    path = Path(path)
+    if expected is not None and is_intact(path, expected):
+        return Fetched(expected["size"], expected["sha256"], reused=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    h, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in read_parts(storage, uri, (expected or {}).get("size")):
+                f.write(part)
+                h.update(part)
+                size += len(part)
+        if expected is not None and (reason := mismatch(size, h.hexdigest(), expected)):
+            raise IntegrityError(f"{uri}: {reason}")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Fetched(size, h.hexdigest())
 
 
 def get_storage(uri: str) -> Storage:

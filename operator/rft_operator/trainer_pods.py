@@ -26,8 +26,12 @@ def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
         {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
-        # The base model is downloaded once per pod into its own volume, not the image's /tmp.
+        # The base model is downloaded once per node (local rank 0) into the model-cache
+        # volume; the other ranks wait this long for it.
         {"name": "RFT_MODEL_CACHE", "value": c.MODEL_CACHE_MOUNT},
+        {"name": "RFT_MODEL_DOWNLOAD_TIMEOUT", "value": str(spec.model.cache.download_timeout_seconds)},
+        # A resuming pod downloads the checkpoint once into the staging volume.
+        {"name": c.ENV_STAGING_DIR, "value": c.STAGING_MOUNT},
         # The trainer checkpoints on SIGTERM only if that fits in the grace period.
         {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
     ]
@@ -69,11 +73,32 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
             {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": c.MODEL_CACHE_MOUNT},
+            {"name": "staging", "mountPath": c.STAGING_MOUNT},
         ],
     }
     if t.image_pull_policy:
         container["imagePullPolicy"] = t.image_pull_policy
     return container
+
+
+def build_model_cache_volume(spec: RFTJobSpec) -> Obj:
+    """`spec.model.cache`: a hostPath or a PVC keeps the model across attempts (files are
+    reused when size and checksum match); the default emptyDir lives as long as the pod."""
+    cache = spec.model.cache
+    if cache.host_path:
+        return {"name": "model-cache", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+    if cache.persistent_volume_claim:
+        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
+    return {"name": "model-cache", "emptyDir": _size_limited(cache.size_limit)}
+
+
+def build_staging_volume(spec: RFTJobSpec) -> Obj:
+    """Where a resuming pod downloads the checkpoint once for all its ranks."""
+    return {"name": "staging", "emptyDir": _size_limited(spec.checkpoint.staging_size_limit)}
+
+
+def _size_limited(limit: str | None) -> Obj:
+    return {"sizeLimit": limit} if limit else {}
 
 
 def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> Obj:
@@ -93,7 +118,8 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
         "volumes": [
             {"name": "config", "configMap": {"name": c.configmap_name(ref.name)}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.shm_size}},
-            {"name": "model-cache", "emptyDir": {}},
+            build_model_cache_volume(spec),
+            build_staging_volume(spec),
         ],
     }
     return build_pod(ref, spec, name, lbls, pod_spec)

@@ -1,16 +1,21 @@
 """Run under torchrun by tests/trainer/test_checkpoint.py.
 
-    ckpt_worker.py MODEL_DIR URI OUT --steps N [--interval I] [--keep K] [--block]
+    ckpt_worker.py MODEL_DIR URI OUT --steps N [--interval I] [--keep K] [--block] [--request-log FILE]
+                  [--micro-batch-size M]
 
 Builds a PPO engine (actor + critic) on the tiny model, resumes from the newest verified
 checkpoint under URI (if any) through the engine's `load_checkpoint`, then trains up to
 step N on fixed synthetic batches
 (batch of step s has seed s), calling `maybe_save` after every step. Rank 0 writes to OUT
 (test harness only) the resumed step/extra, and full-state snapshots: "resumed" and one
-per trained step, plus each step's metrics.
+per trained step, plus each step's metrics. With --request-log, every process appends one
+line per S3 request it sends: `<node> <rank> <operation> <path?query> <range>` (node =
+torchrun's GROUP_RANK), so a test can count downloads per node whatever code path sends them.
 """
 
 import argparse
+import os
+from urllib.parse import unquote, urlsplit
 
 import torch
 import torch.distributed as dist
@@ -48,6 +53,24 @@ def buffer_position(step: int) -> dict:
     return {"buffer": {"shard": f"shard-{step:06d}", "offset": 3 * step, "stats": {"batches": step}}}
 
 
+def log_requests(path: str) -> None:
+    """Hook botocore before any S3 client exists (clients copy the session's handlers)."""
+    import boto3
+
+    boto3.setup_default_session()
+    node, rank = os.environ.get("GROUP_RANK", "0"), os.environ.get("RANK", "0")
+
+    def on_send(request, event_name: str, **_) -> None:
+        url = urlsplit(request.url)
+        target = unquote(url.path + (f"?{url.query}" if url.query else ""))
+        rng = request.headers.get("Range") or "-"
+        rng = rng.decode() if isinstance(rng, bytes) else rng
+        with open(path, "a") as f:  # one short O_APPEND write per line: processes never interleave
+            f.write(f"{node} {rank} {event_name.rsplit('.', 1)[1]} {target} {rng}\n")
+
+    boto3.DEFAULT_SESSION.events.register("before-send.s3", on_send)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model_dir")
@@ -57,11 +80,15 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=1)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--block", action="store_true")
+    p.add_argument("--request-log")
+    p.add_argument("--micro-batch-size", type=int, default=2)  # must divide 12 / world size
     args = p.parse_args()
+    if args.request_log:
+        log_requests(args.request_log)
     config = load_config({
         "model": {"path": args.model_dir},
         "algorithm": {"name": "ppo", "learning_rate": 1e-3, "critic_learning_rate": 1e-3, "kl_coef": 0.0,
-                      "micro_batch_size": 2, "mini_batch_size": 12, "epochs": 1},
+                      "micro_batch_size": args.micro_batch_size, "mini_batch_size": 12, "epochs": 1},
         "optimizer": {"warmup_steps": 3},
         "trainer": {"total_steps": 100, "batch_size": 12, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": args.uri, "interval": args.interval, "keep": args.keep},

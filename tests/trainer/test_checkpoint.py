@@ -6,19 +6,23 @@ shards), so resumed states are compared for equality; a resumed run continued on
 same world size replays the uninterrupted one exactly.
 """
 
+import hashlib
 import logging
 import os
+import socket
 import subprocess
 import sys
+import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from rft_contract.manifest import MANIFEST, read_manifest
-from rft_trainer.checkpoint import (CheckpointError, CheckpointManager, apply_retention, latest_verified,
-                                    list_steps, step_uri)
+from rft_contract.manifest import MANIFEST, IntegrityError, download_verified, read_manifest
+from rft_trainer.checkpoint import (CheckpointError, CheckpointManager, CorruptCheckpoint, apply_retention,
+                                    latest_verified, list_steps, step_uri)
 from rft_trainer.parallelize import Runtime
 from rft_contract.s3 import S3Storage
 from rft_contract.storage import LocalStorage, join
@@ -305,3 +309,302 @@ def test_save_during_an_s3_outage_commits_after_recovery_without_blocking_traini
         assert read_manifest(S3Storage(), step_uri(uri, 1))["step"] == 1
     finally:
         proxy.stop()
+
+
+# ---------------------------------------------------------------- resume: one streamed, verified download per node
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def upload_model(storage, local: Path, uri: str) -> list[str]:
+    names = sorted(f.name for f in local.iterdir())
+    for name in names:
+        storage.write_bytes(f"{uri}/{name}", (local / name).read_bytes())
+    return names
+
+
+def run_nodes(tmp: Path, model: str, uri: str, steps: int, nodes: int, nproc: int, *flags: str,
+              env: list[dict] | None = None, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """`nodes` torchrun launchers on this machine, one per simulated node, each with its
+    own staging volume and model cache (as separate pods have): <tmp>/node-<i>/, and
+    `env[i]` on top."""
+    port, procs = _free_port(), []
+    for node in range(nodes):
+        home = tmp / f"node-{node}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               str(HERE / "ckpt_worker.py"), model, uri, str(tmp / "out.pt"), "--steps", str(steps), *flags]
+        node_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1]),
+                    "RFT_CKPT_STAGING": str(home / "save"), "RFT_STAGING_DIR": str(home / "staging"),
+                    "RFT_MODEL_CACHE": str(home / "models"), **(env[node] if env else {})}
+        procs.append(subprocess.Popen(cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out
+
+
+def read_requests(log: Path) -> list[tuple[str, int, str, str, str]]:
+    """(node, rank, operation, path?query, range) per S3 request the workers sent."""
+    out = []
+    for line in log.read_text().splitlines():
+        node, rank, op, target, rng = line.split(" ")
+        out.append((node, int(rank), op, target, rng))
+    return out
+
+
+def test_two_nodes_of_two_ranks_download_each_file_once_per_node_and_resume_exactly(saved, storage, s3_bucket):
+    """2 launchers x 2 ranks with separate staging volumes and model caches (two pods):
+    local rank 0 of each node downloads the model and the checkpoint step once (no other
+    rank sends a request for them), every rank loads from the node's copy, and the copy
+    is gone afterwards."""
+    tmp = saved["tmp"] / "two-nodes"
+    tmp.mkdir()
+    model = f"s3://{s3_bucket}/models/tiny-two-nodes"
+    model_files = upload_model(storage, saved["tmp"] / "model", model)
+    log = tmp / "requests.log"
+    procs = run_nodes(tmp, model, saved["uri"], 4, 2, 2, "--request-log", str(log), "--micro-batch-size", "1")
+    for node, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {node}: {proc.stderr[-4000:]}"
+    result = torch.load(tmp / "out.pt", weights_only=False)
+    assert result["resumed"] == 4 and result["world_size"] == 4
+    assert_same(saved["result"]["snapshots"][4], result["snapshots"]["resumed"])
+
+    step = step_uri(saved["uri"], 4)[len("s3://"):]
+    data = {f"/{step}/{name}" for name in read_manifest(storage, step_uri(saved["uri"], 4))["files"]}
+    data |= {f"/{model[len('s3://'):]}/{name}" for name in model_files}
+    requests = read_requests(log)
+    # A file's download starts with a whole GET or the range at byte 0, whatever its parts.
+    starts = Counter((node, target) for node, _, op, target, rng in requests
+                     if op == "GetObject" and target in data and (rng == "-" or rng.startswith("bytes=0-")))
+    for node in ("0", "1"):
+        assert {path: starts[(node, path)] for path in data} == dict.fromkeys(data, 1), f"node {node}"
+    model_key = model[len("s3://"):].split("/", 1)[1]
+    touching = {rank for _, rank, _, target, _ in requests if target in data or model_key in target}
+    assert touching == {0, 2}, f"ranks {touching} sent requests for the data (local rank 0 is 0 and 2)"
+    for node in range(2):
+        staged = [p for p in (tmp / f"node-{node}" / "staging").rglob("*") if p.is_file()]
+        assert staged == [], f"node {node} kept its staging copy: {staged}"
+
+
+def test_a_failed_model_download_fails_the_other_node_at_once(saved, storage, s3_bucket):
+    """Node 0 cannot write its model cache: node 1, whose download succeeded, hears of it
+    through the download group at once instead of waiting out the download timeout (or,
+    as before, a default 30-min barrier)."""
+    tmp = saved["tmp"] / "bad-cache"
+    tmp.mkdir()
+    model = f"s3://{s3_bucket}/models/tiny-bad-cache"
+    upload_model(storage, saved["tmp"] / "model", model)
+    (tmp / "not-a-dir").write_text("")
+    start = time.monotonic()
+    procs = run_nodes(tmp, model, saved["uri"] + "-bad-cache", 1, 2, 1, timeout=180,
+                      env=[{"RFT_MODEL_CACHE": str(tmp / "not-a-dir" / "models")}, {"RFT_MODEL_DOWNLOAD_TIMEOUT": "600"}])
+    assert time.monotonic() - start < 120
+    assert [p.returncode != 0 for p in procs] == [True, True]
+    assert "NotADirectoryError" in procs[0].stderr
+    assert (f"downloading the model {model} failed on the node of rank 0: NotADirectoryError"
+            in procs[1].stderr), procs[1].stderr[-3000:]
+
+
+RSS_CHILD = textwrap.dedent("""
+    import json, re, sys
+    from pathlib import Path
+    from rft_contract.manifest import verify_objects
+    from rft_contract.s3 import S3Storage
+    from rft_contract.storage import download_to
+
+    uri, prefix, dest, expected = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+    s = S3Storage(read_part_size=4 << 20, read_window=4)
+    download_to(s, prefix + "/small", dest / "small")  # warm: client, pools, threads
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the (large) parent.
+    peak = lambda: int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+    base = peak()
+    download_to(s, uri, dest / "big", expected)
+    after_download = peak()
+    problem = verify_objects(s, prefix)
+    print(json.dumps({"download": after_download - base, "verify": peak() - base, "problem": problem}))
+""")
+
+
+def test_streamed_download_and_verify_keep_memory_bounded(storage, s3_bucket, tmp_path):
+    """A 200 MB object downloaded with its manifest check, then the remote verification
+    of its step: peak RSS grows by a few parts (4 x 4 MiB in flight), not by the object."""
+    import json
+
+    from rft_contract.manifest import file_entry, write_manifest
+
+    prefix = f"s3://{s3_bucket}/rss"
+    blob = os.urandom(1 << 20) * 200
+    storage.write_bytes(f"{prefix}/big", blob)
+    storage.write_bytes(f"{prefix}/small", b"warm")
+    write_manifest(storage, prefix, {"files": {"big": file_entry(blob), "small": file_entry(b"warm")}})
+    expected = file_entry(blob)
+    del blob
+    res = subprocess.run([sys.executable, "-c", RSS_CHILD, f"{prefix}/big", prefix, str(tmp_path),
+                          json.dumps(expected)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])})
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["problem"] is None
+    assert (tmp_path / "big").stat().st_size == 200 << 20
+    assert got["download"] < 64 << 20 and got["verify"] < 64 << 20, got
+
+
+def _saved_two_steps(tmp_path, storage, uri) -> TinyRole:
+    role = TinyRole()
+    mgr = one_rank_manager(storage, uri, tmp_path, role)
+    role.train()
+    mgr.save(1, {"buffer": {"offset": 1}})
+    role.train()
+    mgr.save(2, {"buffer": {"offset": 2}})
+    return role
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("damage, reason", [("flip", "sha256 differs"), ("truncate", "size")])
+def test_corrupted_file_is_refused_by_name_and_the_step_is_not_loaded(tmp_path, storage, s3_bucket, caplog,
+                                                                      damage, reason):
+    uri = f"s3://{s3_bucket}/corrupt-load-{damage}"
+    _saved_two_steps(tmp_path, storage, uri)
+    target = join(step_uri(uri, 2), "__0_0.distcp")
+    data = bytearray(storage.read_bytes(target))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[-10:]
+    storage.write_bytes(target, bytes(data))
+
+    fresh = TinyRole(seed=1)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    node = tmp_path / "node-staging"
+    mgr = one_rank_manager(storage, uri, tmp_path, fresh, node_staging_dir=str(node))
+    with pytest.raises(CorruptCheckpoint, match=rf"step 2 not loaded: {target}: {reason}"):
+        mgr.load(2)
+    assert mgr.app.step == 0
+    assert_same(before, fresh.model.state_dict())
+    assert not [p for p in node.rglob("*") if p.is_file()], "nothing of the refused step is left on disk"
+    # resume names the file, skips the step and loads the previous one.
+    with caplog.at_level(logging.WARNING, logger="rft_trainer.checkpoint"):
+        assert mgr.resume() == 1 and mgr.app.extra == {"buffer": {"offset": 1}}
+    assert f"checkpoint step 2 not loaded: {target}: {reason}" in caplog.text and "trying an older step" in caplog.text
+    assert not [p for p in node.rglob("*") if p.is_file()], "the staging copy is removed after the load"
+
+
+class CountingStorage(LocalStorage):
+    """Counts reads per object (whole or streamed)."""
+
+    def __init__(self):
+        self.reads: Counter = Counter()
+
+    def read_bytes(self, uri: str) -> bytes:
+        self.reads[uri] += 1
+        return super().read_bytes(uri)
+
+    def read_parts(self, uri: str, size: int | None = None):
+        self.reads[uri] += 1
+        return super().read_parts(uri, size)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_files_already_staged_with_a_matching_checksum_are_not_downloaded_again(tmp_path):
+    uri = str(tmp_path / "store")
+    _saved_two_steps(tmp_path, LocalStorage(), uri)
+    prefix = step_uri(uri, 2)
+    manifest = read_manifest(LocalStorage(), prefix)
+    names = sorted(manifest["files"])
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / names[0]).write_bytes(LocalStorage().read_bytes(join(prefix, names[0])))  # intact: kept
+    damaged = bytearray(LocalStorage().read_bytes(join(prefix, names[1])))
+    damaged[0] ^= 1
+    (dest / names[1]).write_bytes(bytes(damaged))  # same size, other bytes: downloaded again
+    counting = CountingStorage()
+    got = download_verified(counting, prefix, dest, manifest)
+    assert (got.reused, got.files) == (1, len(names) - 1)
+    assert counting.reads[join(prefix, names[0])] == 0
+    assert all(counting.reads[join(prefix, n)] == 1 for n in names[1:])
+    assert (dest / names[1]).read_bytes() == LocalStorage().read_bytes(join(prefix, names[1]))
+    assert sorted(p.name for p in dest.iterdir()) == names  # no temp files left
+
+
+def test_verified_download_of_a_missing_file_names_it(tmp_path):
+    prefix = str(tmp_path / "store" / "step")
+    manifest = {"files": {"gone.distcp": {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}}}
+    with pytest.raises(IntegrityError, match="gone.distcp: listed in manifest.json but missing"):
+        download_verified(LocalStorage(), prefix, tmp_path / "dest", manifest)
+
+
+@pytest.fixture
+def s3_gets(s3_env, monkeypatch):
+    """Object paths of every GetObject sent by S3 clients created after this fixture."""
+    import boto3
+
+    session = boto3.session.Session()
+    gets: list[str] = []
+    session.events.register("before-send.s3.GetObject",
+                            lambda request, **_: gets.append(request.url.split("://", 1)[1].split("/", 1)[1]))
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", session)
+    return gets
+
+
+def test_model_cache_reuses_matching_files_across_attempts(bucket, s3_gets, tmp_path, monkeypatch):
+    """A kept cache (hostPath/PVC) on a later attempt: unchanged files are not downloaded
+    again; a changed object, a damaged local file and a removed object are followed."""
+    from rft_trainer import parallelize
+
+    local = save_tiny_model(tmp_path / "model")
+    model = f"s3://{bucket}/models/tiny"
+    names = upload_model(S3Storage(), local, model)
+    monkeypatch.setenv("RFT_MODEL_CACHE", str(tmp_path / "cache"))
+    rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    def attempt() -> tuple[Path, list[str]]:
+        parallelize._fetched_models.clear()  # a new process
+        s3_gets.clear()
+        path = Path(parallelize.fetch_model(model, rt))
+        return path, sorted(g.rsplit("/", 1)[1] for g in s3_gets if "/models/tiny/" in g)
+
+    path, got = attempt()
+    assert got == names and sorted(p.name for p in path.iterdir()) == sorted([".complete", *names])
+    assert attempt() == (path, [])
+    S3Storage().write_bytes(f"{model}/config.json", (local / "config.json").read_bytes() + b"\n")
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "model.safetensors").write_bytes(bytes(data))
+    assert attempt() == (path, ["config.json", "model.safetensors"])
+    assert (path / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
+    assert (path / "config.json").read_bytes().endswith(b"\n")
+    extra = next(n for n in names if n not in ("config.json", "model.safetensors"))
+    S3Storage().delete(f"{model}/{extra}")
+    assert attempt() == (path, [])
+    assert not (path / extra).exists()
+
+
+def test_streamed_download_survives_slowdowns(bucket, s3_server, monkeypatch, tmp_path):
+    """Parts answered `503 SlowDown` are retried (botocore) and the file still verifies."""
+    from rft_contract.manifest import file_entry
+    from rft_contract.storage import download_to
+
+    from .faultproxy import FaultProxy
+
+    blob = os.urandom(3 << 20)
+    S3Storage().write_bytes(f"s3://{bucket}/slow/obj", blob)
+    proxy = FaultProxy(s3_server, fail_fraction=0.3, seed=1).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        got = download_to(S3Storage(read_part_size=256 << 10, read_window=4), f"s3://{bucket}/slow/obj",
+                          tmp_path / "obj", file_entry(blob))
+        assert proxy.injected > 0
+    finally:
+        proxy.stop()
+    assert got.size == len(blob) and (tmp_path / "obj").read_bytes() == blob

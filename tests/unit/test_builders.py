@@ -216,3 +216,40 @@ def test_rollout_pod_hash_changes_with_the_spec_but_not_with_the_pin():
         {**LOOP, "explorer": {**LOOP["explorer"], "image": "other:1"}}), 0)
     h = lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]  # noqa: E731
     assert h(a) == h(pinned) and h(a) != h(hotter)
+
+
+def _volumes(spec) -> dict:
+    pod = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    return {v["name"]: (v, mounts.get(v["name"])) for v in pod["volumes"]}
+
+
+def _with_cache(**cache):
+    return parse_spec({**SPEC, "model": {**SPEC["model"], "cache": cache}})
+
+
+@pytest.mark.parametrize("cache, volume", [
+    ({}, {"emptyDir": {}}),
+    ({"sizeLimit": "40Gi"}, {"emptyDir": {"sizeLimit": "40Gi"}}),
+    ({"hostPath": "/mnt/rft-models"}, {"hostPath": {"path": "/mnt/rft-models", "type": "DirectoryOrCreate"}}),
+    ({"persistentVolumeClaim": "models-rwx"}, {"persistentVolumeClaim": {"claimName": "models-rwx"}}),
+])
+def test_model_cache_volume_follows_spec_model_cache(cache, volume):
+    got, mount = _volumes(_with_cache(**cache))["model-cache"]
+    assert got == {"name": "model-cache", **volume} and mount == c.MODEL_CACHE_MOUNT
+
+
+def test_model_download_timeout_reaches_the_trainer():
+    env = {e["name"]: e.get("value") for e in
+           builders.build_trainer_pod(REF, _with_cache(downloadTimeoutSeconds=7200), 1, 0)["spec"]["containers"][0]["env"]}
+    assert env["RFT_MODEL_DOWNLOAD_TIMEOUT"] == "7200" and env["RFT_MODEL_CACHE"] == c.MODEL_CACHE_MOUNT
+
+
+@pytest.mark.parametrize("limit, empty_dir", [(None, {}), ("200Gi", {"sizeLimit": "200Gi"})])
+def test_staging_volume_is_an_emptydir_sized_by_checkpoint_staging_size_limit(limit, empty_dir):
+    checkpoint = {**SPEC["checkpoint"], **({"stagingSizeLimit": limit} if limit else {})}
+    spec = parse_spec({**SPEC, "checkpoint": checkpoint})
+    got, mount = _volumes(spec)["staging"]
+    assert got == {"name": "staging", "emptyDir": empty_dir} and mount == c.STAGING_MOUNT
+    env = {e["name"]: e.get("value") for e in builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]}
+    assert env[c.ENV_STAGING_DIR] == c.STAGING_MOUNT

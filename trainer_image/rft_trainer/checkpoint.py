@@ -17,9 +17,16 @@ manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our m
   for the previous one, and re-raise its error.
 - **Read.** A step counts only if `manifest.json` exists and every file it lists exists
   with the listed size and sha256 (`verify_step`, `latest_verified`, which logs one
-  warning line per skipped step with the reason).
-- **Resume.** Rank 0 picks the newest verified step and broadcasts it; every rank
-  downloads that step, re-checks each file, and `dcp.load`s it. DCP reshards, so a step
+  warning line per skipped step with the reason: a full remote check, streamed, for tools
+  and tests; resume checks while it downloads instead).
+- **Resume.** Rank 0 picks the newest committed step (manifest present, every listed
+  file in the listing: no data read) and broadcasts it. On each node, local rank 0
+  downloads it into the node's staging volume (`$RFT_STAGING_DIR/ckpt/step-N`), checking
+  every file's size and sha256 in the same streamed pass; then every rank there
+  `dcp.load`s from that directory, and local rank 0 removes it. A corrupted or missing
+  file fails the step on every rank (the error names the file) and the next older
+  step is tried. Without `$RFT_STAGING_DIR` (outside the operator's pods) every rank
+  downloads into its own dir under the save staging root. DCP reshards, so a step
   saved on N ranks loads on M. The frozen reference model is not saved (it is the
   initial policy and reloads from `model.path`).
 - **Retention** (rank 0, after each commit): keep the newest `keep` committed steps;
@@ -47,9 +54,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rft_contract import layout
-from rft_contract.manifest import file_entry, read_manifest, verify_local, verify_objects, write_manifest
+from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, file_entry, read_manifest,
+                                   verify_objects, write_manifest)
 from rft_contract.manifest import apply_retention as manifest_retention
-from rft_contract.storage import Storage, download_to, get_storage, join
+from rft_contract.names import ENV_STAGING_DIR
+from rft_contract.storage import Storage, get_storage, join
 
 from .parallelize import Runtime
 
@@ -73,6 +82,10 @@ def should_save_on_stop(now: float, stop_at: float, last_commit_at: float | None
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A step whose files are missing or differ from its manifest: resume tries an older one."""
 
 
 def step_uri(uri: str, step: int) -> str:
@@ -177,15 +190,20 @@ class CheckpointManager:
     """Saves and restores an `AppState` under `<uri>/ckpt/` (see the module docstring).
 
     Every rank constructs it and calls `save`/`maybe_save`/`resume` at the same steps.
+    `staging_dir`: where each rank stages its saves (default `$RFT_CKPT_STAGING`, else
+    `$TMPDIR/rft-ckpt`); `node_staging_dir`: the node's shared resume download dir
+    (default `$RFT_STAGING_DIR`; unset: every rank downloads into `staging_dir`).
     """
 
     def __init__(self, storage: Storage, uri: str, rt: Runtime, keep: int = 3, interval: int = 100,
                  roles: dict[str, Any] | None = None, staging_dir: str | None = None,
-                 config_hash: str | None = None):
+                 config_hash: str | None = None, node_staging_dir: str | None = None):
         self.storage, self.uri, self.rt = storage, uri, rt
         self.keep, self.interval, self.config_hash = keep, interval, config_hash
         root = staging_dir or os.environ.get("RFT_CKPT_STAGING") or os.path.join(tempfile.gettempdir(), "rft-ckpt")
         self.staging = Path(root)
+        node = node_staging_dir or os.environ.get(ENV_STAGING_DIR)
+        self.node_staging = Path(node) if node else None
         # Commit collectives run in the upload thread: a group of their own keeps them
         # from interleaving with the training loop's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if rt.world_size > 1 else None
@@ -318,39 +336,118 @@ class CheckpointManager:
     # ------------------------------------------------------------ load
 
     def resume(self) -> int | None:
-        """Load the newest verified step into the roles; returns it (and sets
-        `self.app.step`/`.extra`), or None when there is none (a fresh start)."""
+        """Load the newest committed step that downloads intact into the roles; returns it
+        (and sets `self.app.step`/`.extra`), or None when there is none (a fresh start)."""
         self.wait()
-        step = latest_verified(self.storage, self.uri) if self.rt.is_main else None
+        below = None
+        while True:
+            picked = self._from_main(lambda: self._pick_step(below))
+            if picked is None:
+                log.info("no complete checkpoint under %s: starting fresh", self.uri)
+                return None
+            step, manifest = picked
+            try:
+                self._load(step, manifest)
+                return step
+            except CorruptCheckpoint as e:
+                if self.rt.is_main:
+                    log.warning("%s; trying an older step", e)
+                below = step
+
+    def _pick_step(self, below: int | None) -> tuple[int, dict] | None:
+        """Rank 0: the newest committed step under `below` whose manifest's files are all
+        listed, with its manifest. Reads manifests only; the sizes and sha256 are checked
+        by the download. Logs each newer step skipped."""
+        steps = list_steps(self.storage, self.uri)
+        for step in sorted((s for s in steps if below is None or s < below), reverse=True):
+            prefix, names = steps[step]
+            reason = None
+            if MANIFEST not in names:
+                reason = f"no {MANIFEST} (upload never completed)"
+            else:
+                try:
+                    manifest = read_manifest(self.storage, prefix)
+                except (FileNotFoundError, ValueError) as e:
+                    reason = f"unreadable {MANIFEST}: {e}"
+                else:
+                    missing = sorted(set(manifest.get("files", {})) - names)
+                    if not missing:
+                        return step, manifest
+                    reason = f"{missing[0]}: listed in {MANIFEST} but missing"
+            log.warning("checkpoint step %d skipped (%s): %s", step, prefix, reason)
+        return None
+
+    def _from_main(self, decide) -> Any:
+        """`decide()` on rank 0, broadcast; its error is raised on every rank (so none
+        waits for an answer that never comes)."""
+        box: list = [None]
+        if self.rt.is_main:
+            try:
+                box = [(decide(), None)]
+            except Exception as e:
+                box = [(None, f"{type(e).__name__}: {e}")]
         if self.group is not None:
-            box = [step]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            step = box[0]
-        if step is None:
-            log.info("no complete checkpoint under %s: starting fresh", self.uri)
-            return None
-        self.load(step)
-        return step
+        value, error = box[0]
+        if error:
+            raise CheckpointError(f"rank 0: {error}")
+        return value
 
     def load(self, step: int) -> AppState:
-        """Every rank downloads step `step`, checks each file against the manifest, and
-        DCP-loads it (resharding to this world size)."""
+        """Load step `step` (see `_load`); CorruptCheckpoint names a missing or damaged file."""
         self.wait()
+
+        def read() -> dict | str:
+            try:
+                return read_manifest(self.storage, step_uri(self.uri, step))
+            except (FileNotFoundError, ValueError) as e:
+                return f"{MANIFEST}: {type(e).__name__}: {e}"
+
+        manifest = self._from_main(read)
+        if isinstance(manifest, str):
+            raise CorruptCheckpoint(f"checkpoint step {step} not loaded: {manifest}")
+        return self._load(step, manifest)
+
+    def _load(self, step: int, manifest: dict) -> AppState:
+        """Local rank 0 of each node (every rank without a node staging dir) downloads the
+        step, verifying each file as it streams; all ranks learn every node's outcome, then
+        DCP-load from the node's copy (resharding to this world size) and the downloader
+        removes it."""
         prefix = step_uri(self.uri, step)
-        manifest = read_manifest(self.storage, prefix)
-        self.staging.mkdir(parents=True, exist_ok=True)
-        local = Path(tempfile.mkdtemp(prefix=f"load-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
+        if self.node_staging is not None:
+            # The bucket's layout, under the node's volume: <staging>/ckpt/step-NNNNNNNN/.
+            local, downloads = Path(step_uri(str(self.node_staging), step)), self.rt.local_rank == 0
+        else:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            local = Path(tempfile.mkdtemp(prefix=f"load-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
+            downloads = True
         start = time.perf_counter()
+        report, got = None, None
+        if downloads:
+            try:
+                got = download_verified(self.storage, prefix, local, manifest)
+            except IntegrityError as e:
+                report = ("corrupt", str(e))
+            except Exception as e:  # every rank must hear of it, or the others would wait
+                report = ("error", f"rank {self.rt.rank}: {type(e).__name__}: {e}")
+        failed = sorted({r for r in _all_gather(report, self.group) if r})
+        if failed:
+            if downloads:
+                shutil.rmtree(local, ignore_errors=True)
+            kind = CorruptCheckpoint if all(k == "corrupt" for k, _ in failed) else CheckpointError
+            raise kind(f"checkpoint step {step} not loaded: " + "; ".join(msg for _, msg in failed))
+        fetched = time.perf_counter() - start
         try:
-            for name in manifest["files"]:
-                download_to(self.storage, join(prefix, name), local / name)
-            if reason := verify_local(local, manifest):
-                raise CheckpointError(f"checkpoint step {step} ({prefix}): {reason}")
             dcp.load({"app": self.app}, storage_reader=dcp.FileSystemReader(str(local)),
                      no_dist=not dist.is_initialized())
         finally:
-            shutil.rmtree(local, ignore_errors=True)
+            _all_gather(None, self.group)  # every rank of the node is done reading the copy
+            if downloads:
+                shutil.rmtree(local, ignore_errors=True)
         if self.rt.is_main:
             log.info("checkpoint step %d (saved on %s ranks) loaded on %d ranks in %.2fs", step,
                      manifest.get("world_size"), self.rt.world_size, time.perf_counter() - start)
+        if got is not None and self.rt.local_rank == 0:
+            log.info("checkpoint step %d: %d files (%.2f GB) downloaded and verified in %.2fs, %d reused",
+                     step, got.files, got.bytes / 1e9, fetched, got.reused)
         return self.app
