@@ -113,4 +113,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from rft_trainer.__main__ import exit_process
+
     main()
+    exit_process(0)  # see exit_process: teardown may abort after the work is done

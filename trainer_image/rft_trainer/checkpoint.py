@@ -44,6 +44,7 @@ import shutil
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ def should_save_on_stop(now: float, stop_at: float, last_commit_at: float | None
         if 1.5 * last_save_seconds > left:
             return False, f"a save takes ~{last_save_seconds:.0f}s but only {left:.0f}s of grace remain"
     return True, "saving before exit"
+
+
+TRANSFER_TIMEOUT = timedelta(hours=4)
 
 
 class CheckpointError(RuntimeError):
@@ -206,7 +210,9 @@ class CheckpointManager:
         self.node_staging = Path(node) if node else None
         # Commit collectives run in the upload thread: a group of their own keeps them
         # from interleaving with the training loop's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if rt.world_size > 1 else None
+        # Its timeout covers the slowest rank's upload and a node's resume download of a
+        # large checkpoint (gloo's default, 30 min, does not for tens of GB).
+        self.group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT) if rt.world_size > 1 else None
         self.app = AppState(roles or {}, rt.rank, self.group)
         self.last_saved: int | None = None  # staged (maybe still uploading)
         # Called on rank 0 as on_commit(step, prefix_uri) once a manifest is written,
