@@ -71,6 +71,7 @@ REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 # Why the trainer waits (status.trainer.waiting.reason, copied into Progressing=False).
 WAIT_DATA = "WaitingForExperiences"
 WAIT_STALE = "ExperiencesStale"
+WAIT_PREPARING = "Preparing"  # loading the model, resuming: no step yet
 
 # Environment given to trainer containers.
 ENV_JOB_NAME = "RFT_JOB_NAME"

@@ -417,7 +417,10 @@ class BufferSpec(Model):
     wait: bool | None = Field(
         default=None,
         description="Wait for explorers when the buffer runs dry; default: iff spec.explorer is set.")
-    poll_seconds: float = Field(default=2.0, gt=0, description="Seconds between buffer listings while waiting.")
+    poll_seconds: float = Field(
+        default=2.0, gt=0, le=60,
+        description="Seconds between buffer listings while waiting (the other ranks wait in a "
+                    "collective meanwhile, so it stays well under the process group's timeout).")
 
 
 class SyncSpec(Model):

@@ -61,6 +61,7 @@ class WaitStatus(Model):
     message: str = ""
     since: str | None = None
     seconds: float | None = None
+    attempt: int | None = Field(default=None, description="The gang attempt that is waiting")
 
 
 class TrainerStatus(Model):

@@ -196,13 +196,22 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
                     pods: list[PodView], now: datetime) -> Gang:
     """Running: record when the step last moved; past the deadline, end the attempt like
     a failed pod. Otherwise come back when the deadline would pass."""
-    # What an earlier attempt reported (its step, why it waited) says nothing about this gang.
-    if progress.trainer.get("attempt") not in (None, g.attempt):
-        progress = replace(progress, trainer={})
+    # What an earlier attempt reported (its step, why it waited) says nothing about this
+    # gang; this attempt's `waiting` (it names its attempt) does, before its first step.
+    trainer = progress.trainer
+    if trainer.get("attempt") not in (None, g.attempt):
+        waiting = trainer.get("waiting") or {}
+        progress = replace(progress, trainer={"waiting": waiting} if waiting.get("attempt") == g.attempt else {})
     step = progress.trainer.get("step")
     record = compute_progress_record(g.status.get("progress"), g.attempt, step, now)
     g = replace(g, status={**g.status, "progress": record})
+    if step is not None and step >= spec.trainer.total_steps:
+        return g  # trained: the final export and save take what they take
     deadline = spec.failure_policy.progress_deadline_seconds
+    if deadline and step is None and (progress.trainer.get("waiting") or {}).get("reason") == c.WAIT_PREPARING:
+        # No step from this attempt yet and the trainer says it is still loading the model
+        # (bounded by its own timeout) and resuming: the deadline counts from there.
+        deadline += spec.model.cache.download_timeout_seconds
     left = policy.progress_deadline_remaining(policy.parse_time(record["since"]), deadline, now)
     if left is None:
         return g

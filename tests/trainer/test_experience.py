@@ -315,7 +315,21 @@ def test_a_single_position_state_still_resumes(tmp_path):
     fill(tmp_path, [3, 3, 3])
     resumed = BufferReader(str(tmp_path), batch_size=2)
     resumed.load_state_dict({"shard": "shard-001", "offset": 1, "stats": {"batches": 2}})
-    assert [ids(b) for b in resumed] == [[4, 5], [6, 7]]
+    assert [ids(b) for b in resumed][:1] == [[4, 5]]
+    assert resumed.consumed == {"": 3 + 1 + 2 + 2}  # what the old position had consumed, then two
+
+
+def test_a_single_position_state_counts_what_each_explorer_had_consumed(tmp_path):
+    """Explorers throttle on the consumed count: starting it at 0 after an upgrade would
+    make every explorer wait for samples the trainer had long consumed (a deadlock)."""
+    d = str(tmp_path)
+    for seq in range(3):
+        for e in range(2):
+            write_shard(d, f"{seq:010d}-e{e:03d}", make(3, start=100 * e + 3 * seq))
+    reader = BufferReader(d, batch_size=2)
+    reader.load_state_dict({"shard": "0000000001-e000", "offset": 2})
+    assert ids(reader.next_batch()) == [5, 103]
+    assert reader.consumed == {"e000": 3 + 2 + 1, "e001": 3 + 1}
 
 
 def test_stale_samples_an_incomplete_batch_passes_count_as_consumed_for_writers(tmp_path):

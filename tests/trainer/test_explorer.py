@@ -222,6 +222,23 @@ def test_throttle_follows_what_the_trainer_consumed_and_stale_drops_release_it(t
     assert shard_names(str(tmp_path / "buffer")) == [shard_name(i, 0) for i in range(3)]
 
 
+def test_a_trainer_short_of_a_batch_lets_a_live_explorer_fill_it(tmp_path, servers, model_dir, tokenizer):
+    """Explorer 0 of 2 holds its share of 2 batches of 8 (8 samples) and the other explorer
+    is down: the trainer waits for experiences. Told so, explorer 0 may hold all 16."""
+    trainer = {"waiting": None}
+    explorer = make_explorer(model_dir, tokenizer, str(tmp_path / "buffer"), [servers[0].url],
+                             index=0, replicas=2, poll_interval=0.02,
+                             progress=lambda: (0, 10, {"e000": 0}, trainer["waiting"]))
+    done = threading.Thread(target=explorer.run, kwargs={"max_shards": 2}, daemon=True)
+    done.start()
+    assert explorer.waiting.wait(timeout=60)  # its share: (1 + 1) * 8 / 2 = 8 samples = 1 shard
+    assert shard_names(str(tmp_path / "buffer")) == [shard_name(0, 0)]
+    trainer["waiting"] = "WaitingForExperiences"
+    done.join(timeout=60)
+    assert not done.is_alive()
+    assert shard_names(str(tmp_path / "buffer")) == [shard_name(0, 0), shard_name(1, 0)]
+
+
 def test_stop_drops_the_partial_shard(tmp_path, servers, model_dir, tokenizer):
     explorer = make_explorer(model_dir, tokenizer, str(tmp_path / "buffer"), [servers[0].url])
     complete = explorer.client.complete
@@ -402,11 +419,12 @@ def test_kube_progress_reads_the_rftjob_status():
 
     api = Api()
     progress = KubeProgress(api, "demo", "ns", total_steps=10)
-    assert progress() == (0, 10, None)  # the trainer has not reported yet
-    api.status = {"trainer": {"step": 3, "totalSteps": 12, "buffer": {"consumed": {"e000": 24}}}}
-    assert progress() == (3, 12, {"e000": 24})
+    assert progress() == (0, 10, None, None)  # the trainer has not reported yet
+    api.status = {"trainer": {"step": 3, "totalSteps": 12, "buffer": {"consumed": {"e000": 24}},
+                              "waiting": {"reason": "WaitingForExperiences"}}}
+    assert progress() == (3, 12, {"e000": 24}, "WaitingForExperiences")
     api.status = RuntimeError("apiserver down")
-    assert progress() == (3, 12, {"e000": 24})  # the last known value
+    assert progress() == (3, 12, {"e000": 24}, "WaitingForExperiences")  # the last known value
 
 
 def test_tasksets_round_trip_through_s3_and_reject_bad_lines(bucket):

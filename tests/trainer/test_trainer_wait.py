@@ -73,3 +73,36 @@ def test_waiting_on_stale_experiences_is_reported_with_true_counts_and_a_stop_en
     trainer.request_stop()
     thread.join(timeout=30)
     assert not thread.is_alive() and result["batch"] is None and trainer.stopping
+
+
+def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_path, world_of_one):
+    """The resumed step is committed: saving it again would first overwrite its files
+    under the old manifest (a SIGKILL then leaves the newest checkpoint corrupt)."""
+    import asyncio
+
+    save_tiny_model(tmp_path / "model")
+    buffer = tmp_path / "buffer"
+    buffer.mkdir()
+    for i in range(2):
+        write_shard(str(buffer), f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
+    config = load_config({
+        "model": {"path": str(tmp_path / "model")},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
+        "trainer": {"total_steps": 10, "batch_size": 8, "gpus_per_node": 0, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": str(tmp_path / "ckpt"), "interval": 100},
+        "buffer": {"uri": str(buffer)},
+    }, env={})
+    first = Trainer(config)
+    first.prepare()
+    assert asyncio.run(first.train()) == "finished" and first.train_step_num == 2  # the buffer ran dry
+    first.engine.wait_on_save_thread()
+    step_dir = tmp_path / "ckpt" / "ckpt" / "step-00000002"
+    before = {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir()}
+
+    again = Trainer(config)
+    again.prepare()
+    assert again.train_step_num == 2
+    again.request_stop()
+    assert asyncio.run(again.train()) == "stopped"
+    again.engine.wait_on_save_thread()
+    assert {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir()} == before

@@ -281,3 +281,42 @@ def test_what_an_earlier_attempt_reported_is_not_in_the_message():
     sim.at(DEADLINE + 1)
     assert sim.status["lastFailure"]["message"] == (
         "attempt 2 reported no step in 601s (spec.failurePolicy.progressDeadlineSeconds=600)")
+
+
+def test_a_trainer_still_preparing_gets_the_model_download_timeout_on_top():
+    """Loading a large model (bounded by model.cache.downloadTimeoutSeconds, 3600 by
+    default) is not a stall; once the trainer reports a step the plain deadline applies."""
+    sim = Sim()
+    sim.running(0)
+    sim.report(waiting={"reason": c.WAIT_PREPARING, "message": "loading the model", "attempt": 1})
+    plan = sim.at(DEADLINE + 1)
+    assert sim.status["phase"] == c.RUNNING and not fired(sim.plans)
+    assert plan.requeue_after == DEADLINE + 3600 - (DEADLINE + 1)
+    sim.at(DEADLINE + 3600 + 1)
+    assert sim.status["phase"] == c.RESTARTING and len(fired(sim.plans)) == 1
+
+
+def test_preparing_reported_by_this_attempt_counts_although_the_step_is_an_earlier_attempts():
+    sim = Sim()
+    sim.running(0)
+    sim.report(step=7, attempt=1)
+    sim.at(1)
+    sim.at(DEADLINE + 2)  # attempt 1 stalled at step 7
+    sim.at(DEADLINE + 40)  # backoff over: attempt 2
+    sim.run_gang()
+    sim.at(DEADLINE + 41)
+    assert (sim.status["phase"], sim.status["attempt"]) == (c.RUNNING, 2)
+    sim.report(waiting={"reason": c.WAIT_PREPARING, "message": "resuming", "attempt": 2})
+    sim.at(2 * DEADLINE + 50)
+    assert sim.status["phase"] == c.RUNNING and sim.status["restarts"] == 1
+    sim.at(DEADLINE + 41 + DEADLINE + 3600 + 1)
+    assert sim.status["restarts"] == 2
+
+
+def test_no_deadline_after_the_last_step():
+    """The final export and blocking save follow the last step; they may take long."""
+    sim = Sim()
+    sim.running(0)
+    sim.report(step=100, attempt=1)  # totalSteps
+    plan = sim.at(DEADLINE * 5)
+    assert sim.status["phase"] == c.RUNNING and not fired(sim.plans) and plan.requeue_after is None

@@ -172,7 +172,11 @@ def test_waiting_is_urgent_and_the_next_step_clears_it_once():
     r = reporter(api, min_interval=3600)
     r.report_step(1, 10)  # urgent (no metrics)
     api.wait(lambda: len(api.delivered) == 1)
-    assert "waiting" not in api.delivered[0]  # no null while nothing was waiting
+    assert api.delivered[0]["waiting"] is None  # what an earlier attempt left is cleared
+    r.report_step(2, 10)
+    api.wait(lambda: len(api.delivered) == 2)
+    assert "waiting" not in api.delivered[1]  # no null while nothing was waiting
+    api.delivered.pop(0)
     r.report_waiting(names.WAIT_STALE, "all experiences stale", "2024-01-01T00:00:00Z", 12.345)
     api.wait(lambda: len(api.delivered) == 2, "the urgent waiting")
     assert api.state["waiting"] == {"reason": names.WAIT_STALE, "message": "all experiences stale",

@@ -29,7 +29,10 @@ trained or dropped as stale, stale ones it passed over included. So stale sample
 release budget, and an explorer whose samples went stale (weight sync lagging) writes
 fresh ones instead of waiting for a trainer that waits for it. A trainer that does not
 report it counts as having consumed its share of each step (`step * batch_size /
-replicas`). The explorer stops (exit 0) once trainer_step >= total_steps.
+replicas`). While the trainer reports it waits for experiences (not stale ones), each
+explorer may hold a whole `max_staleness + 1` batches: the others may be down, and the
+live ones must be able to fill a batch alone. The explorer stops (exit 0) once
+trainer_step >= total_steps.
 
 Prompts. `explorer.prompt_format` "chat" sends a task's text as one user message through
 the tokenizer's chat template (with the assistant's generation prompt), "raw" sends the
@@ -67,7 +70,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
 from rft_contract.jobapi import get_status, job_api
-from rft_contract.names import SERVED_MODEL_NAME
+from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA
 from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
 
@@ -86,6 +89,7 @@ class TrainerProgress(NamedTuple):
     step: int
     total: int
     consumed: dict[str, int] | None = None  # status.trainer.buffer.consumed
+    waiting: str | None = None  # status.trainer.waiting.reason
 
 
 Progress = Callable[[], "TrainerProgress | tuple[int, int] | None"]
@@ -329,7 +333,7 @@ class Explorer:
             progress = self.progress() if self.progress else None
             if progress is None:
                 break
-            step, total, consumed_by = TrainerProgress(*progress)
+            step, total, consumed_by, waiting = TrainerProgress(*progress)
             if step >= total:
                 log.info("trainer finished (step %d of %d): explorer done", step, total)
                 self.finished = True
@@ -340,6 +344,8 @@ class Explorer:
             else:
                 consumed = int(consumed_by.get(self.stream, 0))
             allowed = -(-(self.config.buffer.max_staleness + 1) * batch // self.replicas)
+            if waiting == WAIT_DATA:  # short of a batch (an explorer down?): fill it
+                allowed = (self.config.buffer.max_staleness + 1) * batch
             if samples_written - consumed < allowed:
                 break
             now = time.monotonic()
@@ -408,8 +414,9 @@ class KubeProgress:
             return self.last
         trainer = (obj.get("status") or {}).get("trainer") or {}
         consumed = (trainer.get("buffer") or {}).get("consumed")
+        waiting = (trainer.get("waiting") or {}).get("reason")
         self.last = TrainerProgress(int(trainer.get("step") or 0), int(trainer.get("totalSteps") or self.total_steps),
-                                    consumed if isinstance(consumed, dict) else None)
+                                    consumed if isinstance(consumed, dict) else None, waiting)
         return self.last
 
     def replica_version(self, pod: str) -> int | None:

@@ -354,6 +354,9 @@ class CheckpointManager:
             step, manifest = picked
             try:
                 self._load(step, manifest)
+                # Committed already: a stop or a dry buffer right after the resume must not
+                # upload the same step again over its own manifest.
+                self.last_saved = self.last_committed = step
                 return step
             except CorruptCheckpoint as e:
                 if self.rt.is_main:

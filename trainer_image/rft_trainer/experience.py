@@ -34,9 +34,11 @@ A shard is two objects side by side in a buffer directory (local path, file:// o
 The JSON is the commit marker: readers ignore a shard until it exists (a crash between
 the two writes leaves an orphan .safetensors, never a half shard), and the size and
 checksum catch a tensors file replaced or truncated afterwards. `name` is
-[A-Za-z0-9][A-Za-z0-9._-]*; readers consume shards in lexicographic name order and never
-go back, so writers must choose names that sort in commit order (e.g. zero-padded
-`<weights_version>-<writer>-<seq>`). Shards are immutable once committed.
+[A-Za-z0-9][A-Za-z0-9._-]*. Name shards `<seq>-<writer>` with a zero-padded sequence
+number per writer (the explorers write `0000000005-e001`): the reader keeps one position
+per writer and reads each writer's shards in name order, never going back, so each writer
+must name its shards in commit order. Names of another form all belong to a single
+stream read in name order. Shards are immutable once committed.
 """
 
 from __future__ import annotations
@@ -369,6 +371,8 @@ class BufferReader:
     def _try_batch(self, min_version: int | None) -> Experiences | None:
         if self._streams is None:
             self._streams = self._list()
+            if self._floor is not None and not self.consumed:
+                self.consumed = self._consumed_below_floor()
         pos = dict(self._pos)
         consumed = dict(self.consumed)
         pieces, need, dropped, relisted, shards = [], self.batch_size, 0, False, 0
@@ -395,13 +399,28 @@ class BufferReader:
             if num_dropped:
                 drops[stream] = drops.get(stream, 0) + num_dropped
         self._pos, self.consumed, self.pending_stale = pos, consumed, {}
-        live = min((n for n, _ in pos.values()), default="")
-        self._metas = {k: v for k, v in self._metas.items() if k >= live}
+        # Keep the metadata of shards not passed yet, per stream (a stalled writer must
+        # not pin every other writer's shards in memory).
+        self._metas = {k: v for k, v in self._metas.items()
+                       if stream_of(k) not in pos or k >= pos[stream_of(k)][0]}
         self.stats["batches"] += 1
         self.stats["samples"] += self.batch_size
         self.stats["dropped_stale"] += dropped
         self.stats["shards"] += shards
         return Experiences.concat(pieces)
+
+    def _consumed_below_floor(self) -> dict[str, int]:
+        """For a single-position state (older checkpoints): the samples per stream it had
+        consumed, i.e. those of every shard named before the position plus the offset
+        into it, so explorers throttled on the count see what was really consumed."""
+        out: dict[str, int] = {}
+        for stream, names in (self._streams or {}).items():
+            for name in names[: bisect.bisect_left(names, self._floor)]:
+                out[stream] = out.get(stream, 0) + self._meta(name)["num_samples"]
+        shard, offset = self._pos.get(stream_of(self._floor), (None, 0))
+        if shard == self._floor:
+            out[stream_of(shard)] = out.get(stream_of(shard), 0) + offset
+        return out
 
     def consumed_counts(self) -> dict[str, int]:
         """Samples per stream the trainer is done with: consumed, plus the stale samples
@@ -437,7 +456,7 @@ class BufferReader:
         """Up to `need` fresh samples of shard `name` from `start`:
         (samples or None, offset after the last one looked at, number dropped)."""
         meta = self._meta(name)
-        n, newest = meta["num_samples"], meta["weights_version_max"]
+        n, newest = meta["num_samples"], meta.get("weights_version_max")
         if min_version is not None and newest is not None and newest < min_version:
             return None, n, n - start  # all stale: skip without reading the tensors
         exp = self._load(name)

@@ -38,7 +38,10 @@ def set_shutdown_timeout(args, env=os.environ) -> int | None:
         env[SHUTDOWN_ENV] = str(args.shutdown_timeout)
         return args.shutdown_timeout
     if env.get(SHUTDOWN_ENV):
-        return int(env[SHUTDOWN_ENV])
+        try:
+            return int(float(env[SHUTDOWN_ENV]))
+        except ValueError:
+            raise SystemExit(f"{SHUTDOWN_ENV}={env[SHUTDOWN_ENV]!r}: expected a number of seconds") from None
     try:
         grace = int(float(env.get("RFT_TERMINATION_GRACE_SECONDS", "") or 0))
     except ValueError:

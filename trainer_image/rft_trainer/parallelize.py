@@ -179,6 +179,7 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
 # again; all ranks ask at the same points, so they all skip the collective alike.
 _fetched_models: dict[str, str] = {}
 _download_group = None
+LOCK = ".lock"
 COMPLETE = ".complete"  # the cache's record: {name: {size, etag, sha256}} of the verified files
 
 
@@ -230,6 +231,18 @@ def _model_download_group(rt: Runtime):
 
 
 def sync_model_dir(path: str, local: str) -> None:
+    """`_sync_model_dir` under an exclusive lock on the cache directory: two pods of a job
+    on one node may share a hostPath or PVC cache, and a download killed mid-file leaves a
+    partial `.tmp-` file that only a holder of the lock may remove."""
+    import fcntl
+
+    os.makedirs(local, exist_ok=True)
+    with open(os.path.join(local, LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _sync_model_dir(path, local)
+
+
+def _sync_model_dir(path: str, local: str) -> None:
     """Make `local` a verified copy of every object under the s3:// prefix `path`.
 
     Each file is streamed to disk and hashed in one pass (`download_to`). A file already
@@ -263,7 +276,7 @@ def sync_model_dir(path: str, local: str) -> None:
     for dirpath, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(dirpath, n), root)
-            if rel not in files and rel != COMPLETE and not n.startswith(".tmp-"):
+            if rel not in files and rel not in (COMPLETE, LOCK):  # incl. partial .tmp- files of a killed attempt
                 os.remove(os.path.join(dirpath, n))
     LocalStorage().write_bytes(os.path.join(root, COMPLETE), json.dumps(files, indent=1, sort_keys=True).encode())
     log.info("model %s in %s: %d files downloaded (%.2f GB), %d reused from the cache, in %.1fs", path, root,

@@ -94,7 +94,9 @@ class StatusReporter:
         self._closed = False  # close() called: send what is pending, then stop
         self._kick = False  # close() cuts a backoff wait short once
         self._abandoned = False  # close() timed out: the thread stops
-        self._waiting_reported = False  # a `waiting` was sent since the last clear
+        # A `waiting` may be in the status since the last clear; True at start, so the first
+        # step of a new attempt clears one an earlier attempt left.
+        self._waiting_reported = True
         self._last_sent = float("-inf")
         # Outage bookkeeping, for the logs.
         self._down_since: float | None = None
@@ -160,8 +162,11 @@ class StatusReporter:
 
     def report_waiting(self, reason: str, message: str, since: str, seconds: float) -> None:
         """Why the trainer is not stepping (names.WAIT_*); the next report_step clears it."""
-        self._submit({"waiting": {"reason": reason, "message": message, "since": since,
-                                  "seconds": round(float(seconds), 1)}}, urgent=True)
+        waiting: dict[str, Any] = {"reason": reason, "message": message, "since": since,
+                                   "seconds": round(float(seconds), 1)}
+        if self.attempt is not None:  # `attempt` beside `step` names the step's reporter
+            waiting["attempt"] = self.attempt
+        self._submit({"waiting": waiting}, urgent=True)
 
     # ------------------------------------------------------------ delivery
 

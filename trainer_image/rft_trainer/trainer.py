@@ -45,15 +45,28 @@ WAIT_LOG_EVERY = 60.0
 
 def stop_budget_seconds() -> float | None:
     """Seconds a worker has after SIGTERM before it is killed: the launcher's worker-kill
-    timeout (launch.py derives it from the pod's grace period), else the grace period."""
+    timeout (launch.py derives it from the pod's grace period) or the grace period,
+    whichever is shorter (an explicit kill timeout may exceed the grace period)."""
+    values = []
     for key in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", names.ENV_GRACE_SECONDS):
         try:
             value = float(os.environ.get(key, "") or 0)
         except ValueError:
             continue
         if value > 0:
-            return value
-    return None
+            values.append(value)
+    return min(values) if values else None
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """An error rank 0 met, as one every rank can raise: a ValueError (bad data) stays
+    one, anything else becomes a RuntimeError naming its type (not every exception
+    pickles)."""
+    if error is None or isinstance(error, ValueError) and type(error) is ValueError:
+        return error
+    if isinstance(error, ValueError):
+        return ValueError(str(error))
+    return RuntimeError(f"rank 0 reading the buffer: {type(error).__name__}: {error}")
 
 
 class Trainer:
@@ -73,11 +86,17 @@ class Trainer:
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.last_synced: int | None = None
         self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
+        self.ended_together = False  # train() returned (finished or an agreed stop) on every rank
 
     def prepare(self) -> None:
-        self.engine.prepare()
-        if self.engine.rt.is_main:  # one writer per job: rank 0
+        if os.environ.get("RANK", "0") == "0":  # one writer per job: rank 0
             self.reporter = StatusReporter.from_env()
+            # The model download and the resume can take long: the operator's progress
+            # deadline allows for it while this says so (the first step report clears it).
+            self.reporter.report_waiting(names.WAIT_PREPARING, "loading the model and resuming from the "
+                                         "last checkpoint", now(), 0.0)
+        self.engine.prepare()
+        if self.engine.rt.is_main:
             self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
         ckpt = self.engine.build_checkpointer()
         ckpt.on_commit = lambda step, prefix: self.reporter.report_checkpoint(
@@ -97,6 +116,7 @@ class Trainer:
             self.sync_weight()  # the inference pods end on the final policy
         self.save_final_checkpoint()
         self.finished = not self.stopping
+        self.ended_together = True  # every rank is here, at the same step
         return "stopped" if self.stopping else "finished"
 
     async def train_step(self) -> bool:
@@ -127,11 +147,11 @@ class Trainer:
                 try:
                     batch = self.buffer.next_batch(current_version=step, wait=b.wait,
                                                    timeout=b.poll_seconds if b.wait else None)
-                except ValueError as e:  # a malformed shard: every rank fails with it
-                    error = str(e)
-            batch, state, error = self._share((batch, self.buffer.state_dict(), error))
+                except Exception as e:  # noqa: BLE001 - every rank fails with it, none waits
+                    error = e
+            batch, state, error = self._share((batch, self.buffer.state_dict(), _portable(error)))
             if error is not None:
-                raise ValueError(error)
+                raise error
             if self.engine.rt is not None and not self.engine.rt.is_main:
                 self.buffer.load_state_dict(state)  # the same position on every rank
             if batch is not None:
@@ -268,17 +288,22 @@ class Trainer:
 
     async def shutdown(self) -> None:
         self._alive = False
-        if getattr(self.engine, "checkpointer", None) is not None:
-            self.engine.wait_on_save_thread()
-        self.reporter.close()
-        if self.metrics_log is not None:
-            self.metrics_log.close()
-        if torch.distributed.is_initialized():
-            if self.finished:
-                # Every rank ran the same steps: wait for all before tearing the group down,
-                # or a rank whose last sends are still in flight aborts (gloo: SIGABRT).
-                torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        try:
+            if getattr(self.engine, "checkpointer", None) is not None:
+                self.engine.wait_on_save_thread()
+        finally:
+            self.reporter.close()
+            if self.metrics_log is not None:
+                self.metrics_log.close()
+            if torch.distributed.is_initialized():
+                if self.ended_together:
+                    # Every rank ran the same steps: wait for all before tearing the group
+                    # down, or a rank whose last sends are still in flight aborts (gloo:
+                    # SIGABRT). After a stop it also keeps the other local ranks alive
+                    # until rank 0 has flushed its status: torchrun kills a node's
+                    # remaining workers soon after the first one exits.
+                    torch.distributed.barrier()
+                torch.distributed.destroy_process_group()
 
     @property
     def train_step_num(self) -> int:
