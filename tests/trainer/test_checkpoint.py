@@ -575,8 +575,10 @@ def test_model_cache_reuses_matching_files_across_attempts(bucket, s3_gets, tmp_
         return path, sorted(g.rsplit("/", 1)[1] for g in s3_gets if "/models/tiny/" in g)
 
     path, got = attempt()
-    assert got == names and sorted(p.name for p in path.iterdir()) == sorted([".complete", *names])
+    assert got == names and sorted(p.name for p in path.iterdir()) == sorted([".complete", ".lock", *names])
+    (path / ".tmp-model.safetensors-killed").write_bytes(b"partial")  # an attempt killed mid-file
     assert attempt() == (path, [])
+    assert not (path / ".tmp-model.safetensors-killed").exists()
     S3Storage().write_bytes(f"{model}/config.json", (local / "config.json").read_bytes() + b"\n")
     data = bytearray((path / "model.safetensors").read_bytes())
     data[-1] ^= 1
