@@ -35,6 +35,7 @@ def attempt_steps(uri: str) -> dict[int, list[int]]:
     return out
 
 
+@pytest.mark.timeout(1200)  # the waits below add up to more than the default 300 s
 def test_weight_sync_held_back_the_trainer_says_why_and_the_job_finishes_once_released(job):
     """Operator down: nobody promotes new weights, the explorer's rollouts go stale, the
     trainer drops them and waits. The explorer must keep writing (stale samples release
@@ -60,6 +61,7 @@ def test_weight_sync_held_back_the_trainer_says_why_and_the_job_finishes_once_re
     RESULTS["weight_sync_held"] = {"held_at_step": held_at, "dropped_stale": trainer(s)["buffer"]["droppedStale"]}
 
 
+@pytest.mark.timeout(1800)
 def test_workers_killed_before_a_checkpoint_mid_interval_and_right_after_one(job):
     """SIGKILL a trainer worker three times, the explorer ahead each time: before the first
     checkpoint, mid-interval, and right after a checkpoint. Each attempt resumes at the last
