@@ -65,7 +65,7 @@ def test_model_is_fetched_from_s3_once(bucket, tmp_path, monkeypatch):
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     path = fetch_model(f"s3://{bucket}/models/tiny", rt)
     assert (tmp_path / "cache") in __import__("pathlib").Path(path).parents
-    assert sorted(os.listdir(path)) == sorted([".complete", *os.listdir(local)])
+    assert sorted(os.listdir(path)) == sorted([".complete", ".lock", *os.listdir(local)])
     assert open(os.path.join(path, "model.safetensors"), "rb").read() == (local / "model.safetensors").read_bytes()
     s.delete(f"s3://{bucket}/models/tiny/config.json")  # a second fetch must not download again
     assert fetch_model(f"s3://{bucket}/models/tiny", rt) == path
