@@ -29,9 +29,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class OperatorProcess:
+    # Every operator a test started: each watches every namespace, so a test that stops
+    # "the" operator must first make sure it is the only one (`pause_others`).
+    started: list["OperatorProcess"] = []
+
     def __init__(self, kubeconfig: Path, log_path: Path):
         self.kubeconfig, self.log_path = kubeconfig, log_path
         self.proc: subprocess.Popen | None = None
+        OperatorProcess.started.append(self)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pause_others(self) -> list["OperatorProcess"]:
+        """Stop every other running operator (e.g. the integration tests' session one,
+        which would otherwise reconcile the e2e jobs too); returns them to restart later."""
+        others = [o for o in OperatorProcess.started if o is not self and o.running()]
+        for o in others:
+            o.stop()
+        return others
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "RFT_RESYNC_SECONDS": "10",
