@@ -72,8 +72,7 @@ def launch(d: Path, cfg: Path, node: int, port: int, trace: Path, **env) -> subp
 
 
 def traces(trace: Path) -> dict[int, list[dict]]:
-    return {r: [json.loads(line) for line in (trace / f"rank{r}.jsonl").read_text().splitlines()]
-            for r in range(4)}
+    return {r: traces_of(trace, r) for r in range(4)}
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
