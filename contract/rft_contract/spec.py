@@ -6,8 +6,13 @@ models (`rft_contract.config`), so a typo gives the same message everywhere. Two
 of rule live here:
 
 * Field constraints (`ge`, `le`, `pattern`, `Literal`) become OpenAPI schema checks, and
-  `rules=[...]` in `json_schema_extra` becomes CEL `x-kubernetes-validations`, so the API
-  server refuses a bad spec at admission with a message naming the field.
+  `Check`s (a CEL rule, the same test in Python, one message: `rft_contract.checks`,
+  which also holds the formats) become CEL
+  `x-kubernetes-validations`, so the API server refuses a bad spec at admission with a
+  message naming the field, and pydantic refuses it in the same words. A few checks are
+  admission-only (`ok=None`): the transition rules, the batch layout (the trainer checks
+  it again against its real world size), and the S3-or-absolute-path requirements, since
+  a config written by hand for a local trainer run may name local directories.
 * Defaults live only in these models, never in the CRD schema: a schema default would be
   written back into the stored object and GitOps tools (Argo CD, Flux) would see drift.
   The operator parses the stored spec with `RFTJobSpec.model_validate`, which applies them.
@@ -17,42 +22,28 @@ concurrency, ...) live here too: a component cannot accept a setting the RFTJob 
 carry. A few fields the RFTJob requires are optional in Python (`admission_required`):
 the CRD lists them as required, while a config written by hand for a local trainer run
 may leave them out.
+
+Every string a CEL rule reads has a maxLength, every list a maxItems and every map a
+maxProperties: the API server refuses rules whose worst-case cost it cannot bound.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
+                     QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
+                     Quantity, Reward, S3Uri, Size, cel, cel_rules, checked, immutable, is_qualified_name,
+                     matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
 from .errors import describe
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
 MAX_NAME_LENGTH = 40
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
-K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-
-
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    """One CEL validation rule (`x-kubernetes-validations` entry)."""
-    out = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
-
-
-def immutable(field: str, path: str) -> dict[str, str]:
-    """A transition rule that forbids changing, adding or removing an optional field."""
-    return cel(
-        f"has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})",
-        f"{path} is immutable: create a new RFTJob to change it",
-        f".{field}",
-    )
-
-
 # Marks a field the RFTJob requires (the CRD lists it) but a hand-written config may omit.
 ADMISSION_REQUIRED = "x-rft-admission-required"
 
@@ -61,56 +52,135 @@ def admission_required(**kw: Any) -> Any:
     return Field(default=None, json_schema_extra={ADMISSION_REQUIRED: True}, **kw)
 
 
+# ------------------------------------------------------------------ models
+
+def _object_rules(schema: dict[str, Any], cls: type) -> None:
+    if rules := getattr(cls, "rules", ()):
+        schema["rules"] = cel_rules(rules)
+
+
 class Model(BaseModel):
     """camelCase on the wire, snake_case in Python (both accepted); unknown fields are an
     error; types are strict (no "3" for 3, no 1.5 for an integer). Frozen: a parsed spec
-    is a value, changed only with `model_copy(update=...)`."""
+    is a value, changed only with `model_copy(update=...)`. `rules`: checks on the whole
+    object (CEL `self` is the object, `ok` gets the parsed model)."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True, frozen=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True, frozen=True,
+        json_schema_extra=_object_rules,
     )
+    rules: ClassVar[tuple[Check, ...]] = ()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__}.{name}: the config is frozen")
 
+    @model_validator(mode="after")
+    def _check_rules(self) -> Any:
+        return run_checks(type(self).rules, self)
 
-Quantity = int | str  # a Kubernetes resource quantity: 4, "500m", "16Gi"
+
+def no_gpu_resources(owner: str, instead: str) -> tuple[Check, ...]:
+    """GPUs are counted by a field of their own (`instead`), which the operator turns into
+    both the request and the limit, and the scheduler's gang accounting reads."""
+    return tuple(
+        Check(f"!has(self.resources) || !has(self.resources.{kind}) || !('nvidia.com/gpu' in self.resources.{kind})",
+              lambda o, kind=kind: "nvidia.com/gpu" not in getattr(o.resources, kind),
+              f"set {owner}.{instead} instead of {owner}.resources.{kind}['nvidia.com/gpu']", ".resources")
+        for kind in ("limits", "requests"))
+
+
+def _is_quantity(x: str) -> str:
+    return f"(type({x}) == int || isQuantity({x}))"
+
+
+def _as_quantity(x: str) -> str:
+    return f"(type({x}) == int ? quantity(string({x})) : quantity({x}))"
+
+
+def _within_limits(r: Resources) -> bool:
+    return all(parse_quantity(v) <= parse_quantity(r.limits[k]) for k, v in r.requests.items() if k in r.limits)
 
 
 class Resources(Model):
     """Container resources passed through to the pods (minus GPUs: see gpusPerNode)."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
-    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    rules = (Check(
+        f"!has(self.requests) || !has(self.limits) || self.requests.all(k, !(k in self.limits) || "
+        f"!{_is_quantity('self.requests[k]')} || !{_is_quantity('self.limits[k]')} || "
+        f"!{_as_quantity('self.requests[k]')}.isGreaterThan({_as_quantity('self.limits[k]')}))",
+        _within_limits, "resources.requests must not exceed resources.limits for the same resource",
+        ".requests"),)
+
+    requests: checked(dict[str, Quantity], QUALIFIED_KEYS) = Field(default_factory=dict, max_length=16)
+    limits: checked(dict[str, Quantity], QUALIFIED_KEYS) = Field(default_factory=dict, max_length=16)
 
 
 class EnvVar(Model):
-    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=253)
+    name: EnvName
     value: str = Field(default="", max_length=32768)
 
 
+def _toleration_key(key: str) -> bool:
+    return key == "" or is_qualified_name(key)
+
+
 class Toleration(Model):
-    key: str | None = Field(default=None, max_length=316)
+    """A pod toleration, with the consistency rules the API server applies to pods."""
+
+    rules = (
+        Check("!(self.?operator.orValue('Equal') == 'Exists' && self.?value.orValue('') != '')",
+              lambda t: not (t.operator == "Exists" and t.value), "value must be empty when operator is Exists",
+              ".value"),
+        Check("self.?key.orValue('') != '' || self.?operator.orValue('Equal') == 'Exists'",
+              lambda t: bool(t.key) or t.operator == "Exists",
+              "operator must be Exists when key is empty (which tolerates every taint)", ".operator"),
+        Check("!has(self.tolerationSeconds) || self.?effect.orValue('') == 'NoExecute'",
+              lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+              "tolerationSeconds needs effect NoExecute", ".tolerationSeconds"),
+    )
+
+    key: checked(str, Check("self == '' || !format.qualifiedName().validate(self).hasValue()", _toleration_key,
+                            "must be a qualified name (a label key)")) | None = Field(default=None, max_length=316)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(default=None, max_length=63)
+    value: LabelValue | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
 
 
 class SecurityContext(Model):
-    """Explicit relaxations of the restricted default (non-root, no escalation,
-    all capabilities dropped, RuntimeDefault seccomp). Unset fields keep the default."""
+    """Explicit relaxations of the restricted default (non-root, no escalation, all
+    capabilities dropped, RuntimeDefault seccomp). Unset fields keep the default. Without
+    `allowPrivileged`, relaxations stop at what the Pod Security baseline profile allows."""
 
-    run_as_user: int | None = Field(default=None, ge=0)
-    run_as_group: int | None = Field(default=None, ge=0)
-    fs_group: int | None = Field(default=None, ge=0)
+    rules = (
+        Check("!(self.?runAsNonRoot.orValue(false) && self.?runAsUser.orValue(-1) == 0)",
+              lambda s: not (s.run_as_non_root and s.run_as_user == 0),
+              "securityContext.runAsNonRoot: true contradicts runAsUser: 0 (the kubelet would "
+              "refuse to start the container)", ".runAsNonRoot"),
+        Check("self.?allowPrivileged.orValue(false) || self.?seccompProfile.orValue('') != 'Unconfined'",
+              lambda s: s.allow_privileged or s.seccomp_profile != "Unconfined",
+              "securityContext.seccompProfile Unconfined is beyond the Pod Security baseline "
+              "profile: set securityContext.allowPrivileged: true to opt in", ".seccompProfile"),
+        Check(f"self.?allowPrivileged.orValue(false) || !has(self.addCapabilities) || "
+              f"self.addCapabilities.all(c, c in {list(BASELINE_CAPABILITIES)})",
+              lambda s: s.allow_privileged or set(s.add_capabilities) <= set(BASELINE_CAPABILITIES),
+              f"securityContext.addCapabilities beyond the Pod Security baseline list "
+              f"({', '.join(BASELINE_CAPABILITIES)}) need securityContext.allowPrivileged: true",
+              ".addCapabilities"),
+    )
+
+    run_as_user: int | None = Field(default=None, ge=0, le=MAX_ID)
+    run_as_group: int | None = Field(default=None, ge=0, le=MAX_ID)
+    fs_group: int | None = Field(default=None, ge=0, le=MAX_ID)
     run_as_non_root: bool | None = None
     allow_privilege_escalation: bool | None = None
-    add_capabilities: list[str] = Field(default_factory=list, max_length=16)
+    add_capabilities: unique_list(Capability) = Field(default_factory=list, max_length=16)
     seccomp_profile: Literal["RuntimeDefault", "Unconfined"] | None = None
-
-
-QUANTITY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
+    allow_privileged: bool = Field(
+        default=False,
+        description="Opt in to relaxations beyond the Pod Security baseline profile (seccompProfile "
+                    "Unconfined, capabilities outside baseline's list, model.cache.hostPath). The "
+                    "namespace's Pod Security admission must allow them too.")
 
 
 class ModelCacheSpec(Model):
@@ -119,35 +189,28 @@ class ModelCacheSpec(Model):
     as long as the pod; a hostPath or a PersistentVolumeClaim keeps the files across gang
     attempts on the same node (a file is reused only when its size and checksum match)."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                cel(
-                    "!(has(self.hostPath) && has(self.persistentVolumeClaim))",
-                    "model.cache: set at most one of hostPath and persistentVolumeClaim",
-                )
-            ]
-        }
-    )
+    rules = (Check("!(has(self.hostPath) && has(self.persistentVolumeClaim))",
+                   lambda m: m.host_path is None or m.persistent_volume_claim is None,
+                   "model.cache: set at most one of hostPath and persistentVolumeClaim"),)
 
-    host_path: str | None = Field(default=None, min_length=2, max_length=1024, pattern=r"^/.*[^/]$",
-                                  description="A node directory (type DirectoryOrCreate).")
-    persistent_volume_claim: str | None = Field(default=None, max_length=253, pattern=K8S_NAME,
+    host_path: checked(
+        str, matching(r"^/(.*[^/])?$", "must be an absolute directory path without a trailing '/'"),
+        Check(r"!self.matches(r'/\.\.?(/|$)')", lambda p: not search_regex(r"/\.\.?(/|$)")(p),
+              "must not contain '.' or '..' segments"),
+        min_length=2, max_length=1024,
+    ) | None = Field(default=None, description="A node directory (type DirectoryOrCreate). The Pod Security "
+                     "baseline profile forbids hostPath volumes: needs trainer.securityContext.allowPrivileged.")
+    persistent_volume_claim: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN,
                                                 description="An existing PVC (ReadWriteMany for several nodes).")
-    size_limit: str | None = Field(default=None, pattern=QUANTITY,
-                                   description="sizeLimit of the default emptyDir.")
+    size_limit: Size | None = Field(default=None, description="sizeLimit of the default emptyDir.")
     download_timeout_seconds: int = Field(
         default=3600, ge=60, le=86400,
         description="How long the other ranks wait for local rank 0 to download the model.")
 
 
 class ModelSpec(Model):
-    path: str = Field(
-        min_length=1,
-        max_length=1024,
-        description="HF-format model directory: an s3:// URI or a path inside the image.",
-    )
-    tokenizer_path: str | None = Field(default=None, max_length=1024)
+    path: ImagePath = Field(description="HF-format model directory: an s3:// URI or an absolute path inside the image.")
+    tokenizer_path: ImagePath | None = Field(default=None, description="Default: path.")
     # fp32 master weights by default: FSDP's MixedPrecisionPolicy already computes in
     # bf16, while an lr of 1e-6 applied to bf16 weights (8 mantissa bits) rounds to nothing.
     dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="Master weights dtype.")
@@ -155,16 +218,9 @@ class ModelSpec(Model):
 
 
 class AlgorithmSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                cel(
-                    "!has(self.miniBatchSize) || !has(self.microBatchSize) || self.miniBatchSize >= self.microBatchSize",
-                    "algorithm.microBatchSize must not exceed algorithm.miniBatchSize",
-                ),
-            ]
-        }
-    )
+    rules = (Check(
+        "!has(self.miniBatchSize) || !has(self.microBatchSize) || self.miniBatchSize >= self.microBatchSize",
+        None, "algorithm.microBatchSize must not exceed algorithm.miniBatchSize"),)  # config.py says it in Python
 
     name: Literal["grpo", "ppo"]
     learning_rate: float = Field(default=1e-6, gt=0, le=1)
@@ -188,8 +244,8 @@ class AlgorithmSpec(Model):
     )
     entropy_coef: float = Field(default=0.0, ge=0)
     epochs: int = Field(default=1, ge=1, le=100)
-    mini_batch_size: int | None = Field(default=None, ge=1)
-    micro_batch_size: int = Field(default=1, ge=1)
+    mini_batch_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    micro_batch_size: int = Field(default=1, ge=1, le=1_000_000)
     grad_clip: float = Field(default=1.0, gt=0)
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = (
         "token-mean"
@@ -232,84 +288,55 @@ class FSDPSpec(Model):
 
 
 class TrainerSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                immutable("nodes", "trainer.nodes"),
-                immutable("gpusPerNode", "trainer.gpusPerNode"),
-                cel(
-                    "!has(self.resources) || !has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)",
-                    "set trainer.gpusPerNode instead of trainer.resources.limits['nvidia.com/gpu']",
-                    ".resources",
-                ),
-                cel(
-                    "!has(self.resources) || !has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)",
-                    "set trainer.gpusPerNode instead of trainer.resources.requests['nvidia.com/gpu']",
-                    ".resources",
-                ),
-            ]
-        }
+    rules = (
+        immutable("nodes", "trainer.nodes"),
+        immutable("gpusPerNode", "trainer.gpusPerNode"),
+        *no_gpu_resources("trainer", "gpusPerNode"),
     )
 
-    image: str | None = admission_required(min_length=1, max_length=512)
+    image: Image | None = admission_required()
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     nodes: int = Field(default=1, ge=1, le=1024)
     gpus_per_node: int = Field(default=1, ge=0, le=16)
     total_steps: int = Field(ge=1, le=100_000_000)
     batch_size: int = Field(ge=1, le=1_000_000)
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
     resources: Resources = Field(default_factory=Resources)
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
-    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    env: unique_list(EnvVar, "name") = Field(default_factory=list, max_length=64)
     master_port: int = Field(default=29500, ge=1024, le=65535)
-    shm_size: str = Field(default="1Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    shm_size: Size = "1Gi"
     termination_grace_period_seconds: int = Field(default=300, ge=0, le=86400)
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    node_selector: checked(dict[str, LabelValue], QUALIFIED_KEYS) = Field(default_factory=dict, max_length=32)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
-    priority_class_name: str | None = Field(default=None, max_length=253, pattern=K8S_NAME)
-    scheduler_name: str | None = Field(default=None, max_length=253, pattern=K8S_NAME)
-    service_account_name: str | None = Field(
-        default=None,
-        max_length=253,
-        pattern=K8S_NAME,
-        description=(
-            "Run trainer pods as this existing ServiceAccount (e.g. one mapped to a cloud "
-            "IAM role for S3). The operator binds the per-job status Role to it."
-        ),
-    )
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
+    scheduler_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
     security_context: SecurityContext = Field(default_factory=SecurityContext)
 
 
 class CheckpointSpec(Model):
-    uri: str = Field(
-        min_length=1,
-        max_length=1024,
-        json_schema_extra={
-            "rules": [
-                cel(
-                    f"self.matches('{S3_URI}')",
-                    "checkpoint.uri must be an S3 URI of the form s3://<bucket>/<prefix>",
-                )
-            ]
-        },
+    rules = (
+        *(on_field(c, "endpoint", "endpoint", "checkpoint.endpoint") for c in ENDPOINT_CHECKS),
+        immutable("endpoint", "spec.checkpoint.endpoint", "resume needs the same storage"),
     )
-    interval: int = Field(default=100, ge=1)
+
+    uri: S3Uri
+    interval: int = Field(default=100, ge=1, le=100_000_000)
     keep: int = Field(default=3, ge=1, le=1000)
     credentials_secret: str | None = Field(
         default=None,
         max_length=253,
-        pattern=K8S_NAME,
+        pattern=DNS_SUBDOMAIN,
         description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optional AWS_SESSION_TOKEN).",
     )
     endpoint: str | None = Field(
-        default=None,
-        max_length=1024,
-        pattern=r"^https?://[^\s/]+(/.*)?$",
-        description="S3-compatible endpoint URL, e.g. http://minio.storage:9000. Empty means AWS.",
+        default=None, max_length=1024,
+        description="S3-compatible endpoint URL, e.g. http://minio.storage:9000. Empty means AWS. "
+                    "No credentials in it: use credentialsSecret.",
     )
-    region: str | None = Field(default=None, max_length=64)
-    staging_size_limit: str | None = Field(
-        default=None, pattern=QUANTITY,
+    region: str | None = Field(default=None, max_length=32, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    staging_size_limit: Size | None = Field(
+        default=None,
         description=(
             "sizeLimit of the emptyDir a resuming trainer pod downloads the checkpoint into "
             "(one copy per node, read by every rank there). Unset: no limit. Size it above "
@@ -318,29 +345,23 @@ class CheckpointSpec(Model):
 
 
 class FailurePolicy(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                cel(
-                    "!has(self.fatalExitCodes) || !has(self.retryableExitCodes) || "
-                    "self.fatalExitCodes.all(c, !(c in self.retryableExitCodes))",
-                    "failurePolicy.fatalExitCodes and failurePolicy.retryableExitCodes must not overlap",
-                )
-            ]
-        }
-    )
+    rules = (Check(
+        "!has(self.fatalExitCodes) || !has(self.retryableExitCodes) || "
+        "self.fatalExitCodes.all(c, !(c in self.retryableExitCodes))",
+        None,  # admission only: policy.classify_exit_code still lets fatal win if both list a code
+        "failurePolicy.fatalExitCodes and failurePolicy.retryableExitCodes must not overlap"),)
 
     max_restarts: int = Field(default=3, ge=0, le=10_000)
     backoff_seconds: int = Field(default=10, ge=0, le=3600)
-    fatal_exit_codes: list[int] = Field(
+    fatal_exit_codes: unique_list(ExitCode) = Field(
         default_factory=lambda: [78],
         max_length=64,
-        description="Exit codes that fail the job at once. Default [78] (EX_CONFIG).",
+        description="Exit codes (1-255) that fail the job at once. Default [78] (EX_CONFIG).",
     )
-    retryable_exit_codes: list[int] | None = Field(
+    retryable_exit_codes: unique_list(ExitCode) | None = Field(
         default=None,
         max_length=64,
-        description="If set, only these exit codes restart the gang; any other fails the job.",
+        description="If set, only these exit codes (1-255) restart the gang; any other fails the job.",
     )
     progress_deadline_seconds: int = Field(
         default=1800, ge=0, le=7 * 86400,
@@ -353,24 +374,17 @@ class FailurePolicy(Model):
 
 
 class InferenceSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                cel(
-                    "!has(self.engine) || self.engine == 'reference' || has(self.image)",
-                    "spec.inference.image is required for the vllm and sglang engines "
-                    "(the reference engine runs in the trainer image)",
-                    ".image",
-                ),
-            ]
-        }
+    rules = (
+        Check("!has(self.engine) || self.engine == 'reference' || has(self.image)",
+              lambda i: i.engine == "reference" or i.image is not None,
+              "spec.inference.image is required for the vllm and sglang engines "
+              "(the reference engine runs in the trainer image)", ".image"),
+        *no_gpu_resources("inference", "gpusPerReplica"),
     )
 
     replicas: int = Field(default=1, ge=0, le=1024)
-    image: str | None = Field(
-        default=None, max_length=512,
-        description="Engine image; default: spec.trainer.image (reference engine only).",
-    )
+    image: Image | None = Field(
+        default=None, description="Engine image; default: spec.trainer.image (reference engine only).")
     engine: Literal["reference", "vllm", "sglang"] = "reference"
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
     port: int = Field(default=8000, ge=1024, le=65535)
@@ -385,34 +399,32 @@ class SamplingSpec(Model):
 
 class ExplorerSpec(Model):
     replicas: int = Field(default=1, ge=0, le=1024)
-    image: str | None = Field(default=None, max_length=512)
-    taskset_uri: str = Field(min_length=1, max_length=1024)
+    image: Image | None = None
+    taskset_uri: S3Uri
     rollouts_per_task: int = Field(default=8, ge=1, le=1024)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    reward: str = Field(default="math_accuracy", min_length=1, max_length=256)
+    reward: Reward = Field(default="math_accuracy", description=(
+        f"A built-in ({', '.join(BUILTIN_REWARDS)}) or 'package.module:function' importable in the explorer image."))
     prompt_format: Literal["chat", "raw"] | None = Field(
         default=None,
         description="chat: the task goes through the tokenizer's chat template as a user message; "
                     "raw: the task text is the prompt. Default chat when the tokenizer has a template.",
     )
     tasks_per_shard: int | None = Field(
-        default=None, ge=1, description="Tasks per experience shard; default max(1, batchSize / rolloutsPerTask).")
-    request_timeout: float = Field(default=300.0, gt=0, description="Seconds per inference request.")
+        default=None, ge=1, le=1_000_000,
+        description="Tasks per experience shard; default max(1, batchSize / rolloutsPerTask).")
+    request_timeout: float = Field(default=300.0, gt=0, le=86400, description="Seconds per inference request.")
     concurrency: int | None = Field(
-        default=None, ge=1, description="Requests in flight; default one per inference replica.")
-    max_n: int = Field(default=64, ge=1, description="Rollouts per request (the reference server caps n at 64).")
-    poll_interval: float = Field(default=5.0, gt=0, description="Seconds between trainer-progress checks.")
+        default=None, ge=1, le=4096, description="Requests in flight; default one per inference replica.")
+    max_n: int = Field(default=64, ge=1, le=1024,
+                       description="Rollouts per request (the reference server caps n at 64).")
+    poll_interval: float = Field(default=5.0, gt=0, le=3600, description="Seconds between trainer-progress checks.")
 
 
 class BufferSpec(Model):
-    uri: str | None = Field(
-        default=None, max_length=1024,
-        description="Experience buffer; default <checkpoint.uri>/buffer.",
-        # A CEL rule, not a pattern: admission requires S3, while a local trainer run
-        # (a hand-written config) may read a directory.
-        json_schema_extra={"rules": [cel(f"self.matches('{S3_URI}')",
-                                         "buffer.uri must be an S3 URI of the form s3://<bucket>/<prefix>")]},
-    )
+    # S3 is an admission rule (S3Uri): a local trainer run (a hand-written config) may
+    # read a directory.
+    uri: S3Uri | None = Field(default=None, description="Experience buffer; default <checkpoint.uri>/buffer.")
     max_staleness: int = Field(default=1, ge=0, le=1000)
     wait: bool | None = Field(
         default=None,
@@ -424,7 +436,7 @@ class BufferSpec(Model):
 
 
 class SyncSpec(Model):
-    interval: int = Field(default=1, ge=1, description="Export weights every N trainer steps.")
+    interval: int = Field(default=1, ge=1, le=100_000_000, description="Export weights every N trainer steps.")
     pinned_version: int | None = Field(
         default=None, ge=0,
         description="Serve this exported version (0 = the base model) instead of the newest.",
@@ -433,28 +445,60 @@ class SyncSpec(Model):
                       "(a pinned version is kept in addition).")
 
 
+# The trainer's batch layout (rft_trainer.engine.check_batch_layout) in CEL, with the
+# pod's world size: ranks = nodes * max(1, gpusPerNode). Each rule holds when the one
+# before it fails, so a bad layout gets one message, with its numbers.
+_RANKS = ("(self.trainer.?nodes.orValue(1) * (self.trainer.?gpusPerNode.orValue(1) > 1 ? "
+          "self.trainer.?gpusPerNode.orValue(1) : 1))")
+_BATCH, _MICRO = "self.trainer.?batchSize.orValue(0)", "self.algorithm.?microBatchSize.orValue(1)"
+_MINI = f"self.algorithm.?miniBatchSize.orValue({_BATCH})"
+# Out-of-range numbers are the schema's to report: no division by zero here.
+_SANE = f"({_RANKS} >= 1 && {_BATCH} >= 1 && {_MINI} >= 1 && {_MICRO} >= 1)"
+_RANKS_OK = f"(!{_SANE} || {_BATCH} % {_RANKS} == 0)"
+_MINI_OK = f"(!{_SANE} || ({_BATCH} % {_MINI} == 0 && {_MINI} % {_RANKS} == 0))"
+BATCH_LAYOUT = (
+    Check(_RANKS_OK, None, "trainer.batchSize must be divisible by the number of ranks, "
+          "trainer.nodes * max(1, trainer.gpusPerNode)", ".trainer.batchSize",
+          "'trainer.batchSize (%d) must be divisible by the number of ranks, "
+          f"trainer.nodes * max(1, trainer.gpusPerNode) = %d'.format([{_BATCH}, {_RANKS}])"),
+    Check(f"!{_RANKS_OK} || {_MINI_OK}", None,
+          "algorithm.miniBatchSize (default trainer.batchSize) must divide trainer.batchSize and be "
+          "divisible by the number of ranks", ".algorithm.miniBatchSize",
+          "'algorithm.miniBatchSize (%d) must divide trainer.batchSize (%d) and be divisible by the "
+          f"number of ranks (%d)'.format([{_MINI}, {_BATCH}, {_RANKS}])"),
+    Check(f"!{_SANE} || !{_RANKS_OK} || !{_MINI_OK} || ({_MINI} / {_RANKS}) % {_MICRO} == 0", None,
+          "algorithm.microBatchSize must divide the per-rank mini-batch, algorithm.miniBatchSize / ranks",
+          ".algorithm.microBatchSize",
+          "'algorithm.microBatchSize (%d) must divide the per-rank mini-batch, algorithm.miniBatchSize "
+          f"/ ranks = %d'.format([{_MICRO}, {_MINI} / {_RANKS}])"),
+)
+
+
 class RFTJobSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "rules": [
-                immutable("model", "spec.model"),
-                cel(
-                    "self.algorithm.name == oldSelf.algorithm.name",
-                    "spec.algorithm.name is immutable: create a new RFTJob to change it",
-                    ".algorithm.name",
-                ),
-                cel(
-                    "self.checkpoint.uri == oldSelf.checkpoint.uri",
-                    "spec.checkpoint.uri is immutable: resume needs the same location",
-                    ".checkpoint.uri",
-                ),
-                cel(
-                    "!has(self.explorer) || has(self.inference)",
-                    "spec.explorer needs spec.inference: explorers generate rollouts against the inference pods",
-                    ".explorer",
-                ),
-            ]
-        }
+    rules = (
+        immutable("model", "spec.model"),
+        immutable("algorithm.name", "spec.algorithm.name"),
+        immutable("checkpoint.uri", "spec.checkpoint.uri", "resume needs the same location"),
+        immutable("buffer.uri", "spec.buffer.uri", "resume needs the same buffer"),
+        *BATCH_LAYOUT,
+        Check("!has(self.explorer) || has(self.inference)",
+              lambda s: s.explorer is None or s.inference is not None,
+              "spec.explorer needs spec.inference: explorers generate rollouts against the inference pods",
+              ".explorer"),
+        Check("!has(self.explorer) || !has(self.inference) || self.explorer.?replicas.orValue(1) == 0 || "
+              "self.inference.?replicas.orValue(1) >= 1",
+              lambda s: s.explorer is None or s.inference is None or s.explorer.replicas == 0 or s.inference.replicas >= 1,
+              "spec.explorer.replicas >= 1 needs spec.inference.replicas >= 1: explorers generate "
+              "rollouts against the inference pods", ".inference.replicas"),
+        Check("self.algorithm.name != 'grpo' || !has(self.explorer) || self.explorer.?rolloutsPerTask.orValue(8) >= 2",
+              lambda s: s.algorithm.name != "grpo" or s.explorer is None or s.explorer.rollouts_per_task >= 2,
+              "grpo needs spec.explorer.rolloutsPerTask >= 2: its advantage, reward minus the mean "
+              "of the task's group, is zero for groups of one", ".explorer.rolloutsPerTask"),
+        Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
+              "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
+              lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,
+              "spec.model.cache.hostPath needs spec.trainer.securityContext.allowPrivileged: true "
+              "(the Pod Security baseline profile forbids hostPath volumes)", ".model.cache.hostPath"),
     )
 
     suspend: bool = False
@@ -469,6 +513,11 @@ class RFTJobSpec(Model):
     sync: SyncSpec = Field(default_factory=SyncSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     reporting: ReportingSpec = Field(default_factory=ReportingSpec)
+    service_account_annotations: checked(
+        dict[str, Annotated[str, Field(max_length=4096)]], QUALIFIED_KEYS,
+    ) = Field(default_factory=dict, max_length=16, description=(
+        "Annotations on the ServiceAccounts the operator creates for the job's pods, e.g. "
+        "eks.amazonaws.com/role-arn for IRSA or iam.gke.io/gcp-service-account."))
 
 
 # Validations on the whole object (only metadata.name/generateName are visible to CEL).

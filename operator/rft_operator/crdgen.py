@@ -4,8 +4,9 @@
 
 pydantic emits JSON Schema (with `$ref`s, `anyOf` for optionals, titles and defaults);
 Kubernetes wants a *structural* OpenAPI v3 schema: every node typed, no `$ref`, no
-defaults we did not mean, CEL rules as `x-kubernetes-validations`. `to_structural` does
-that conversion; the test suite fails when the committed file differs from its output.
+defaults we did not mean, CEL rules as `x-kubernetes-validations`, list types (`set`, or
+`map` with its keys) as the models' `json_schema_extra` says. `to_structural` does that
+conversion; the test suite fails when the committed file differs from its output.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _KEEP = {
     "description", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
     "minLength", "maxLength", "pattern", "enum", "minItems", "maxItems",
     "minProperties", "maxProperties", "format", "nullable",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }
 
 
@@ -42,6 +44,8 @@ def _collapse_optional(node: dict[str, Any]) -> dict[str, Any]:
         return node
     merged = dict(options[0])
     merged.update({k: v for k, v in node.items() if k != "anyOf"})
+    if "rules" in options[0] and "rules" in node:  # the type's rules and the field's
+        merged["rules"] = options[0]["rules"] + node["rules"]
     return merged
 
 
@@ -56,8 +60,9 @@ def to_structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     node = _collapse_optional(_resolve(node, defs))  # a $ref inside the optional
     if _is_int_or_string(node):
         out: dict[str, Any] = {"x-kubernetes-int-or-string": True}
-        if "description" in node:
-            out["description"] = node["description"]
+        out.update({k: node[k] for k in ("description", "maxLength") if k in node})
+        if node.get("rules"):
+            out["x-kubernetes-validations"] = node["rules"]
         return out
     if "anyOf" in node:
         raise ValueError(f"cannot express anyOf in a structural schema: {node}")

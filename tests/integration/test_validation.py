@@ -1,5 +1,7 @@
 """Bad specs are refused by the API server itself (OpenAPI schema + CEL), with a message
-that names the field. No operator runs here: admission alone must catch these."""
+that names the field. No operator runs here: admission alone must catch these. The
+adversarial corpus (test_admission_corpus.py) covers the formats; these cases cover
+updates (immutable fields) and the classic mistakes, created for real."""
 
 from __future__ import annotations
 
@@ -55,11 +57,16 @@ INVALID = [
     ("gpu-in-limits", "spec.trainer.resources", {"limits": {"nvidia.com/gpu": 8}},
      "set trainer.gpusPerNode instead of trainer.resources.limits"),
     ("bad-grace", "spec.trainer.terminationGracePeriodSeconds", -5, "spec.trainer.terminationGracePeriodSeconds"),
-    ("bad-sa-name", "spec.trainer.serviceAccountName", "Not_A_Name", "spec.trainer.serviceAccountName"),
+    ("bad-sa-annotation-key", "spec.serviceAccountAnnotations", {"not a key": "x"},
+     "spec.serviceAccountAnnotations: Invalid value: keys must be qualified names"),
+    ("reserved-env", "spec.trainer.env", [{"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}],
+     "for S3 credentials use checkpoint.credentialsSecret"),
+    ("batch-layout", "spec.trainer.batchSize", 24,
+     "trainer.batchSize (24) must be divisible by the number of ranks, trainer.nodes * max(1, trainer.gpusPerNode) = 16"),
     ("bad-toleration-op", "spec.trainer.tolerations", [{"key": "a", "operator": "Maybe"}], "operator"),
     ("bad-shm", "spec.trainer.shmSize", "lots", "spec.trainer.shmSize"),
-    ("not-s3", "spec.checkpoint.uri", "gs://bucket/x", "checkpoint.uri must be an S3 URI"),
-    ("s3-no-bucket", "spec.checkpoint.uri", "s3://", "checkpoint.uri must be an S3 URI"),
+    ("not-s3", "spec.checkpoint.uri", "gs://bucket/x", 'spec.checkpoint.uri: Invalid value: "gs://bucket/x": must be an S3 URI'),
+    ("s3-no-bucket", "spec.checkpoint.uri", "s3://", 'spec.checkpoint.uri: Invalid value: "s3://": the S3 bucket must be'),
     ("no-ckpt-uri", "spec.checkpoint.uri", _DELETE, "spec.checkpoint.uri: Required value"),
     ("interval-0", "spec.checkpoint.interval", 0, "spec.checkpoint.interval"),
     ("keep-0", "spec.checkpoint.keep", 0, "spec.checkpoint.keep"),
@@ -67,7 +74,7 @@ INVALID = [
     ("negative-restarts", "spec.failurePolicy.maxRestarts", -1, "spec.failurePolicy.maxRestarts"),
     ("overlapping-codes", "spec.failurePolicy", {"fatalExitCodes": [1, 78], "retryableExitCodes": [1]},
      "fatalExitCodes and failurePolicy.retryableExitCodes must not overlap"),
-    ("explorer-without-inference", "spec.explorer", {"tasksetUri": "s3://b/tasks.jsonl"},
+    ("explorer-without-inference", "spec.explorer", {"tasksetUri": "s3://data/tasks.jsonl"},
      "spec.explorer needs spec.inference"),
     ("bad-engine", "spec.inference", {"engine": "tgi"}, "spec.inference.engine"),
     ("staleness-negative", "spec.buffer", {"maxStaleness": -1}, "spec.buffer.maxStaleness"),
@@ -83,9 +90,11 @@ INVALID = [
     ("betas-three", "spec.optimizer.betas", [0.9, 0.99, 0.999], "spec.optimizer.betas"),
     ("seed-negative", "spec.trainer.seed", -1, "spec.trainer.seed"),
     ("dtype-fp8", "spec.model.dtype", "fp8", "spec.model.dtype"),
-    ("prompt-format-xml", "spec.explorer", {"tasksetUri": "s3://b/t.jsonl", "promptFormat": "xml"},
+    ("prompt-format-xml", "spec.explorer", {"tasksetUri": "s3://data/t.jsonl", "promptFormat": "xml"},
      "spec.explorer.promptFormat"),
-    ("buffer-local-path", "spec.buffer.uri", "/data/buffer", "buffer.uri must be an S3 URI"),
+    ("buffer-local-path", "spec.buffer.uri", "/data/buffer", 'spec.buffer.uri: Invalid value: "/data/buffer": must be an S3 URI'),
+    ("endpoint-credentials", "spec.checkpoint.endpoint", "http://KEY:SECRET@minio:9000",
+     "spec.checkpoint.endpoint: Invalid value: checkpoint.endpoint must not carry credentials"),
     ("long-name", "metadata.name", "a" * 41, "metadata.name must be at most 40 characters"),
     ("name-starts-with-digit", "metadata.name", "1job", "metadata.name must start with a letter"),
 ]
@@ -129,18 +138,29 @@ def test_valid_minimal_spec_is_accepted_without_defaults_written(installed, api,
     assert created["spec"] == BASE["spec"]
 
 
+ENDPOINT, BUFFER = "http://minio.storage:9000", "s3://ckpts/run-buffer"
+STORAGE = _set(_set(BASE, "spec.checkpoint.endpoint", ENDPOINT), "spec.buffer.uri", BUFFER)
+
+# (case id, object created, merge-patched path, value, expected fragment); None removes.
 IMMUTABLE = [
-    ("spec.model.path", "s3://models/other", "spec.model is immutable"),
-    ("spec.algorithm.name", "ppo", "spec.algorithm.name is immutable"),
-    ("spec.trainer.nodes", 4, "trainer.nodes is immutable"),
-    ("spec.trainer.gpusPerNode", 4, "trainer.gpusPerNode is immutable"),
-    ("spec.checkpoint.uri", "s3://ckpts/elsewhere", "spec.checkpoint.uri is immutable"),
+    ("model.path", BASE, "spec.model.path", "s3://models/other", "spec.model is immutable"),
+    ("algorithm.name", BASE, "spec.algorithm.name", "ppo", "spec.algorithm.name is immutable"),
+    ("trainer.nodes", BASE, "spec.trainer.nodes", 4, "trainer.nodes is immutable"),
+    ("trainer.gpusPerNode", BASE, "spec.trainer.gpusPerNode", 4, "trainer.gpusPerNode is immutable"),
+    ("checkpoint.uri", BASE, "spec.checkpoint.uri", "s3://ckpts/elsewhere", "spec.checkpoint.uri is immutable"),
+    ("checkpoint.endpoint-changed", STORAGE, "spec.checkpoint.endpoint", "http://minio.other:9000",
+     "spec.checkpoint.endpoint is immutable"),
+    ("checkpoint.endpoint-added", BASE, "spec.checkpoint.endpoint", ENDPOINT, "spec.checkpoint.endpoint is immutable"),
+    ("checkpoint.endpoint-removed", STORAGE, "spec.checkpoint.endpoint", None, "spec.checkpoint.endpoint is immutable"),
+    ("buffer.uri-changed", STORAGE, "spec.buffer.uri", "s3://ckpts/other-buffer", "spec.buffer.uri is immutable"),
+    ("buffer.uri-added", BASE, "spec.buffer.uri", BUFFER, "spec.buffer.uri is immutable"),
+    ("buffer.uri-removed", STORAGE, "spec.buffer.uri", None, "spec.buffer.uri is immutable"),
 ]
 
 
-@pytest.mark.parametrize("path, value, expected", IMMUTABLE, ids=[x[0] for x in IMMUTABLE])
-def test_immutable_fields_cannot_change(installed, api, namespace, path, value, expected):
-    _create(api, namespace, BASE)
+@pytest.mark.parametrize("created, path, value, expected", [x[1:] for x in IMMUTABLE], ids=[x[0] for x in IMMUTABLE])
+def test_immutable_fields_cannot_change(installed, api, namespace, created, path, value, expected):
+    _create(api, namespace, created)
     with pytest.raises(ApiException) as e:
         _patch(api, namespace, _set({}, path, value))
     assert e.value.status == 422 and expected in _message(e.value), _message(e.value)
@@ -162,6 +182,8 @@ def test_verl_knobs_are_accepted_and_null_disables_dual_clip(installed, api, nam
 
 
 def test_mutable_fields_can_change(installed, api, namespace):
-    _create(api, namespace, BASE)
-    patched = _patch(api, namespace, {"spec": {"suspend": True, "trainer": {"totalSteps": 999}}})
+    _create(api, namespace, STORAGE)
+    patched = _patch(api, namespace, {"spec": {"suspend": True, "trainer": {"totalSteps": 999},
+                                               "checkpoint": {"endpoint": ENDPOINT}, "buffer": {"maxStaleness": 3}}})
     assert patched["spec"]["trainer"]["totalSteps"] == 999 and patched["spec"]["suspend"] is True
+    assert patched["spec"]["checkpoint"]["endpoint"] == ENDPOINT and patched["spec"]["buffer"]["maxStaleness"] == 3
