@@ -68,6 +68,9 @@ REASON_PIN_MISSING = "PinnedVersionNotFound"
 REASON_NO_REPLICAS = "NoInferenceReplicas"
 REASON_STEPPING = "Stepping"
 REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
+REASON_POD_DISRUPTED = "PodDisrupted"  # evicted, preempted, drained: restarts without using maxRestarts
+REASON_CHILD_CONFLICT = "ChildConflict"  # a child's name is taken by an object this job does not control
+REASON_FORCE_DELETED = "PodStuckTerminating"  # an old pod outlived its grace period: force-deleted
 # Why the trainer waits (status.trainer.waiting.reason, copied into Progressing=False).
 WAIT_DATA = "WaitingForExperiences"
 WAIT_STALE = "ExperiencesStale"
@@ -124,11 +127,23 @@ def configmap_name(job: str) -> str:
 
 
 def status_role_name(job: str) -> str:
+    """The Role that lets the trainer and the sync agents patch this job's status."""
     return f"{job}-status-writer"
 
 
-def own_service_account_name(job: str) -> str:
-    return f"{job}-rftjob"
+def status_reader_role_name(job: str) -> str:
+    """The Role that lets explorers read this job (and nothing else)."""
+    return f"{job}-status-reader"
+
+
+# Each pod role runs as its own ServiceAccount `<job>-rft-<role>`, so the admission
+# policies (manifests/base/admission-policies.yaml) can tell the trainer, a sync agent and an
+# explorer apart by the request's username alone.
+SA_INFIX = "-rft-"
+
+
+def service_account_name(job: str, role: str) -> str:
+    return f"{job}{SA_INFIX}{role}"
 
 
 def inference_service_name(job: str) -> str:

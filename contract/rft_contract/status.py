@@ -133,6 +133,9 @@ class RFTJobStatus(Model):
     observed_generation: int | None = None
     attempt: int | None = None
     restarts: int | None = None
+    disruptions: int | None = Field(
+        default=None, description="Gang restarts caused by pod disruptions (eviction, preemption, drain); "
+        "they do not count against spec.failurePolicy.maxRestarts")
     start_time: str | None = None
     completion_time: str | None = None
     last_failure: FailureRecord | None = None

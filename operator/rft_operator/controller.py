@@ -5,6 +5,12 @@ Why not kopf's on.create/on.update/daemon handlers: change handlers chain logic 
 events (a missed one leaves a job stuck), and daemons/timers require a finalizer on every
 RFTJob (deletion would hang while the operator is down). Watch events only *enqueue*; the
 reconcile always reads the current level from kopf's watch-fed indexes.
+
+Errors: what a retry may fix (5xx, 429, timeouts, a 403 from a webhook that may be down)
+is retried with backoff. What it cannot, a child the API server refuses as invalid (422)
+or a child's name taken by an object this job does not control (409 on create, and the
+object's controller is not this job), is remembered for the job's generation and handed
+to the pure reconcile (`Observed.refusal`), which fails the job.
 """
 
 from __future__ import annotations
@@ -18,9 +24,13 @@ from typing import Any, Callable, Hashable, Iterable
 
 from kubernetes.client.rest import ApiException
 
+from rft_contract import names as c
+
+from . import policy
 from . import reconcile as rc
-from .kube import Conflict, Kube
+from .kube import Conflict, Kube, api_message
 from .metrics import OperatorMetrics
+from .model import ChildView, PodView, Refusal, managed_fields
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -73,6 +83,27 @@ class WorkQueue:
         return self._queue.qsize()
 
 
+class Refused(Exception):
+    """A write the API server will never accept for this job as it stands."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class Retry(Exception):
+    """Not now: come back after `delay` seconds (without counting as an error)."""
+
+    def __init__(self, message: str, delay: float):
+        super().__init__(message)
+        self.delay = delay
+
+
+# A child still held by a deleted job of the same name: the garbage collector removes it soon.
+PREVIOUS_OWNER_RETRY_SECONDS = 2.0
+WRITE_FAILED = {"creating": "CreateFailed", "patching": "PatchFailed"}  # event reasons
+
+
 class Controller:
     """Reads jobs and children from index lookups, writes through `Kube`."""
 
@@ -80,8 +111,8 @@ class Controller:
         self,
         kube: Kube,
         get_job: Callable[[Key], dict[str, Any] | None],
-        get_pods: Callable[[Key], Iterable[rc.PodView]],
-        get_children: Callable[[Key], Iterable[tuple[str, str, str]]],
+        get_pods: Callable[[Key], Iterable[PodView]],
+        get_children: Callable[[Key], Iterable[ChildView]],
         workers: int = 4,
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         metrics: OperatorMetrics | None = None,
@@ -99,6 +130,8 @@ class Controller:
         # A reconcile that still sees that version would act on stale state, so it waits.
         self._stale_rv: dict[Key, str] = {}
         self._failures: dict[Key, int] = {}
+        # Refusals by job: (uid, generation, refusal); a new generation or job forgets it.
+        self._refusals: dict[Key, tuple[str, Any, Refusal]] = {}
         self.reconciles = 0
         self.errors = 0
 
@@ -132,6 +165,7 @@ class Controller:
         self.metrics.observe_job(key, body)
         if body is None:  # deleted: children go with the garbage collector
             self._stale_rv.pop(key, None)
+            self._refusals.pop(key, None)
             return
         rv = body["metadata"].get("resourceVersion")
         if self._stale_rv.get(key) == rv:
@@ -142,19 +176,41 @@ class Controller:
             await self._reconcile(key, body)
 
     async def _reconcile(self, key: Key, body: dict[str, Any]) -> None:
-        observed = rc.Observed(
-            pods=list(self.get_pods(key)),
-            children={(kind, name): h for kind, name, h in self.get_children(key)},
-        )
+        observed = self.observe(key, body)
         plan = rc.reconcile(body, observed, self.clock())
         self.reconciles += 1
         self.metrics.reconciles.inc()
         log.debug("%s/%s: %d pods seen, phase %s -> %s, %d creates, %d deletes", *key,
                   len(observed.pods), (body.get("status") or {}).get("phase"),
                   plan.status.get("phase"), len(plan.create), len(plan.delete_pods))
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._apply, key, body, plan)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._apply, key, body, plan)
+        except Refused as e:  # the next pass fails the job with it
+            log.warning("%s/%s: %s", *key, e.refusal.message)
+            meta = body["metadata"]
+            self._refusals[key] = (meta.get("uid", ""), meta.get("generation"), e.refusal)
+            self.queue.add(key)
+            return
+        except Retry as e:
+            log.info("%s/%s: %s; again in %.0fs", *key, e, e.delay)
+            self.queue.add_after(key, e.delay)
+            return
         if plan.requeue_after is not None:
             self.queue.add_after(key, plan.requeue_after + 0.1)
+
+    def observe(self, key: Key, body: dict[str, Any]) -> rc.Observed:
+        """This job's children from the indexes: only those it controls (by uid; a child
+        of a deleted job of the same name, or anyone else's, is not ours), and the refusal
+        remembered for this job and generation."""
+        uid, generation = body["metadata"].get("uid", ""), body["metadata"].get("generation")
+        refusal = None
+        if key in self._refusals:
+            r_uid, r_generation, refusal = self._refusals[key]
+            if (r_uid, r_generation) != (uid, generation):
+                del self._refusals[key]
+                refusal = None
+        return rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
+                                      [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
 
     def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
         ns, name = key
@@ -174,21 +230,57 @@ class Controller:
         for obj in plan.create:
             self._create(body, obj)
         for obj in plan.replace:
-            self.kube.replace(obj)
+            self._write(body, obj, "patching", self.kube.replace)
+        for obj in plan.recreate:
+            self.kube.delete(obj)
+            self._create(body, obj)
         for pod in plan.delete_pods:
             self.kube.delete_pod(ns, pod)
+        for pod in plan.force_delete_pods:
+            self.kube.delete_pod(ns, pod, grace_period_seconds=0)
 
     def _create(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
+        """Create by name; a name already taken is fine only when this job controls the
+        object that holds it. Never adopt: anyone else's object is a ChildConflict."""
+        if self._write(body, obj, "creating", self.kube.create):
+            return
+        meta, what = body["metadata"], _what(obj)
+        live = self.kube.read(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        owner = policy.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), c.KIND)
+        if owner == policy.OURS:
+            # Ours, yet not in the index: someone took our labels off. Put them back.
+            if obj["kind"] != "Pod" and not policy.covers(managed_fields(live), managed_fields(obj)):
+                self._write(body, obj, "patching", self.kube.replace)
+            return
+        if owner == policy.PREVIOUS:
+            raise Retry(f"{what} still belongs to a deleted {c.KIND} of the same name; waiting for the "
+                        "garbage collector", PREVIOUS_OWNER_RETRY_SECONDS)
+        holder = next((r for r in live["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+        by = f" (its controller is {holder.get('kind')} {holder.get('name')})" if holder else ""
+        raise Refused(Refusal(c.REASON_CHILD_CONFLICT,
+                              f"{what} exists and is not owned by this {c.KIND}{by}; delete or rename it"))
+
+    def _write(self, body: dict[str, Any], obj: dict[str, Any], verb: str, write: Callable[[dict], Any]) -> Any:
+        """One child write; a refusal says which object and, for a 422, which field."""
         try:
-            self.kube.create(obj)
+            return write(obj)
         except ApiException as e:
-            what = f"{obj['kind']} {obj['metadata']['name']}"
-            self.kube.post_event(body, "Warning", "CreateFailed", f"creating {what}: {_describe(e)}")
+            what = _what(obj)
+            self.kube.post_event(body, "Warning", WRITE_FAILED[verb], f"{verb} {what}: {_describe(e)}")
+            if e.status == 422:
+                raise Refused(Refusal(c.REASON_INVALID_SPEC, f"{verb} {what}: {api_message(e) or e.reason}")) from None
             raise
 
 
+def _what(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
 def _describe(e: Exception) -> str:
+    """An error in words for logs and events: the status and the API server's message
+    (which names the field), never a request body."""
     if isinstance(e, ApiException):
-        return f"HTTP {e.status} {e.reason}"
+        message = api_message(e)
+        return f"HTTP {e.status} {e.reason}" + (f": {message}" if message else "")
     return f"{type(e).__name__}: {e}"
 

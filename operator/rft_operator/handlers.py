@@ -18,7 +18,7 @@ import kopf
 from rft_contract import names as c
 from .controller import Controller, Key
 from .kube import Kube, load_config
-from .reconcile import PodView
+from .model import ChildView, PodView
 
 log = logging.getLogger("rft_operator")
 
@@ -59,9 +59,10 @@ async def pods_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_:
 def _child_indexer(plural: str):
     kind = CHILD_KINDS[plural][1]
 
-    async def index(namespace: str, name: str, labels: kopf.Labels, annotations: kopf.Annotations,
-              **_: Any) -> dict:
-        return {(namespace, labels[c.LABEL_JOB]): (kind, name, annotations.get(c.ANNOTATION_SPEC_HASH, ""))}
+    # The view carries the controller's uid (the label alone does not make a child ours)
+    # and the live fields the operator manages (to see hand edits).
+    async def index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+        return {(namespace, labels[c.LABEL_JOB]): ChildView.from_object(kind, dict(body))}
 
     index.__name__ = f"{plural}_by_job"
     return index
@@ -123,9 +124,9 @@ def _get_pods(key: Key) -> list[PodView]:
     return list(idx["pods_by_job"].get(key, [])) if idx else []
 
 
-def _get_children(key: Key) -> list[tuple[str, str, str]]:
+def _get_children(key: Key) -> list[ChildView]:
     idx = _state.get("indexes", {})
-    out: list[tuple[str, str, str]] = []
+    out: list[ChildView] = []
     for plural in CHILD_KINDS:
         out += list(idx.get(f"{plural}_by_job", {}).get(key, []))
     return out
@@ -151,6 +152,10 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.standalone = True  # one replica; the Deployment uses Recreate
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.enabled = False  # we post our own, fewer, events
+    # No runtime discovery of CRDs and namespaces: the operator's RBAC grants neither (kopf
+    # logged "customresourcedefinitions ... forbidden" errors on every start), and the
+    # resources it serves exist before it starts (the CRD is installed first).
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     # Server-side filtering: only our children travel over the watch streams.
     for plural in ["pods", *CHILD_KINDS]:

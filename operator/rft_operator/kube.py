@@ -23,6 +23,18 @@ class Conflict(Exception):
     """The object changed since we read it; reconcile again from fresh state."""
 
 
+def api_message(e: ApiException, limit: int = 600) -> str:
+    """The API server's own explanation from an error response (its Status `message`,
+    which names the field for a 422), shortened; "" when there is none. Only the response
+    is read, never the request: a request body may carry what no event should show."""
+    body = e.body.decode(errors="replace") if isinstance(e.body, bytes) else e.body
+    try:
+        message = str(json.loads(body or "")["message"])
+    except (ValueError, TypeError, KeyError):
+        return ""
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
 def load_config() -> None:
     """In a pod: the mounted ServiceAccount; elsewhere: $KUBECONFIG / ~/.kube/config."""
     try:
@@ -60,22 +72,26 @@ class Kube:
 
     # ---------------------------------------------------------------- children
 
-    def _creator(self, kind: str):
-        return {
-            "Pod": self.core.create_namespaced_pod,
-            "Service": self.core.create_namespaced_service,
-            "ConfigMap": self.core.create_namespaced_config_map,
-            "ServiceAccount": self.core.create_namespaced_service_account,
-            "Role": self.rbac.create_namespaced_role,
-            "RoleBinding": self.rbac.create_namespaced_role_binding,
+    def _call(self, verb: str, kind: str):
+        """The client method for `verb` (create, read, patch, delete) on a child kind. Every
+        kind the operator creates is listed here once; handlers.CHILD_KINDS watches them."""
+        api, noun = {
+            "Pod": (self.core, "pod"),
+            "Service": (self.core, "service"),
+            "ConfigMap": (self.core, "config_map"),
+            "ServiceAccount": (self.core, "service_account"),
+            "Role": (self.rbac, "role"),
+            "RoleBinding": (self.rbac, "role_binding"),
         }[kind]
+        return getattr(api, f"{verb}_namespaced_{noun}")
 
     @_timed
     def create(self, obj: Obj) -> bool:
-        """Create by name. Returns False when it already exists (409 is success)."""
-        ns = obj["metadata"]["namespace"]
+        """Create by name. False when the name is taken (409): whether that is success
+        depends on whose object holds it (`read` it and check its controller)."""
+        meta = obj["metadata"]
         try:
-            self._creator(obj["kind"])(ns, obj, _preload_content=False)
+            self._call("create", obj["kind"])(meta["namespace"], obj, _preload_content=False)
             return True
         except ApiException as e:
             if e.status == 409:
@@ -83,20 +99,38 @@ class Kube:
             raise
 
     @_timed
-    def replace(self, obj: Obj) -> None:
-        """Bring a drifted child back to its rendered form (merge patch keeps it simple)."""
-        meta = obj["metadata"]
-        patchers = {
-            "ConfigMap": self.core.patch_namespaced_config_map,
-            "RoleBinding": self.rbac.patch_namespaced_role_binding,
-            "Service": self.core.patch_namespaced_service,
-        }
-        patchers[obj["kind"]](meta["name"], meta["namespace"], obj, _preload_content=False)
+    def read(self, kind: str, namespace: str, name: str) -> Obj:
+        resp = self._call("read", kind)(name, namespace, _preload_content=False)
+        return json.loads(resp.data)
 
     @_timed
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def replace(self, obj: Obj) -> None:
+        """Bring a drifted child back to its rendered form. A merge patch: rendered keys win,
+        lists (ports, subjects, rules) are replaced whole, what the server added is kept."""
+        meta = obj["metadata"]
+        # Not the client's default strategic merge: it merges a Service's ports by port
+        # number, so a hand-edited port would stay beside ours (and clash on the name).
+        self._call("patch", obj["kind"])(meta["name"], meta["namespace"], obj, _preload_content=False,
+                                         _content_type="application/merge-patch+json")
+
+    @_timed
+    def delete(self, obj: Obj) -> None:
+        """Delete a child (404 = already gone), e.g. to create it again with a field the API
+        server does not let change (a RoleBinding's roleRef)."""
+        meta = obj["metadata"]
         try:
-            self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
+            self._call("delete", obj["kind"])(meta["name"], meta["namespace"], _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    @_timed
+    def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
+        """Delete a pod (404 = gone); `grace_period_seconds=0` force-deletes one whose node
+        will never confirm (the object goes at once, whatever its kubelet still runs)."""
+        kwargs = {} if grace_period_seconds is None else {"grace_period_seconds": grace_period_seconds}
+        try:
+            self.core.delete_namespaced_pod(name, namespace, _preload_content=False, **kwargs)
         except ApiException as e:
             if e.status != 404:
                 raise

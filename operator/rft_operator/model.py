@@ -1,18 +1,27 @@
 """The values the reconcile concerns exchange: what they observe and what they report.
 
-`PodView` is the little the operator reads from a child pod; `Event` is a Kubernetes event
-to emit. Both live here, not in `reconcile.py`, so the concern modules (`gang`, `rollout`,
+`PodView` is the little the operator reads from a child pod, `ChildView` the same for a
+static child (ConfigMap, Service, ServiceAccount, Role, RoleBinding); `Event` is a
+Kubernetes event to emit; `Refusal` a child the API server would not take for this job.
+They live here, not in `reconcile.py`, so the concern modules (`gang`, `rollout`,
 `weightsync`) can use them without importing the composition that imports them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Iterable
 
 from rft_contract import names as c
 
 Obj = dict[str, Any]
+
+# The pod condition the API server (eviction, preemption, taint manager) or the kubelet
+# (node-pressure eviction) sets on a pod it is about to stop for reasons of its own.
+DISRUPTION_TARGET = "DisruptionTarget"
+TRAINER_CONTAINER = "trainer"
 
 
 @dataclass(frozen=True)
@@ -28,16 +37,29 @@ class PodView:
     reason: str | None = None
     role: str = c.ROLE_TRAINER
     spec_hash: str = ""
+    # When the trainer container terminated (state.terminated.finishedAt).
+    finished_at: datetime | None = None
+    # The DisruptionTarget condition: the cluster, not the program, stopped the pod.
+    disruption: str | None = None  # its reason, e.g. EvictionByEvictionAPI; None: not disrupted
+    disrupted_at: datetime | None = None  # its lastTransitionTime
+    # metadata.deletionTimestamp: the API server sets it to the delete request's time plus
+    # the grace period, so it is when the kubelet should have finished, not when deletion began.
+    deletion_deadline: datetime | None = None
+    deletion_grace_seconds: int | None = None  # metadata.deletionGracePeriodSeconds; 0: forced
+    owner_uid: str = ""  # uid of the controller ownerReference
 
     @classmethod
     def from_pod(cls, pod: Obj) -> "PodView":
         meta, status = pod["metadata"], pod.get("status") or {}
         lbls = meta.get("labels") or {}
-        exit_code, reason = None, status.get("reason")
+        exit_code, reason, finished = None, status.get("reason"), None
         for cs in status.get("containerStatuses") or []:
             term = (cs.get("state") or {}).get("terminated")
-            if term and (cs.get("name") == "trainer" or exit_code is None):
+            if term and (cs.get("name") == TRAINER_CONTAINER or exit_code is None):
                 exit_code, reason = term.get("exitCode"), term.get("reason") or reason
+                finished = parse_api_time(term.get("finishedAt"))
+        disruption = next((x for x in status.get("conditions") or []
+                           if x.get("type") == DISRUPTION_TARGET and x.get("status") == "True"), None)
         return cls(
             name=meta["name"],
             attempt=int(lbls.get(c.LABEL_ATTEMPT, -1)),
@@ -48,16 +70,61 @@ class PodView:
             reason=reason,
             role=lbls.get(c.LABEL_ROLE, c.ROLE_TRAINER),
             spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
+            finished_at=finished,
+            disruption=(disruption.get("reason") or DISRUPTION_TARGET) if disruption else None,
+            disrupted_at=parse_api_time(disruption.get("lastTransitionTime")) if disruption else None,
+            deletion_deadline=parse_api_time(meta.get("deletionTimestamp")),
+            deletion_grace_seconds=meta.get("deletionGracePeriodSeconds"),
+            owner_uid=controller_uid(meta),
         )
 
     @property
     def active(self) -> bool:
         return self.phase in ("Pending", "Running") and not self.deleting
 
+    @property
+    def ended_at(self) -> datetime | None:
+        """When the pod stopped being part of the gang: when it was disrupted (the decision
+        to stop it, which precedes its exit) or else when its trainer container exited."""
+        return self.disrupted_at or self.finished_at
+
+    @property
+    def force_deleted(self) -> bool:
+        return self.deleting and self.deletion_grace_seconds == 0
+
+
+@dataclass(frozen=True)
+class ChildView:
+    """What the operator needs to know about one static child: its spec hash annotation,
+    its controller owner, and the live fields it manages (`managed_fields`), so a hand edit
+    is seen even though the annotation still carries the rendered hash."""
+
+    kind: str
+    name: str
+    spec_hash: str = ""
+    owner_uid: str = ""
+    live: Obj = field(default_factory=dict)
+
+    @classmethod
+    def from_object(cls, kind: str, obj: Obj) -> "ChildView":
+        meta = obj["metadata"]
+        return cls(kind, meta["name"], (meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
+                   controller_uid(meta), managed_fields(obj))
+
 
 @dataclass(frozen=True)
 class Event:
     type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A child the API server would not take for this job, which no retry can fix: it is
+    invalid (HTTP 422, reason InvalidSpec) or its name is taken by an object this job does
+    not control (reason ChildConflict). `message` names the object and, for 422, the field."""
+
     reason: str
     message: str
 
@@ -70,3 +137,28 @@ def compute_deletions(already: tuple[str, ...], pods: Iterable[PodView]) -> tupl
         if not p.deleting and p.name not in out:
             out.append(p.name)
     return tuple(out)
+
+
+def controller_uid(meta: Obj) -> str:
+    """The uid of the object's controller ownerReference ("" when it has none)."""
+    return next((r.get("uid", "") for r in meta.get("ownerReferences") or [] if r.get("controller")), "")
+
+
+def managed_fields(obj: Obj) -> Obj:
+    """The parts of a child the operator renders and restores: its labels and every
+    top-level field but identity and status (data, spec, rules, roleRef, subjects, ...)."""
+    out = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+    out["metadata"] = {"labels": dict((obj.get("metadata") or {}).get("labels") or {})}
+    return out
+
+
+def parse_api_time(value: object) -> datetime | None:
+    """An RFC 3339 time as the API server writes it ("2026-11-30T12:00:00Z"); None when
+    absent or unreadable (a time this operator cannot read is no time at all)."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)

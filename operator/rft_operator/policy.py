@@ -1,5 +1,5 @@
-"""Small pure policies with table-driven tests: exit codes, backoff, progress deadline,
-conditions."""
+"""Small pure policies with table-driven tests: exit codes and disruptions, backoff,
+progress deadline, pods stuck terminating, ownership and drift of children, conditions."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from rft_contract.spec import FailurePolicy
 
 FATAL = "fatal"
 RETRYABLE = "retryable"
+DISRUPTED = "disrupted"  # the cluster stopped the pod: restart without using the budget
+
+# How long past its deletion deadline (deletionTimestamp = request + grace period) a pod may
+# stay terminating before it is force-deleted: a kubelet that is alive confirms well within.
+FORCE_DELETE_MARGIN_SECONDS = 60.0
 
 
 def classify_exit_code(code: int | None, policy: FailurePolicy) -> str:
@@ -27,6 +32,15 @@ def classify_exit_code(code: int | None, policy: FailurePolicy) -> str:
     if policy.retryable_exit_codes is not None and code not in policy.retryable_exit_codes:
         return FATAL
     return RETRYABLE
+
+
+def classify_failure(code: int | None, disruption: str | None, policy: FailurePolicy) -> str:
+    """A pod the cluster disrupted (DisruptionTarget: evicted, preempted, drained, node
+    pressure) ended for the cluster's reasons, not the program's: its exit code (usually
+    143, from SIGTERM) is not judged. Any other pod is judged by its exit code."""
+    if disruption:
+        return DISRUPTED
+    return classify_exit_code(code, policy)
 
 
 def should_restart(restarts: int, policy: FailurePolicy) -> bool:
@@ -49,6 +63,48 @@ def progress_deadline_remaining(since: datetime | None, deadline_seconds: int, n
     if not deadline_seconds or since is None:
         return None
     return deadline_seconds - (now - since).total_seconds()
+
+
+def force_delete_remaining(deletion_deadline: datetime | None, now: datetime,
+                           margin: float = FORCE_DELETE_MARGIN_SECONDS) -> float | None:
+    """Seconds until a terminating pod counts as stuck and is force-deleted (<= 0: now);
+    None for a pod that is not being deleted. The deadline already includes the pod's
+    grace period (the API server sets deletionTimestamp to request time + grace)."""
+    if deletion_deadline is None:
+        return None
+    return margin - (now - deletion_deadline).total_seconds()
+
+
+# ------------------------------------------------------------------ children
+
+OURS, PREVIOUS, FOREIGN = "ours", "previous", "foreign"
+
+
+def classify_owner(live_meta: dict[str, Any], job_name: str, job_uid: str, job_kind: str) -> str:
+    """Whose is an existing child named like one of ours? `ours` when its controller
+    ownerReference is this job (by uid); `previous` when it is a deleted job of the same
+    name (another uid: the garbage collector is removing it, wait); `foreign` otherwise
+    (no controller, or another controller): never adopt it."""
+    ref = next((r for r in live_meta.get("ownerReferences") or [] if r.get("controller")), None)
+    if ref is None:
+        return FOREIGN
+    if ref.get("uid") == job_uid:
+        return OURS
+    if ref.get("kind") == job_kind and ref.get("name") == job_name:
+        return PREVIOUS
+    return FOREIGN
+
+
+def covers(live: Any, want: Any) -> bool:
+    """Whether the live value still holds everything the operator rendered: every key of
+    a rendered dict with a covering value (the API server's defaults, e.g. a port's
+    protocol, are extra keys and fine), lists element by element with the same length
+    (an added port or subject is drift), scalars equal."""
+    if isinstance(want, dict):
+        return isinstance(live, dict) and all(k in live and covers(live[k], v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(map(covers, live, want))
+    return live == want
 
 
 # ------------------------------------------------------------------ time

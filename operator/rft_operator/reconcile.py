@@ -9,35 +9,59 @@ derived from it and idempotent (create-by-name, delete-if-present).
 One module per concern, each a pure function of explicit inputs: `gang` (trainer pods,
 failure policy, progress deadline), `weightsync` (serving target, replica counts),
 `rollout` (inference and explorer pods), `conditions`. This module only composes them into
-a Plan (docs/design.md).
+a Plan (docs/design.md), and keeps the static children as rendered: every one carries a
+spec hash, and one whose hash or live fields drifted is patched back (or, when a field that
+cannot change did, deleted and created again).
+
+Ownership: only children whose controller ownerReference is this job (by uid) are observed
+as ours (the controller filters the indexes); a name taken by anything else makes the
+create fail with 409, and the controller turns that into a `Refusal` (ChildConflict), as it
+does a child the API server refuses as invalid (422, InvalidSpec). The gang fails the job
+on it: never adopt, never retry what cannot succeed.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec, parse_spec
 
-from . import conditions, gang, rollout, weightsync
+from . import conditions, gang, policy, rollout, weightsync
 from .children import build_static_children
-from .model import Event, Obj, PodView
-from .objects import JobRef
+from .model import ChildView, Event, Obj, PodView, Refusal, managed_fields
+from .objects import JobRef, spec_hash
 
-__all__ = ["OPERATOR_STATUS_KEYS", "Event", "Observed", "Plan", "PodView", "reconcile"]
+__all__ = ["OPERATOR_STATUS_KEYS", "ChildView", "Event", "Observed", "Plan", "PodView", "Refusal", "reconcile"]
 
 OPERATOR_STATUS_KEYS = (
-    "phase", "message", "observedGeneration", "attempt", "restarts", "startTime",
+    "phase", "message", "observedGeneration", "attempt", "restarts", "disruptions", "startTime",
     "completionTime", "lastFailure", "conditions", "progress",
 )
+
+# Fields the API server never lets change: a child whose rendered value differs is
+# deleted and created again rather than patched.
+IMMUTABLE_FIELDS = {"RoleBinding": ("roleRef",)}
 
 
 @dataclass
 class Observed:
     pods: list[PodView] = field(default_factory=list)
-    # Static children present: (kind, name) -> spec hash annotation (or "").
+    # Static children of this job: (kind, name) -> spec hash annotation (or "").
     children: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Their live managed fields (`model.managed_fields`), for drift by hand edits; a child
+    # missing here is judged by its hash alone.
+    live: dict[tuple[str, str], Obj] = field(default_factory=dict)
+    # A child the API server refused for this job's current generation.
+    refusal: Refusal | None = None
+
+    @classmethod
+    def from_views(cls, pods: list[PodView], children: list[ChildView], refusal: Refusal | None = None
+                   ) -> "Observed":
+        return cls(pods, {(x.kind, x.name): x.spec_hash for x in children},
+                   {(x.kind, x.name): x.live for x in children}, refusal)
 
 
 @dataclass
@@ -45,8 +69,10 @@ class Plan:
     status: Obj  # operator-owned status fields, complete
     status_changed: bool
     create: list[Obj] = field(default_factory=list)
-    replace: list[Obj] = field(default_factory=list)
+    replace: list[Obj] = field(default_factory=list)  # merge-patch back to the rendered form
+    recreate: list[Obj] = field(default_factory=list)  # delete, then create (an immutable field drifted)
     delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)  # stuck terminating: grace period 0
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -65,12 +91,13 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     # decides the phase. Rollouts need both the gang's phase and completion time (what to
     # keep) and the WeightsSynced condition (whether a succeeded job's inference pods may
     # go yet). Conditions summarise all of it. Static children come first in the plan:
-    # pods mount the ConfigMap and resolve the Services.
+    # pods mount the ConfigMap and resolve the Services; a job that ends in this pass
+    # needs none.
     spec, spec_error = _parse(body)
-    create, replace = compute_static_children(ref, spec, old.get("phase"), observed.children)
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
     progress = gang.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
-    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress)
+    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal)
+    create, replace, recreate = compute_static_children(ref, spec, g.phase, observed.children, observed.live)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
@@ -88,7 +115,9 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
         status_changed=changed or "trainer" in status or "weightSync" in status,
         create=[*create, *g.create, *ro.create],
         replace=replace,
+        recreate=recreate,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
+        force_delete_pods=list(g.force_delete),
         events=[*g.events, *ws.events],
         # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
         requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
@@ -104,18 +133,41 @@ def _parse(body: Obj) -> tuple[RFTJobSpec | None, str]:
 
 
 def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | None,
-                            present: dict[tuple[str, str], str]) -> tuple[list[Obj], list[Obj]]:
-    """(to create, to replace): missing children, and ones whose spec hash drifted.
-    Nothing for an invalid spec or a finished job: it needs none of them any more."""
+                            present: dict[tuple[str, str], str], live: dict[tuple[str, str], Obj] | None = None,
+                            ) -> tuple[list[Obj], list[Obj], list[Obj]]:
+    """(to create, to patch back, to delete and create again): the missing children, the
+    ones that drifted, and the drifted ones whose immutable fields changed. Nothing for an
+    invalid spec or a finished job: it needs none of them any more.
+
+    A child drifted when its spec hash annotation is not the rendered one (the spec
+    changed; a child without one predates the hashes and is judged by its fields), or when
+    its live fields no longer hold the rendered ones (a hand edit: `policy.covers`)."""
     create: list[Obj] = []
     replace: list[Obj] = []
+    recreate: list[Obj] = []
     if spec is None or phase in c.TERMINAL_PHASES:
-        return create, replace
+        return create, replace, recreate
     for obj in build_static_children(ref, spec):
+        obj = with_spec_hash(obj)
         key = (obj["kind"], obj["metadata"]["name"])
-        want = (obj["metadata"].get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, "")
         if key not in present:
             create.append(obj)
-        elif want and present[key] != want:
+            continue
+        have = (live or {}).get(key)
+        hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
+            recreate.append(obj)
+        elif hash_drift or (have is not None and not policy.covers(have, managed_fields(obj))):
             replace.append(obj)
-    return create, replace
+    return create, replace, recreate
+
+
+def with_spec_hash(obj: Obj) -> Obj:
+    """The child with its `rft.dev/spec-hash` annotation: the one its builder set (the
+    ConfigMap's covers the config it carries), else a digest of the whole rendered object."""
+    annotations = obj["metadata"].get("annotations") or {}
+    if annotations.get(c.ANNOTATION_SPEC_HASH):
+        return obj
+    out = copy.deepcopy(obj)
+    out["metadata"]["annotations"] = {**annotations, c.ANNOTATION_SPEC_HASH: spec_hash(obj)}
+    return out

@@ -103,7 +103,7 @@ def test_times_are_set_once(old, key, want):
     assert gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW).status[key] == want
 
 
-@pytest.mark.parametrize("old, gang_pods, want", [
+@pytest.mark.parametrize("old, gang_pods, want", [  # see test_failure_policy.py for the gang-wide rules
     (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
     (st(c.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
     (st(c.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, c.REASON_POD_DELETED, "disappeared")),
@@ -112,9 +112,9 @@ def test_times_are_set_once(old, key, want):
     (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, c.REASON_POD_FAILED, "exit code 137")),
     (st(c.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, c.REASON_POD_FAILED, "(no exit code)")),
 ])
-def test_compute_first_failure(old, gang_pods, want):
-    got = gang.compute_first_failure("demo", old, 1, gang_pods, 2)
+def test_compute_failure(old, gang_pods, want):
+    got = gang.compute_failure("demo", old, 1, gang_pods, 2, parse_spec(SPEC).failure_policy)
     if want is None:
         assert got is None
     else:
-        assert (got["pod"], got["exitCode"], got["reason"]) == want[:3] and want[3] in got["message"]
+        assert (got.pod, got.exit_code, got.reason) == want[:3] and want[3] in got.message

@@ -10,7 +10,7 @@ from rft_operator.reconcile import Observed, PodView, reconcile
 from .conftest import NOW, SPEC, make_job
 
 STATIC = {
-    ("ServiceAccount", "demo-rftjob"): "",
+    ("ServiceAccount", "demo-rft-trainer"): "",
     ("Role", "demo-status-writer"): "",
     ("RoleBinding", "demo-status-writer"): "",
     ("Service", "demo-trainer"): "",

@@ -1,0 +1,214 @@
+"""The controller between the pure reconcile and the API: ownership on 409 (never adopt),
+a 422 turned into InvalidSpec, errors described with the server's message, drift and
+force deletions applied. A fake API server stands in for `Kube`."""
+
+import asyncio
+import copy
+import json
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from rft_contract import names as c
+from rft_operator.controller import Controller, _describe
+from rft_operator.model import ChildView, PodView
+from rft_operator.objects import JobRef, owner_reference
+
+from .conftest import NOW, make_job
+
+KEY = ("team-a", "demo")
+UID = "0000-1111"
+
+
+def api_error(status: int, message: str, reason: str = "") -> ApiException:
+    e = ApiException(status=status, reason=reason or {409: "Conflict", 422: "Unprocessable Entity"}.get(status, "Err"))
+    e.body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                         "reason": "Invalid", "code": status}).encode()
+    return e
+
+
+class FakeKube:
+    """Records writes; `existing` objects answer a create with 409, `refuse` with an error."""
+
+    def __init__(self, job: dict):
+        self.job, self.requests, self.seconds = job, 0, 0.0
+        self.existing: dict[tuple[str, str], dict] = {}
+        self.refuse: dict[tuple[str, str], ApiException] = {}
+        self.calls: list[tuple] = []
+        self.events: list[tuple[str, str, str]] = []
+
+    def patch_status(self, ns, name, status, rv):
+        # What the watch then delivers: the job with the new status and resourceVersion.
+        self.job["status"] = {**self.job.get("status", {}), **copy.deepcopy(status)}
+        self.job["metadata"]["resourceVersion"] = str(int(rv) + 1)
+        return self.job["metadata"]["resourceVersion"]
+
+    def post_event(self, body, type_, reason, message):
+        self.events.append((type_, reason, message))
+
+    def create(self, obj):
+        key = (obj["kind"], obj["metadata"]["name"])
+        self.calls.append(("create", *key))
+        if key in self.refuse:
+            raise self.refuse[key]
+        return key not in self.existing
+
+    def read(self, kind, ns, name):
+        self.calls.append(("read", kind, name))
+        return copy.deepcopy(self.existing[(kind, name)])
+
+    def replace(self, obj):
+        self.calls.append(("replace", obj["kind"], obj["metadata"]["name"]))
+
+    def delete(self, obj):
+        self.calls.append(("delete", obj["kind"], obj["metadata"]["name"]))
+
+    def delete_pod(self, ns, name, grace_period_seconds=None):
+        self.calls.append(("delete_pod", name, grace_period_seconds))
+
+
+def controller(kube, pods=(), children=()):
+    return Controller(kube, lambda key: kube.job if key == KEY else None, lambda key: list(pods),
+                      lambda key: list(children), workers=1, clock=lambda: NOW)
+
+
+def passes(ctl, n=2):
+    """Run `n` passes over the job, as the queue would after each write's watch event."""
+    async def go():
+        for _ in range(n):
+            await ctl.sync(KEY)
+        await ctl.stop()
+    asyncio.run(go())
+
+
+def configmap(owner_refs):
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "demo-config", "namespace": "team-a", "ownerReferences": owner_refs},
+            "data": {"hand": "made"}}
+
+
+def test_existing_unowned_configmap_fails_the_job_and_is_left_alone():
+    kube = FakeKube(make_job())
+    kube.existing[("ConfigMap", "demo-config")] = configmap([])
+    passes(controller(kube))
+    status = kube.job["status"]
+    assert (status["phase"], _cond(status, c.COND_FAILED)["reason"]) == (c.FAILED, c.REASON_CHILD_CONFLICT)
+    assert status["message"] == ("ConfigMap team-a/demo-config exists and is not owned by this RFTJob; "
+                                 "delete or rename it")
+    # Nothing written to it, and no pod started that would mount it.
+    assert not [x for x in kube.calls if x[0] in ("replace", "delete") and x[1] == "ConfigMap"]
+    assert not [x for x in kube.calls if x[:2] == ("create", "Pod")]
+    assert ("Warning", c.REASON_CHILD_CONFLICT, status["message"]) in kube.events
+
+
+def test_configmap_controlled_by_someone_else_names_its_controller():
+    kube = FakeKube(make_job())
+    other = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web", "uid": "u-web", "controller": True}
+    kube.existing[("ConfigMap", "demo-config")] = configmap([other])
+    passes(controller(kube))
+    assert "(its controller is Deployment web)" in kube.job["status"]["message"]
+
+
+def test_our_own_child_on_409_is_success():
+    kube = FakeKube(make_job())
+    kube.existing[("ConfigMap", "demo-config")] = configmap([owner_reference(JobRef("demo", "team-a", UID))])
+    passes(controller(kube))
+    assert kube.job["status"]["phase"] == c.PENDING
+    # Its labels are gone (that is why the index missed it): patched back.
+    assert ("replace", "ConfigMap", "demo-config") in kube.calls
+
+
+def test_child_of_a_deleted_job_with_the_same_name_waits_for_the_garbage_collector():
+    kube = FakeKube(make_job())
+    kube.existing[("ConfigMap", "demo-config")] = configmap([owner_reference(JobRef("demo", "team-a", "old-uid"))])
+    ctl = controller(kube)
+    passes(ctl)
+    assert kube.job["status"]["phase"] == c.PENDING  # not failed
+    assert ctl.errors == 0
+
+
+def test_422_fails_the_job_with_the_field_named():
+    kube = FakeKube(make_job())
+    message = ('Pod "demo-trainer-1-1" is invalid: spec.containers[0].resources.requests: '
+               'Invalid value: "9": must be less than or equal to cpu limit')
+    kube.refuse[("Pod", "demo-trainer-1-1")] = api_error(422, message)
+    ctl = controller(kube)
+    passes(ctl)
+    status = kube.job["status"]
+    want = f"creating Pod team-a/demo-trainer-1-1: {message}"
+    assert (status["phase"], status["message"]) == (c.FAILED, want)
+    assert _cond(status, c.COND_FAILED)["reason"] == c.REASON_INVALID_SPEC
+    assert ("Warning", "CreateFailed", f"creating Pod team-a/demo-trainer-1-1: HTTP 422 Unprocessable Entity: "
+            f"{message}") in kube.events
+    assert ("Warning", c.REASON_INVALID_SPEC, want) in kube.events
+    assert ctl.errors == 0
+    # The failing pass creates nothing more.
+    assert [x for x in kube.calls if x[0] == "create"][-1] == ("create", "Pod", "demo-trainer-1-1")
+
+
+def test_a_refusal_is_forgotten_for_a_new_generation():
+    kube = FakeKube(make_job())
+    kube.refuse[("Pod", "demo-trainer-1-0")] = api_error(422, "bad")
+    ctl = controller(kube)
+    passes(ctl, 1)
+    assert ctl.observe(KEY, kube.job).refusal is not None
+    assert ctl.observe(KEY, make_job(generation=2)).refusal is None
+
+
+def test_transient_errors_are_retried_not_failed():
+    kube = FakeKube(make_job())
+    kube.refuse[("Pod", "demo-trainer-1-0")] = api_error(403, "admission webhook \"x\" is unavailable", "Forbidden")
+
+    async def go():
+        ctl = controller(kube)
+        with pytest.raises(ApiException):
+            await ctl.sync(KEY)
+        await ctl.stop()
+    asyncio.run(go())
+    assert kube.job["status"]["phase"] == c.PENDING
+    assert kube.events[-1][2].endswith('HTTP 403 Forbidden: admission webhook "x" is unavailable')
+
+
+def test_only_children_this_job_controls_are_observed():
+    ours = PodView("demo-trainer-1-0", 1, 0, "Running", owner_uid=UID)
+    old = PodView("demo-trainer-1-1", 1, 1, "Running", owner_uid="old-uid")
+    children = [ChildView("Service", "demo-trainer", "h", UID), ChildView("ConfigMap", "demo-config", "h", "")]
+    observed = controller(FakeKube(make_job()), [ours, old], children).observe(KEY, make_job())
+    assert [p.name for p in observed.pods] == ["demo-trainer-1-0"]
+    assert list(observed.children) == [("Service", "demo-trainer")]
+
+
+def test_recreate_and_force_deletions_are_applied():
+    kube = FakeKube(make_job(status={"phase": c.PENDING, "attempt": 2, "restarts": 1}))
+    stuck = PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID,
+                    deletion_deadline=NOW.replace(hour=11), deletion_grace_seconds=30)
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "demo-status-writer", "namespace": "team-a", "labels": {},
+                            "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "other"},
+               "subjects": []}
+    passes(controller(kube, [stuck], [ChildView.from_object("RoleBinding", binding)]), 1)
+    assert ("delete_pod", "demo-trainer-1-0", 0) in kube.calls
+    i = kube.calls.index(("delete", "RoleBinding", "demo-status-writer"))
+    assert kube.calls[i + 1] == ("create", "RoleBinding", "demo-status-writer")
+
+
+@pytest.mark.parametrize("error, want", [
+    (api_error(422, 'Pod "p" is invalid: spec.containers[0].image: Required value'),
+     'HTTP 422 Unprocessable Entity: Pod "p" is invalid: spec.containers[0].image: Required value'),
+    (api_error(500, "x" * 2000, "Internal Server Error"), "HTTP 500 Internal Server Error: " + "x" * 597 + "..."),
+    (ApiException(status=503, reason="Service Unavailable"), "HTTP 503 Service Unavailable"),
+    (RuntimeError("boom"), "RuntimeError: boom"),
+])
+def test_describe_carries_the_servers_message(error, want):
+    assert _describe(error) == want
+
+
+def test_describe_never_shows_the_request():
+    e = api_error(422, "ConfigMap \"c\" is invalid: data: Too long")
+    e.headers = {"Authorization": "Bearer secret"}
+    assert "secret" not in _describe(e) and "data: Too long" in _describe(e)
+
+
+def _cond(status, type_):
+    return next(x for x in status["conditions"] if x["type"] == type_)

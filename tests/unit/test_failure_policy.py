@@ -1,0 +1,220 @@
+"""The failure policy across the gang, from pods shaped as the API server reports them
+(`PodView.from_pod`): fatal codes win over retryable ones on any rank, otherwise the rank
+that ended first is the root cause; disruptions restart without using the budget; old
+pods stuck terminating are force-deleted once their grace period is well over."""
+
+from datetime import timedelta
+
+import pytest
+
+from rft_contract import names as c
+from rft_contract.spec import parse_spec
+from rft_operator import gang
+from rft_operator.model import PodView
+from rft_operator.objects import JobRef
+from rft_operator.policy import FORCE_DELETE_MARGIN_SECONDS, format_time
+from rft_operator.reconcile import Observed, reconcile
+
+from .conftest import NOW, SPEC, make_job
+
+REF = JobRef("demo", "team-a", "0000-1111")
+
+
+def at(seconds: float) -> str:
+    return format_time(NOW + timedelta(seconds=seconds))
+
+
+def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int | None = None,
+             finished: float | None = None, disrupted: str | None = None, disrupted_at: float = -120,
+             deleted_at: float | None = None, grace: int = 30, terminated_reason: str = "Error") -> dict:
+    """A trainer pod as `kubectl get pod -o json` shows it. `finished`, `disrupted_at` and
+    `deleted_at` are seconds from NOW; `deleted_at` is when the delete request came: the API
+    server sets deletionTimestamp to that plus the grace period."""
+    name = f"demo-trainer-{attempt}-{rank}"
+    meta = {
+        "name": name, "namespace": "team-a", "uid": f"uid-{name}", "resourceVersion": "1000",
+        "creationTimestamp": at(-600),
+        "labels": {c.LABEL_JOB: "demo", c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_ROLE: c.ROLE_TRAINER,
+                   c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(rank)},
+        "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "demo", "uid": REF.uid,
+                             "controller": True, "blockOwnerDeletion": True}],
+    }
+    if deleted_at is not None:
+        meta["deletionTimestamp"] = at(deleted_at + grace)
+        meta["deletionGracePeriodSeconds"] = grace
+    conditions = [{"type": t, "status": "True" if phase == "Running" else "False", "lastProbeTime": None,
+                   "lastTransitionTime": at(-590)} for t in ("Initialized", "Ready", "ContainersReady")]
+    conditions.append({"type": "PodScheduled", "status": "True", "lastProbeTime": None,
+                       "lastTransitionTime": at(-595)})
+    if disrupted:
+        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disrupted,
+                           "message": "Eviction API: evicting", "lastProbeTime": None,
+                           "lastTransitionTime": at(disrupted_at)})
+    if exit_code is None:
+        state = {"running": {"startedAt": at(-590)}}
+    else:
+        state = {"terminated": {"exitCode": exit_code, "reason": terminated_reason, "startedAt": at(-590),
+                                "finishedAt": at(finished if finished is not None else -60),
+                                "containerID": f"containerd://{rank}"}}
+    status = {"phase": phase, "conditions": conditions, "hostIP": "10.0.0.1", "podIP": f"10.1.0.{rank}",
+              "startTime": at(-595), "qosClass": "Burstable",
+              "containerStatuses": [{"name": "trainer", "image": "trainer:0.1", "imageID": "", "ready": False,
+                                     "restartCount": 0, "started": exit_code is None, "state": state,
+                                     "lastState": {}, "containerID": f"containerd://{rank}"}]}
+    if phase == "Failed" and disrupted == "TerminationByKubelet":
+        status["reason"] = "Evicted"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": [{"name": "trainer"}]},
+            "status": status}
+
+
+def views(*pods: dict) -> list[PodView]:
+    return [PodView.from_pod(p) for p in pods]
+
+
+def run(pods, old=None, after: float = 0, **policy):
+    spec = parse_spec({**SPEC, "failurePolicy": {**SPEC["failurePolicy"], **policy}})
+    old = old or {"phase": c.RUNNING, "attempt": 1, "restarts": 0}
+    return gang.compute_gang(REF, spec, "", old, views(*pods), NOW + timedelta(seconds=after))
+
+
+def failed(rank, code, finished, **kw):
+    return pod_dict(1, rank, "Failed", exit_code=code, finished=finished, **kw)
+
+
+# ------------------------------------------------------------------ fatal vs retryable, root cause
+
+# id, pods, expected: phase, Failed/event reason, lastFailure.pod, restarts, disruptions
+CASES = [
+    ("fatal-on-rank-1-after-oom-on-rank-0", [failed(0, 137, -60, terminated_reason="OOMKilled"), failed(1, 78, -30)],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+    ("fatal-on-rank-0-after-oom-on-rank-1", [failed(0, 78, -30), failed(1, 137, -60, terminated_reason="OOMKilled")],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
+    ("fatal-on-rank-1-beside-exit-1-on-rank-0", [failed(0, 1, -60), failed(1, 78, -30)],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+    ("fatal-on-rank-0-beside-exit-1-on-rank-1", [failed(0, 78, -30), failed(1, 1, -60)],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
+    ("earliest-finish-decides-rank-1-first", [failed(0, 1, -30), failed(1, 137, -60)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+    ("earliest-finish-decides-rank-0-first", [failed(0, 137, -60), failed(1, 1, -30)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+    ("same-finish-lowest-rank", [failed(0, 1, -30), failed(1, 137, -30)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+    ("a-finish-time-beats-none", [pod_dict(1, 0, "Unknown"), failed(1, 1, -30)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+    # Disruptions: the cluster stopped the pod; the budget is not used.
+    ("evicted-rank-restarts-without-budget",
+     [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1)],
+     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+    ("preempted-rank-exited-143",
+     [pod_dict(1, 0), failed(1, 143, -100, disrupted="PreemptionByScheduler", deleted_at=-110)],
+     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-1", 0, 1)),
+    ("node-pressure-eviction-by-kubelet", [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)],
+     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+    ("disrupted-first-then-peer-crashed: a disruption",
+     [pod_dict(1, 0, disrupted="DeletionByTaintManager", disrupted_at=-120, deleted_at=-120), failed(1, 1, -100)],
+     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+    ("crashed-first-then-peer-disrupted: a restart",
+     [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", disrupted_at=-50, deleted_at=-50), failed(1, 1, -100)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+    ("disrupted-first-but-fatal-peer-fails",
+     [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", disrupted_at=-120, deleted_at=-120), failed(1, 78, -100)],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+    ("deleted-by-hand-is-no-disruption", [pod_dict(1, 0, deleted_at=-1), pod_dict(1, 1)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+]
+
+
+@pytest.mark.parametrize("pods, want", [x[1:] for x in CASES], ids=[x[0] for x in CASES])
+def test_root_cause_across_the_gang(pods, want):
+    g = run(pods)
+    failure = g.status["lastFailure"]
+    got = (g.phase, g.events[-1].reason, failure["pod"], g.status["restarts"], g.status["disruptions"])
+    assert got == want
+    assert g.events[-1].type == "Warning"
+    assert failure["pod"] in g.status["message"]
+    if want[1] == c.REASON_POD_DISRUPTED:
+        assert failure["reason"] == c.REASON_POD_DISRUPTED and "maxRestarts" in g.status["message"]
+
+
+def test_message_counts_the_other_ranks_that_ended():
+    g = run([failed(0, 1, -60), failed(1, 137, -30), pod_dict(1, 2, "Unknown"), pod_dict(1, 3)],
+            old={"phase": c.RUNNING, "attempt": 1, "restarts": 0})
+    assert g.status["lastFailure"]["pod"] == "demo-trainer-1-0"
+    assert "(2 other ranks also ended)" in g.status["lastFailure"]["message"]
+
+
+def test_disruption_restarts_even_with_the_budget_spent():
+    pods = [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1)]
+    g = run(pods, old={"phase": c.RUNNING, "attempt": 1, "restarts": 2, "disruptions": 4})  # maxRestarts 2
+    assert (g.phase, g.status["restarts"], g.status["disruptions"]) == (c.RESTARTING, 2, 5)
+    assert g.delete == ("demo-trainer-1-1",) and g.requeue_after == 30.0
+    # The same crash with the budget spent fails the job.
+    g = run([failed(0, 1, -60), pod_dict(1, 1)], old={"phase": c.RUNNING, "attempt": 1, "restarts": 2})
+    assert (g.phase, g.failed_reason) == (c.FAILED, c.REASON_BACKOFF_LIMIT)
+
+
+def test_disruptions_reach_the_status_through_reconcile():
+    pods = views(pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1))
+    plan = reconcile(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}), Observed(pods=pods), NOW)
+    assert (plan.status["restarts"], plan.status["disruptions"]) == (0, 1)
+    assert plan.status["lastFailure"]["reason"] == c.REASON_POD_DISRUPTED
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_POD_DISRUPTED)]
+
+
+# ------------------------------------------------------------------ stuck terminating
+
+RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1,
+              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
+                              "time": at(-600)}}
+MARGIN = FORCE_DELETE_MARGIN_SECONDS
+
+
+@pytest.mark.parametrize("deleted_at, grace, want_force, want_requeue", [
+    (-30 - MARGIN + 1, 30, False, 1.0),          # grace over, margin not yet: come back then
+    (-10, 30, False, 20 + MARGIN),               # still within its grace period
+    (-30 - MARGIN, 30, True, None),               # grace + margin over: force
+    (-300 - MARGIN - 5, 300, True, None),         # a longer grace period counts too
+], ids=["margin-not-over", "within-grace", "due", "due-long-grace"])
+def test_old_pod_stuck_terminating_is_force_deleted_after_the_bound(deleted_at, grace, want_force, want_requeue):
+    g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING)
+    assert g.phase == c.RESTARTING  # the next attempt waits until the pod is gone
+    assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
+    warnings = [e for e in g.events if e.reason == c.REASON_FORCE_DELETED]
+    if want_force:
+        assert len(warnings) == 1 and warnings[0].type == "Warning" and "demo-trainer-1-0" in warnings[0].message
+    else:
+        assert warnings == [] and g.requeue_after == pytest.approx(want_requeue)
+
+
+def test_a_force_deleted_pod_is_not_forced_again():
+    stuck = pod_dict(1, 0, deleted_at=-30 - MARGIN - 100)
+    stuck["metadata"]["deletionGracePeriodSeconds"] = 0  # what the force delete leaves (e.g. a finalizer holds it)
+    g = run([stuck], old=RESTARTING)
+    assert (g.phase, g.force_delete, g.events) == (c.RESTARTING, (), ())
+
+
+def test_stale_attempt_stuck_terminating_blocks_the_new_gang_until_forced():
+    old = {"phase": c.PENDING, "attempt": 2, "restarts": 1}
+    g = run([pod_dict(1, 0, deleted_at=-30 - MARGIN - 1)], old=old)
+    assert g.force_delete == ("demo-trainer-1-0",) and g.create == ()
+    plan = reconcile(make_job(status=old), Observed(pods=views(pod_dict(1, 0, deleted_at=-30 - MARGIN - 1))), NOW)
+    assert plan.force_delete_pods == ["demo-trainer-1-0"] and plan.delete_pods == []
+    assert [e.reason for e in plan.events] == [c.REASON_FORCE_DELETED]
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def test_pod_view_reads_what_the_policy_needs():
+    v = PodView.from_pod(failed(1, 143, -100, disrupted="PreemptionByScheduler", disrupted_at=-110,
+                                deleted_at=-110, grace=30))
+    assert (v.exit_code, v.disruption, v.deleting, v.force_deleted) == (143, "PreemptionByScheduler", True, False)
+    assert v.finished_at == NOW - timedelta(seconds=100)
+    assert v.ended_at == v.disrupted_at == NOW - timedelta(seconds=110)
+    assert v.deletion_deadline == NOW - timedelta(seconds=80)  # request time + grace period
+    assert v.owner_uid == REF.uid
+    plain = PodView.from_pod(pod_dict(1, 0))
+    assert (plain.disruption, plain.finished_at, plain.deletion_deadline, plain.ended_at) == (None, None, None, None)
+    false_condition = pod_dict(1, 0)
+    false_condition["status"]["conditions"].append({"type": "DisruptionTarget", "status": "False"})
+    assert PodView.from_pod(false_condition).disruption is None
