@@ -293,17 +293,22 @@ class _KubeconfigAccess:
         raise NotImplementedError
 
     def service_account_kubeconfig(
-        self, namespace: str, name: str, path: str | os.PathLike, expiration_seconds: int = 86400
+        self, namespace: str, name: str, path: str | os.PathLike, expiration_seconds: int = 86400,
+        pod: tuple[str, str] | None = None,
     ) -> Path:
         """Writes a kubeconfig that authenticates as ServiceAccount `namespace/name`.
 
         The token comes from the TokenRequest API, exactly as a pod's projected token
         would, so code run with this kubeconfig has the SA's real RBAC and nothing more.
+        `pod` (name, uid) binds the token to that pod, as the kubelet does: the API server
+        then tells admission which pod is asking (userInfo.extra pod-name).
         """
+        spec: dict[str, Any] = {"expirationSeconds": expiration_seconds}
+        if pod is not None:
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod[0], "uid": pod[1]}
         resp = self.api().post(
             f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-             "spec": {"expirationSeconds": expiration_seconds}},
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
         )
         token = resp["status"]["token"]
         user = f"system:serviceaccount:{namespace}:{name}"
@@ -497,6 +502,9 @@ class Cluster(_KubeconfigAccess):
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--token-auth-file={pki / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
+            # On top of the defaults; OpenShift enables it: setting blockOwnerDeletion on a
+            # child needs `update` on the owner's finalizers (the operator's RBAC has it).
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             f"--service-account-issuer={SA_ISSUER}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",

@@ -7,7 +7,7 @@ What runs: the local control plane (e2e/cluster.py), an S3-compatible server (mo
 127.0.0.1:$RFT_DEMO_S3_PORT (default 39000), the pod runner (e2e/podrunner/: the
 kubelet of node `local`, running pods as host processes), and the operator as a host
 process with the identity of its Deployment (the `rftjob-operator` ServiceAccount from
-manifests/rbac.yaml). The sample RFTJob (manifests/samples/) trains a tiny random Qwen2
+manifests/base/rbac.yaml). The sample RFTJob (manifests/samples/) trains a tiny random Qwen2
 with GRPO on an arithmetic taskset: 2 trainer pods, 2 inference replicas, 1 explorer.
 """
 
@@ -61,8 +61,10 @@ def operator(cluster: Cluster) -> Background:
 
 
 def install(cluster: Cluster) -> None:
-    """CRD and RBAC from the real manifests (the Deployment is replaced by a host process)."""
-    for f in ("manifests/namespace.yaml", "crds/rftjob.yaml", "manifests/rbac.yaml"):
+    """CRD, RBAC and admission policies from the real manifests (the Deployment is replaced by a
+    host process)."""
+    for f in ("manifests/base/namespace.yaml", "crds/rftjob.yaml", "manifests/base/rbac.yaml",
+              "manifests/base/admission-policies.yaml"):
         kubectl(cluster, "apply", "--server-side", "-f", str(REPO_ROOT / f))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
 

@@ -12,10 +12,11 @@ from .children import (
     build_configmap,
     build_headless_service,
     build_inference_service,
+    build_rbac,
+    build_reader_role,
     build_service_account,
     build_static_children,
     build_status_role,
-    build_status_role_binding,
     build_trainer_config,
 )
 from .objects import (
@@ -31,8 +32,8 @@ from .objects import (
     build_s3_env,
     labels,
     owner_reference,
+    pod_roles,
     spec_hash,
-    trainer_service_account,
 )
 from .rollout_pods import build_explorer_pod, build_inference_pod, build_rollout_pods, inference_endpoints
 from .trainer_pods import (
@@ -47,10 +48,9 @@ __all__ = [
     "IMAGE_UID", "JobRef", "Obj",
     "build_configmap", "build_container_security_context", "build_explorer_pod",
     "build_headless_service", "build_inference_pod", "build_inference_service", "build_meta",
-    "build_placement", "build_pod", "build_pod_security_context", "build_resources",
-    "build_rollout_pods", "build_s3_env", "build_service_account", "build_static_children",
-    "build_status_role", "build_status_role_binding", "build_torchrun_args",
+    "build_placement", "build_pod", "build_pod_security_context", "build_rbac", "build_reader_role",
+    "build_resources", "build_rollout_pods", "build_s3_env", "build_service_account",
+    "build_static_children", "build_status_role", "build_torchrun_args",
     "build_trainer_config", "build_trainer_container", "build_trainer_env", "build_trainer_pod",
-    "build_trainer_pods", "inference_endpoints", "labels", "owner_reference", "spec_hash",
-    "trainer_service_account",
+    "build_trainer_pods", "inference_endpoints", "labels", "owner_reference", "pod_roles", "spec_hash",
 ]

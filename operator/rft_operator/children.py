@@ -1,9 +1,9 @@
 """The static children of an RFTJob: everything but the pods. Pure, no I/O.
 
 They live as long as the job, across trainer attempts: the ConfigMap with the resolved
-trainer config, the job's own ServiceAccount (unless the user names one), the Role and
-RoleBinding that let the job's pods write its status, and the headless Services that give
-trainer and inference pods stable DNS names. The reconcile creates the missing ones and
+trainer config, one ServiceAccount per pod role with the Roles and RoleBindings that let
+the trainer and sync agents write the job's status and explorers read it, and the
+headless Services that give trainer and inference pods stable DNS names. The reconcile creates the missing ones and
 replaces a ConfigMap whose spec hash drifted.
 """
 
@@ -14,12 +14,15 @@ import json
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
-from .objects import JobRef, Obj, build_meta, labels, spec_hash, trainer_service_account
+from .objects import JobRef, Obj, build_meta, labels, pod_roles, spec_hash
 
 
 def build_trainer_config(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """The resolved config the trainer reads (defaults applied; no secrets)."""
-    data = spec.model_dump(mode="json", exclude={"suspend", "failure_policy"})
+    # Pods get env vars and identities from their pod spec, never from here: a value in
+    # trainer.env may be sensitive, and a ConfigMap is readable by more people.
+    data = spec.model_dump(mode="json", exclude={"suspend": True, "failure_policy": True,
+                                                 "service_account_annotations": True, "trainer": {"env"}})
     data["checkpoint"].pop("credentials_secret", None)
     data["job"] = {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid}
     return data
@@ -42,60 +45,71 @@ def build_configmap(ref: JobRef, spec: RFTJobSpec) -> Obj:
 
 
 # ------------------------------------------------------------------ RBAC
+#
+# One ServiceAccount per pod role (`<job>-rft-trainer`, `-inference`, `-explorer`): RBAC
+# lets the trainer and the sync agents patch this job's status and explorers only read it;
+# the status admission policy (manifests/base/admission-policies.yaml) then narrows each
+# writer to its own subtree, which it can do because the username names the role.
 
 
-def build_service_account(ref: JobRef) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": build_meta(ref, c.own_service_account_name(ref.name), labels(ref.name)),
-    }
+def build_service_account(ref: JobRef, spec: RFTJobSpec, role: str) -> Obj:
+    meta = build_meta(ref, c.service_account_name(ref.name, role), labels(ref.name, role),
+                      dict(spec.service_account_annotations) or None)
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
+
+
+def _read_own_job(ref: JobRef) -> Obj:
+    # Sync agents and explorers watch their job (list/watch need a metadata.name field
+    # selector to match resourceNames).
+    return {"apiGroups": [c.GROUP], "resources": [c.PLURAL], "resourceNames": [ref.name],
+            "verbs": ["get", "list", "watch"]}
 
 
 def build_status_role(ref: JobRef) -> Obj:
-    """The job's pods may read and merge-patch the status of this one RFTJob, nothing else."""
+    """Read and merge-patch the status of this one RFTJob, nothing else."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": build_meta(ref, c.status_role_name(ref.name), labels(ref.name)),
         "rules": [
-            {
-                "apiGroups": [c.GROUP],
-                "resources": [f"{c.PLURAL}/status"],
-                "resourceNames": [ref.name],
-                "verbs": ["get", "patch"],
-            },
-            {
-                # Sync agents watch their job (list/watch need a metadata.name field
-                # selector to match resourceNames).
-                "apiGroups": [c.GROUP],
-                "resources": [c.PLURAL],
-                "resourceNames": [ref.name],
-                "verbs": ["get", "list", "watch"],
-            },
+            {"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"], "resourceNames": [ref.name],
+             "verbs": ["get", "patch"]},
+            _read_own_job(ref),
         ],
     }
 
 
-def build_status_role_binding(ref: JobRef, spec: RFTJobSpec) -> Obj:
-    """Binds the status Role to the account every pod of the job runs as."""
+def build_reader_role(ref: JobRef) -> Obj:
+    """Read this one RFTJob (explorers throttle on the trainer's reported progress)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": build_meta(ref, c.status_reader_role_name(ref.name), labels(ref.name)),
+        "rules": [_read_own_job(ref)],
+    }
+
+
+def _role_binding(ref: JobRef, role_name: str, pod_roles: list[str]) -> Obj:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": build_meta(ref, c.status_role_name(ref.name), labels(ref.name)),
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": c.status_role_name(ref.name),
-        },
-        "subjects": [
-            {
-                "kind": "ServiceAccount",
-                "name": trainer_service_account(ref.name, spec),
-                "namespace": ref.namespace,
-            }
-        ],
+        "metadata": build_meta(ref, role_name, labels(ref.name)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role_name},
+        "subjects": [{"kind": "ServiceAccount", "name": c.service_account_name(ref.name, r),
+                      "namespace": ref.namespace} for r in pod_roles],
     }
+
+
+def build_rbac(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
+    """The job's identities and what each may do: the trainer and the inference pods'
+    sync agents write status, explorers read the job."""
+    roles = pod_roles(spec)
+    writers = [r for r in roles if r != c.ROLE_EXPLORER]
+    out = [build_service_account(ref, spec, r) for r in roles]
+    out += [build_status_role(ref), _role_binding(ref, c.status_role_name(ref.name), writers)]
+    if c.ROLE_EXPLORER in roles:
+        out += [build_reader_role(ref), _role_binding(ref, c.status_reader_role_name(ref.name), [c.ROLE_EXPLORER])]
+    return out
 
 
 # ------------------------------------------------------------------ services
@@ -127,15 +141,8 @@ def build_inference_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
 
 def build_static_children(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
     """Everything but the pods: these live as long as the job, across attempts."""
-    out = []
-    if not spec.trainer.service_account_name:
-        out.append(build_service_account(ref))
-    out += [
-        build_status_role(ref),
-        build_status_role_binding(ref, spec),
-        build_configmap(ref, spec),
-        build_headless_service(ref, spec),
-    ]
+    out = build_rbac(ref, spec)
+    out += [build_configmap(ref, spec), build_headless_service(ref, spec)]
     if spec.inference is not None:
         out.append(build_inference_service(ref, spec))
     return out

@@ -37,10 +37,10 @@ class JobRef:
         return cls(meta["name"], meta["namespace"], meta.get("uid", ""))
 
 
-def trainer_service_account(job: str, spec: RFTJobSpec) -> str:
-    """Every pod of the job runs as this account: the user's if given (e.g. for IRSA),
-    else the one the operator creates; the status RoleBinding binds the same one."""
-    return spec.trainer.service_account_name or c.own_service_account_name(job)
+def pod_roles(spec: RFTJobSpec) -> list[str]:
+    """The pod roles this job runs, each under its own ServiceAccount."""
+    return [role for role, present in ((c.ROLE_TRAINER, True), (c.ROLE_INFERENCE, spec.inference is not None),
+                                       (c.ROLE_EXPLORER, spec.explorer is not None)) if present]
 
 
 def labels(job: str, role: str | None = None, attempt: int | None = None) -> dict[str, str]:

@@ -13,8 +13,7 @@ from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_pod,
-                      build_pod_security_context, build_resources, build_s3_env, labels, spec_hash,
-                      trainer_service_account)
+                      build_pod_security_context, build_resources, build_s3_env, labels, spec_hash)
 
 
 def inference_endpoints(ref: JobRef, spec: RFTJobSpec) -> list[str]:
@@ -119,7 +118,7 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         "hostname": name,
         "subdomain": c.inference_service_name(ref.name),
         "restartPolicy": "Always",
-        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_INFERENCE),
         "securityContext": build_pod_security_context(spec),
         "containers": [_engine_container(ref, spec), _agent_container(ref, spec, "sync-agent", [])],
         "volumes": [{"name": "weights", "emptyDir": {}}],
@@ -156,7 +155,7 @@ def build_explorer_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
     pod_spec: Obj = {
         # Exit 0 once the trainer is done; a crash restarts in place and resumes.
         "restartPolicy": "OnFailure",
-        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_EXPLORER),
         "securityContext": build_pod_security_context(spec),
         "containers": [_explorer_container(ref, spec, index)],
         "volumes": [{"name": "config", "configMap": {"name": c.configmap_name(ref.name)}}],

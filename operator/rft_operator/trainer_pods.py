@@ -12,8 +12,7 @@ from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_pod,
-                      build_pod_security_context, build_resources, build_s3_env, labels,
-                      trainer_service_account)
+                      build_pod_security_context, build_resources, build_s3_env, labels)
 
 
 def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
@@ -111,7 +110,7 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
         "hostname": name,
         "subdomain": c.service_name(ref.name),
         "restartPolicy": "Never",
-        "serviceAccountName": trainer_service_account(ref.name, spec),
+        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_TRAINER),
         "terminationGracePeriodSeconds": t.termination_grace_period_seconds,
         "securityContext": build_pod_security_context(spec),
         "containers": [build_trainer_container(ref, spec, attempt, rank)],

@@ -1,7 +1,7 @@
 """Fixtures for running the operator against the local control plane.
 
 The operator runs as a subprocess authenticated as the `rftjob-operator` ServiceAccount
-from manifests/rbac.yaml (a token from the TokenRequest API), never as cluster-admin, so
+from manifests/base/rbac.yaml (a token from the TokenRequest API), never as cluster-admin, so
 a permission missing from the manifests fails these tests.
 """
 
@@ -33,8 +33,8 @@ class OperatorProcess:
     # "the" operator must first make sure it is the only one (`pause_others`).
     started: list["OperatorProcess"] = []
 
-    def __init__(self, kubeconfig: Path, log_path: Path):
-        self.kubeconfig, self.log_path = kubeconfig, log_path
+    def __init__(self, kubeconfig: Path, log_path: Path, args: tuple[str, ...] = ()):
+        self.kubeconfig, self.log_path, self.args = kubeconfig, log_path, tuple(args)
         self.proc: subprocess.Popen | None = None
         OperatorProcess.started.append(self)
 
@@ -55,7 +55,7 @@ class OperatorProcess:
         since = self.log_offset()  # the log is appended to: only this start's marker counts
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rft_operator", "--verbose"],
+            [sys.executable, "-m", "rft_operator", "--verbose", *self.args],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         log.close()
@@ -261,7 +261,8 @@ def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
         "spec": {"failurePolicy": "Fail",
                  "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
                                                          "operations": ["CREATE"], "resources": ["pods"]}]},
-                 "validations": [{"expression": expression, "message": "refused by the test"}]}})
+                 "validations": [{"expression": expression, "message": "refused by the test",
+                                  "reason": "Forbidden"}]}})  # 403: transient, retried
     adm.create_validating_admission_policy_binding({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
         "metadata": {"name": name},

@@ -49,7 +49,7 @@ def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
     svc = core.read_namespaced_service("gang-trainer", namespace)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
     core.read_namespaced_config_map("gang-config", namespace)
-    core.read_namespaced_service_account("gang-rftjob", namespace)
+    core.read_namespaced_service_account("gang-rft-trainer", namespace)
     rbac.read_namespaced_role("gang-status-writer", namespace)
     rbac.read_namespaced_role_binding("gang-status-writer", namespace)
     # Event timestamps have one-second resolution, so only membership is checked.

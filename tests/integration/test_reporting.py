@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 def test_trainer_reports_reach_kubectl_and_conditions(operator, api, namespace, kubectl, cluster, tmp_path):
     create_job(api, namespace, job_manifest("rep"))
     wait_phase(api, namespace, "rep", c.RUNNING, 90)
-    kc = cluster.service_account_kubeconfig(namespace, "rep-rftjob", tmp_path / "job.kubeconfig")
+    kc = cluster.service_account_kubeconfig(namespace, "rep-rft-trainer", tmp_path / "job.kubeconfig")
     as_job = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
     reporter = StatusReporter("rep", namespace, as_job, min_interval=0)
     reporter.report_step(10, 100, {"actor/pg_loss": 0.25})
@@ -55,7 +55,7 @@ def test_final_weights_land_after_an_api_server_outage(operator, api, namespace,
     caplog.set_level(logging.INFO, logger="rft_trainer.reporting")
     create_job(api, namespace, job_manifest("out"))
     wait_phase(api, namespace, "out", c.RUNNING, 90)
-    kc = cluster.service_account_kubeconfig(namespace, "out-rftjob", tmp_path / "job.kubeconfig")
+    kc = cluster.service_account_kubeconfig(namespace, "out-rft-trainer", tmp_path / "job.kubeconfig")
     config = yaml.safe_load(kc.read_text())
     server = config["clusters"][0]["cluster"]
     upstream = urlsplit(server["server"])

@@ -84,15 +84,22 @@ def setup(operator, api, namespace, cluster, bucket, s3_env, tmp_path):
     wait_for(lambda: len([p for p in kubernetes.client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector=f"{c.LABEL_ROLE}={c.ROLE_INFERENCE}").items
         if p.status.phase == "Running"]) == 2, 90, "2 inference pods running")
-    kc = cluster.service_account_kubeconfig(namespace, f"{JOB}-rftjob", tmp_path / "job.kubeconfig")
-    as_job = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
+    def as_identity(role: str, pod: str | None = None):
+        """The role's own account; a sync agent's token is bound to its pod, as in the pod."""
+        bound = (pod, kubernetes.client.CoreV1Api(api).read_namespaced_pod(pod, namespace).metadata.uid) if pod else None
+        kc = cluster.service_account_kubeconfig(namespace, c.service_account_name(JOB, role),
+                                                tmp_path / f"{pod or role}.kubeconfig", pod=bound)
+        return kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
+
+    as_trainer = as_identity(c.ROLE_TRAINER)
+    as_agents = [as_identity(c.ROLE_INFERENCE, pod) for pod in PODS]
     proxy = FaultProxy(s3_env["AWS_ENDPOINT_URL"]).start()
     # Replica 0 reaches S3 through the fault proxy, with few retries, so faults show.
     flaky = S3Storage(client=boto3.client("s3", endpoint_url=proxy.url,
                                           config=Config(retries={"max_attempts": 2, "mode": "standard"})))
-    replicas = [Replica(PODS[0], JobClient(as_job, namespace), tmp_path, flaky),
-                Replica(PODS[1], JobClient(as_job, namespace), tmp_path)]
-    reporter = StatusReporter(JOB, namespace, as_job, min_interval=0)
+    replicas = [Replica(PODS[0], JobClient(as_agents[0], namespace), tmp_path, flaky),
+                Replica(PODS[1], JobClient(as_agents[1], namespace), tmp_path)]
+    reporter = StatusReporter(JOB, namespace, as_trainer, min_interval=0)
     ctx = {"api": api, "ns": namespace, "root": f"s3://{bucket}/run", "replicas": replicas,
            "reporter": reporter, "proxy": proxy, "tmp": tmp_path, "versions": []}
     yield ctx

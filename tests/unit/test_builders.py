@@ -91,10 +91,17 @@ def test_restricted_security_context_by_default(spec):
 
 
 def test_security_context_relaxed_only_explicitly():
-    relaxed = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "securityContext": {
-        "runAsUser": 0, "addCapabilities": ["IPC_LOCK"], "seccompProfile": "Unconfined"}}})
-    pod = builders.build_trainer_pod(REF, relaxed, 1, 0)["spec"]
+    baseline = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "securityContext": {
+        "runAsUser": 0, "addCapabilities": ["NET_BIND_SERVICE"]}}})
+    pod = builders.build_trainer_pod(REF, baseline, 1, 0)["spec"]
     assert pod["securityContext"]["runAsUser"] == 0 and pod["securityContext"]["runAsNonRoot"] is False
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}
+    # Beyond baseline only with the documented opt-in.
+    privileged = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "securityContext": {
+        "allowPrivileged": True, "addCapabilities": ["IPC_LOCK"], "seccompProfile": "Unconfined"}}})
+    pod = builders.build_trainer_pod(REF, privileged, 1, 0)["spec"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
     assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
 
 
@@ -108,14 +115,39 @@ def test_status_role_is_limited_to_this_job(spec):
     ]
 
 
-def test_user_service_account_is_bound_instead_of_created():
-    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "serviceAccountName": "s3-irsa"}})
-    kinds = [o["kind"] for o in builders.build_static_children(REF, spec)]
-    assert "ServiceAccount" not in kinds
-    binding = builders.build_status_role_binding(REF, spec)
-    assert binding["subjects"][0]["name"] == "s3-irsa"
-    pod = builders.build_trainer_pod(REF, spec, 1, 0)
-    assert pod["spec"]["serviceAccountName"] == "s3-irsa"
+@pytest.mark.parametrize("extra, roles", [
+    ({}, ["trainer"]),
+    ({"inference": {"replicas": 1}}, ["trainer", "inference"]),
+    ({"inference": {"replicas": 1}, "explorer": {"tasksetUri": "s3://bucket/tasks.jsonl"}},
+     ["trainer", "inference", "explorer"]),
+])
+def test_each_pod_role_runs_as_its_own_service_account(extra, roles):
+    spec = parse_spec({**SPEC, **extra})
+    children = builders.build_static_children(REF, spec)
+    accounts = [o["metadata"]["name"] for o in children if o["kind"] == "ServiceAccount"]
+    assert accounts == [f"demo-rft-{r}" for r in roles]
+    bindings = {o["roleRef"]["name"]: [s["name"] for s in o["subjects"]]
+                for o in children if o["kind"] == "RoleBinding"}
+    # Only the trainer and the sync agents may write the status; explorers only read.
+    assert bindings.pop("demo-status-writer") == [f"demo-rft-{r}" for r in roles if r != "explorer"]
+    assert bindings == ({"demo-status-reader": ["demo-rft-explorer"]} if "explorer" in roles else {})
+    pods = [builders.build_trainer_pod(REF, spec, 1, 0), *builders.build_rollout_pods(REF, spec)]
+    for pod in pods:
+        assert pod["spec"]["serviceAccountName"] == f"demo-rft-{pod['metadata']['labels'][c.LABEL_ROLE]}"
+
+
+def test_reader_role_only_reads_this_job():
+    assert builders.build_reader_role(REF)["rules"] == [
+        {"apiGroups": ["rft.dev"], "resources": ["rftjobs"], "resourceNames": ["demo"],
+         "verbs": ["get", "list", "watch"]}]
+
+
+def test_config_map_carries_no_env_values():
+    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "env": [{"name": "WANDB_API_KEY", "value": "k-123"}]}})
+    data = builders.build_configmap(REF, spec)["data"]
+    assert "k-123" not in json.dumps(data) and "WANDB_API_KEY" not in json.dumps(data)
+    env = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]
+    assert {"name": "WANDB_API_KEY", "value": "k-123"} in env
 
 
 def test_config_hash_changes_with_spec(spec):
@@ -225,7 +257,9 @@ def _volumes(spec) -> dict:
 
 
 def _with_cache(**cache):
-    return parse_spec({**SPEC, "model": {**SPEC["model"], "cache": cache}})
+    # A hostPath is beyond the Pod Security baseline: it needs the documented opt-in.
+    trainer = {**SPEC["trainer"], "securityContext": {"allowPrivileged": True}} if "hostPath" in cache else SPEC["trainer"]
+    return parse_spec({**SPEC, "trainer": trainer, "model": {**SPEC["model"], "cache": cache}})
 
 
 @pytest.mark.parametrize("cache, volume", [

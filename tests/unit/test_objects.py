@@ -45,9 +45,9 @@ def test_build_resources(resources, gpus, want):
 
 
 @pytest.mark.parametrize("checkpoint, want_names", [
-    ({"uri": "s3://b"}, []),
-    ({"uri": "s3://b", "endpoint": "http://minio:9000", "region": "eu-1"}, ["AWS_ENDPOINT_URL", "AWS_REGION"]),
-    ({"uri": "s3://b", "credentialsSecret": "s"}, ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]),
+    ({"uri": "s3://bkt"}, []),
+    ({"uri": "s3://bkt", "endpoint": "http://minio:9000", "region": "eu-1"}, ["AWS_ENDPOINT_URL", "AWS_REGION"]),
+    ({"uri": "s3://bkt", "credentialsSecret": "s"}, ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"]),
 ])
 def test_build_s3_env(checkpoint, want_names):
     env = objects.build_s3_env(parse_spec({**SPEC, "checkpoint": checkpoint}))
@@ -64,11 +64,3 @@ def test_build_s3_env(checkpoint, want_names):
 def test_spec_hash(a, b, same):
     assert (objects.spec_hash(a) == objects.spec_hash(b)) is same
     assert len(objects.spec_hash(a)) == 16
-
-
-@pytest.mark.parametrize("trainer, want", [
-    ({}, "demo-rftjob"),
-    ({"serviceAccountName": "irsa"}, "irsa"),
-])
-def test_trainer_service_account(trainer, want):
-    assert objects.trainer_service_account("demo", spec_with(**trainer)) == want

@@ -27,7 +27,9 @@ def rollout_pods(spec=LOOP, phase="Running", hashes=None):
 
 def loop_observed(extra=(), **kw):
     obs = observed([pod(1, 0), pod(1, 1), *extra], cm_hash=None)
-    obs.children = {**STATIC, ("Service", "demo-inference"): "", **{
+    loop_accounts = {("ServiceAccount", f"demo-rft-{r}"): "" for r in ("inference", "explorer")}
+    readers = {(kind, "demo-status-reader"): "" for kind in ("Role", "RoleBinding")}
+    obs.children = {**STATIC, **loop_accounts, **readers, ("Service", "demo-inference"): "", **{
         ("ConfigMap", "demo-config"): builders.build_configmap(REF, parse_spec(LOOP))["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]}}
     return obs
 
