@@ -37,9 +37,15 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 REWARD_REF = rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$"  # package.module:function
 
 # Set by the operator in every trainer pod (torchrun's, ours, the S3 client's).
+# The S3 client's credentials, and every variable that would send it to other credentials,
+# are reserved too: they come from checkpoint.credentialsSecret or the pod's identity.
+# Other AWS_* settings (AWS_CA_BUNDLE, AWS_MAX_ATTEMPTS, checksum modes) stay the user's.
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED")
-RESERVED_ENV_PREFIXES = ("RFT_", "AWS_", "TORCHELASTIC_", "PET_")
+                "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED",
+                "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+                "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
+                "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME")
+RESERVED_ENV_PREFIXES = ("RFT_", "TORCHELASTIC_", "PET_", "AWS_ENDPOINT_URL", "AWS_CONTAINER_")
 # What the Pod Security "baseline" profile lets a container add.
 BASELINE_CAPABILITIES = ("AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
                          "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
@@ -261,9 +267,10 @@ EnvName = checked(
     matching(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be a C identifier: letters, digits and '_', not starting with a digit"),
     Check(f"!(self in {list(RESERVED_ENV)}) && !{list(RESERVED_ENV_PREFIXES)}.exists(p, self.startsWith(p))",
           lambda v: v not in RESERVED_ENV and not v.startswith(RESERVED_ENV_PREFIXES),
-          "is reserved: the operator sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, "
-          "MASTER_ADDR, MASTER_PORT, PYTHONUNBUFFERED and the RFT_*, TORCHELASTIC_*, PET_* and AWS_* "
-          "variables; for S3 credentials use checkpoint.credentialsSecret"),
+          "is reserved: the operator sets RANK, WORLD_SIZE, MASTER_ADDR and torchrun's other variables, "
+          "PYTHONUNBUFFERED, RFT_*, and the S3 client's endpoint, region and credentials (AWS_ENDPOINT_URL*, "
+          "AWS_REGION, AWS_ACCESS_KEY_ID, ...): use checkpoint.endpoint, checkpoint.region and "
+          "checkpoint.credentialsSecret"),
     max_length=128)
 LabelValue = checked(str, LABEL_VALUE, max_length=63)
 ExitCode = Annotated[int, Field(ge=1, le=255)]  # 0 is success: neither fatal nor retryable

@@ -115,9 +115,27 @@ class Resources(Model):
     limits: checked(dict[str, Quantity], QUALIFIED_KEYS) = Field(default_factory=dict, max_length=16)
 
 
+class SecretKeySelector(Model):
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="A Secret in the job's namespace.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    optional: bool | None = None
+
+
+class EnvVarSource(Model):
+    secret_key_ref: SecretKeySelector
+
+
 class EnvVar(Model):
+    """A literal `value`, or a Secret's key (`valueFrom.secretKeyRef`) for what must not sit
+    in the RFTJob (HF_TOKEN, WANDB_API_KEY): the pod gets a reference, never the value."""
+
+    rules = (Check("!(has(self.value) && has(self.valueFrom))",
+                   lambda e: e.value is None or e.value_from is None,
+                   "set value or valueFrom, not both", ".valueFrom"),)
+
     name: EnvName
-    value: str = Field(default="", max_length=32768)
+    value: str | None = Field(default=None, max_length=32768)
+    value_from: EnvVarSource | None = None
 
 
 def _toleration_key(key: str) -> bool:
@@ -476,7 +494,10 @@ BATCH_LAYOUT = (
 
 class RFTJobSpec(Model):
     rules = (
-        immutable("model", "spec.model"),
+        # What the checkpoints were trained from; the cache settings may change.
+        immutable("model.path", "spec.model.path"),
+        immutable("model.tokenizerPath", "spec.model.tokenizerPath"),
+        immutable("model.dtype", "spec.model.dtype"),
         immutable("algorithm.name", "spec.algorithm.name"),
         immutable("checkpoint.uri", "spec.checkpoint.uri", "resume needs the same location"),
         immutable("buffer.uri", "spec.buffer.uri", "resume needs the same buffer"),

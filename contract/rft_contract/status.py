@@ -5,7 +5,10 @@
     weightSync.target, counts                           the operator
     weightSync.replicas[<pod>]                          that pod's sync agent
 
-Every subtree allows unknown fields: older and newer writers must not break each other.
+`trainer`, each `weightSync.replicas[<pod>]` entry and the records inside allow unknown
+fields, so older and newer writers do not break each other; the top level and `weightSync`
+itself do not, so the status admission policy (`rft_operator.policygen`) can check every
+field a writer must leave alone.
 """
 
 from __future__ import annotations
@@ -98,8 +101,10 @@ class ReplicaSync(Model):
     attempts: int | None = None
 
 
+# No unknown fields at this level and at the top (the CRD prunes them): the status
+# admission policy can then compare every field a writer must leave alone, while each
+# replica's entry and `trainer` stay open.
 class WeightSyncStatus(Model):
-    model_config = ConfigDict(extra="allow")
     target: WeightsRef | None = None
     replicas: dict[str, ReplicaSync] | None = None
     synced_replicas: int | None = None
@@ -126,8 +131,7 @@ class FailureRecord(Model):
     time: str
 
 
-class RFTJobStatus(Model):
-    model_config = ConfigDict(extra="allow")
+class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus
     phase: Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"] | None = None
     message: str | None = None
     observed_generation: int | None = None

@@ -110,9 +110,9 @@ def to_structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 def _status_schema() -> dict[str, Any]:
     schema = status.RFTJobStatus.model_json_schema(by_alias=True, mode="serialization")
     out = to_structural(schema, schema.get("$defs", {}))
-    # The trainer and sync agents add fields of their own under these subtrees.
-    for key in ("trainer", "weightSync"):
-        out["properties"][key]["x-kubernetes-preserve-unknown-fields"] = True
+    # The trainer adds fields of its own here (the sync agents inside their replica entries,
+    # whose model allows extra fields).
+    out["properties"]["trainer"]["x-kubernetes-preserve-unknown-fields"] = True
     return out
 
 

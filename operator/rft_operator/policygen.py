@@ -12,7 +12,10 @@ or "only objects this operator manages". Two policies (built into the API server
   bound token, not from the request); explorers nothing.
 * `rftjob-operator-scope`: the operator's identity may create, change and delete only
   objects it manages (labelled, controlled by the RFTJob its label names), run pods only
-  as that job's own ServiceAccounts, create only headless/ClusterIP Services without
+  as that job's own ServiceAccounts, never privileged, on host namespaces or ports, bound
+  to a node by name or given a whole Secret, a host path only as a trainer's model cache,
+  and nothing beyond the Pod Security baseline unless a cluster admin labelled the
+  namespace `rft.dev/pod-security=privileged`; create only ClusterIP Services without
   external IPs, Roles that reach no further than the job itself, and nothing in the
   kube-* namespaces.
 
@@ -29,12 +32,16 @@ from typing import Any
 import yaml
 
 from rft_contract import names as c
+from rft_contract.checks import BASELINE_CAPABILITIES
 from rft_contract.status import RFTJobStatus, WeightSyncStatus
 
 SA_PREFIX = "system:serviceaccount:"
 OPERATOR_SA = "rftjob-operator"
 PROTECTED_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
 POD_ROLES = (c.ROLE_TRAINER, c.ROLE_INFERENCE, c.ROLE_EXPLORER)
+# A cluster admin's consent, on a namespace, to job pods beyond the Pod Security baseline.
+POD_SECURITY_LABEL = "rft.dev/pod-security"
+MODEL_CACHE_VOLUME = "model-cache"
 STATUS_POLICY = "rftjob-status-writers"
 OPERATOR_POLICY = "rftjob-operator-scope"
 
@@ -118,6 +125,8 @@ def operator_policy() -> dict[str, Any]:
     )
     writes = "request.operation != 'DELETE'"
     kind = lambda plural: f"request.resource.resource == '{plural}'"  # noqa: E731
+    pod_write = f"({kind('pods')} && {writes})"
+    privileged_namespace = f"namespaceObject.metadata.?labels[?'{POD_SECURITY_LABEL}'].orValue('') == 'privileged'"
     sa_prefix = f"variables.job + '{c.SA_INFIX}'"
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -142,6 +151,11 @@ def operator_policy() -> dict[str, Any]:
                 {"name": "managed", "expression": managed.replace("obj.", "variables.obj.")},
                 {"name": "wasManaged", "expression": "request.operation != 'UPDATE' || ("
                                                      + managed.replace("obj.", "oldObject.") + ")"},
+                # A pod being created: its containers (ephemeral ones come through a
+                # subresource the operator holds no right to), else nothing.
+                {"name": "containers", "expression": f"{pod_write} ? variables.obj.spec.containers + "
+                                                     "variables.obj.spec.?initContainers.orValue([]) : []"},
+                {"name": "volumes", "expression": f"{pod_write} ? variables.obj.spec.?volumes.orValue([]) : []"},
             ],
             "validations": [
                 _rule(f"!(request.namespace in {_list(PROTECTED_NAMESPACES)})",
@@ -154,10 +168,29 @@ def operator_policy() -> dict[str, Any]:
                       f"{sa_prefix} + variables.obj.metadata.labels['{c.LABEL_ROLE}'])",
                       "the rftjob-operator runs a job's pods only as that job's own ServiceAccount "
                       "<job>-rft-<role>"),
-                _rule(f"!({kind('pods')} && {writes}) || !(variables.obj.spec.?hostNetwork.orValue(false) || "
-                      "variables.obj.spec.?hostPID.orValue(false) || variables.obj.spec.?hostIPC.orValue(false) || "
-                      "variables.obj.spec.containers.exists(x, x.?securityContext.?privileged.orValue(false)))",
-                      "the rftjob-operator never creates privileged or host-namespace pods"),
+                _rule(f"!{pod_write} || !(has(variables.obj.spec.nodeName) || "
+                      "variables.obj.spec.?hostNetwork.orValue(false) || variables.obj.spec.?hostPID.orValue(false) || "
+                      "variables.obj.spec.?hostIPC.orValue(false) || variables.containers.exists(x, "
+                      "x.?securityContext.?privileged.orValue(false) || "
+                      "x.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0)))",
+                      "the rftjob-operator never creates privileged pods, pods in the host's namespaces or "
+                      "on its ports, or pods bound to a node by name"),
+                _rule("variables.volumes.all(v, !has(v.secret) && v.?projected.?sources.orValue([]).all(s, "
+                      "!has(s.secret))) && variables.containers.all(x, x.?envFrom.orValue([]).all(e, "
+                      "!has(e.secretRef)))",
+                      "the rftjob-operator passes a Secret to pods only key by key (secretKeyRef), "
+                      "never whole"),
+                _rule(f"variables.volumes.all(v, !has(v.hostPath) || (v.name == '{MODEL_CACHE_VOLUME}' && "
+                      f"variables.obj.metadata.labels['{c.LABEL_ROLE}'] == '{c.ROLE_TRAINER}'))",
+                      "the rftjob-operator mounts a host path only as a trainer pod's model cache"),
+                _rule(f"!{pod_write} || {privileged_namespace} || (variables.volumes.all(v, !has(v.hostPath)) && "
+                      f"{_unconfined('variables.obj.spec')} && variables.containers.all(x, "
+                      f"{_unconfined('x')} && x.?securityContext.?capabilities.?add.orValue([]).all(cap, "
+                      f"cap in {_list(BASELINE_CAPABILITIES)})))",
+                      f"pod settings beyond the Pod Security baseline profile (spec.trainer.securityContext."
+                      f"allowPrivileged: hostPath model cache, Unconfined seccomp, other capabilities) need "
+                      f"the namespace label {POD_SECURITY_LABEL}=privileged, which a cluster admin sets",
+                      reason="Invalid"),
                 _rule(f"!({kind('services')} && {writes}) || (variables.obj.spec.?type.orValue('ClusterIP') == "
                       "'ClusterIP' && variables.obj.spec.?externalIPs.orValue([]).size() == 0)",
                       "the rftjob-operator creates only ClusterIP Services without externalIPs"),
@@ -180,6 +213,11 @@ def operator_policy() -> dict[str, Any]:
             ],
         },
     }
+
+
+def _unconfined(owner: str) -> str:
+    """CEL: `owner`'s securityContext does not ask for an Unconfined seccomp profile."""
+    return f"{owner}.?securityContext.?seccompProfile.?type.orValue('') != 'Unconfined'"
 
 
 def _binding(policy: str) -> dict[str, Any]:

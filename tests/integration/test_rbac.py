@@ -94,6 +94,11 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
         code, message = refusal(patch_status_as(trainer, namespace, job, status))
         assert code == 403 and "may change only status.trainer" in message, (status, code, message)
     assert refusal(patch_status_as(trainer, namespace, "other", {"trainer": {"step": 1}}))[0] == 403
+    # Fields the status model does not know are pruned at the top and in weightSync, so the
+    # policy's field-by-field comparison leaves nothing unchecked there.
+    patch_status_as(trainer, namespace, job, {"extra": "x", "weightSync": {"extra": "x"}})()
+    stored = get_job(api, namespace, job)["status"]
+    assert "extra" not in stored and "extra" not in (stored.get("weightSync") or {})
 
     # A sync agent: its own pod's replica entry only.
     assert refusal(patch_status_as(sync0, namespace, job, {"weightSync": {"replicas": {own: {"version": 1}}}})) == (200, "")
@@ -172,6 +177,40 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
         _managed(job, "owner-trainer-9-0", "trainer"), "default", namespace), **dry), "own ServiceAccount")
     refused(lambda: core.create_namespaced_pod(namespace, _pod(
         _managed(job, "owner-trainer-9-0", "trainer"), "owner-rft-inference", namespace), **dry), "own ServiceAccount")
+    trainer_pod = lambda **spec: {**_pod(_managed(job, "owner-trainer-9-0", "trainer"),  # noqa: E731
+                                         "owner-rft-trainer", namespace),
+                                  "spec": {"serviceAccountName": "owner-rft-trainer", **spec}}
+    box = {"name": "x", "image": "busybox"}
+    host_words = "privileged pods, pods in the host's namespaces"
+    for spec in ({"containers": [box], "nodeName": "kwok-gpu-0"},
+                 {"containers": [{**box, "ports": [{"containerPort": 80, "hostPort": 80}]}]},
+                 {"containers": [box], "initContainers": [{**box, "name": "init", "securityContext": {"privileged": True}}]},
+                 {"containers": [box], "hostNetwork": True}):
+        refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(**spec), **dry), host_words)
+    for volume in ({"name": "s", "secret": {"secretName": "x"}},
+                   {"name": "s", "projected": {"sources": [{"secret": {"name": "x"}}]}}):
+        refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(containers=[box], volumes=[volume]), **dry),
+                "key by key")
+    refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(
+        containers=[{**box, "envFrom": [{"secretRef": {"name": "x"}}]}]), **dry), "key by key")
+    refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(
+        containers=[box], volumes=[{"name": "etc", "hostPath": {"path": "/etc/kubernetes"}}]), **dry),
+        "only as a trainer pod's model cache")
+    # Beyond baseline (the model cache on a host path, Unconfined, other capabilities) needs
+    # an admin's namespace label; without it the refusal is a 422, which fails the job.
+    cache = {"name": "model-cache", "hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}}
+    beyond = [trainer_pod(containers=[box], volumes=[cache]),
+              trainer_pod(containers=[{**box, "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]),
+              trainer_pod(containers=[box], securityContext={"seccompProfile": {"type": "Unconfined"}})]
+    for pod in beyond:
+        code, message = refusal(lambda: core.create_namespaced_pod(namespace, pod, **dry))
+        assert code == 422 and "rft.dev/pod-security=privileged" in message, (code, message)
+    baseline = trainer_pod(containers=[{**box, "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}}}])
+    core.create_namespaced_pod(namespace, baseline, **dry)
+    kubectl("label", "namespace", namespace, "rft.dev/pod-security=privileged")
+    for pod in beyond:
+        wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, pod, **dry)) == (200, ""), 30,
+                 "the policy to see the namespace label")
     unowned = {"name": "loose", "labels": {c.LABEL_JOB: "owner", c.LABEL_MANAGED_BY: c.MANAGED_BY}}
     refused(lambda: core.create_namespaced_pod(namespace, _pod(unowned, "owner-rft-trainer", namespace), **dry),
             "objects it manages")

@@ -60,7 +60,7 @@ INVALID = [
     ("bad-sa-annotation-key", "spec.serviceAccountAnnotations", {"not a key": "x"},
      "spec.serviceAccountAnnotations: Invalid value: keys must be qualified names"),
     ("reserved-env", "spec.trainer.env", [{"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}],
-     "for S3 credentials use checkpoint.credentialsSecret"),
+     "use checkpoint.endpoint, checkpoint.region and checkpoint.credentialsSecret"),
     ("batch-layout", "spec.trainer.batchSize", 24,
      "trainer.batchSize (24) must be divisible by the number of ranks, trainer.nodes * max(1, trainer.gpusPerNode) = 16"),
     ("bad-toleration-op", "spec.trainer.tolerations", [{"key": "a", "operator": "Maybe"}], "operator"),
@@ -143,7 +143,8 @@ STORAGE = _set(_set(BASE, "spec.checkpoint.endpoint", ENDPOINT), "spec.buffer.ur
 
 # (case id, object created, merge-patched path, value, expected fragment); None removes.
 IMMUTABLE = [
-    ("model.path", BASE, "spec.model.path", "s3://models/other", "spec.model is immutable"),
+    ("model.path", BASE, "spec.model.path", "s3://models/other", "spec.model.path is immutable"),
+    ("model.dtype-added", BASE, "spec.model.dtype", "bf16", "spec.model.dtype is immutable"),
     ("algorithm.name", BASE, "spec.algorithm.name", "ppo", "spec.algorithm.name is immutable"),
     ("trainer.nodes", BASE, "spec.trainer.nodes", 4, "trainer.nodes is immutable"),
     ("trainer.gpusPerNode", BASE, "spec.trainer.gpusPerNode", 4, "trainer.gpusPerNode is immutable"),

@@ -142,6 +142,16 @@ def test_reader_role_only_reads_this_job():
          "verbs": ["get", "list", "watch"]}]
 
 
+def test_user_env_from_a_secret_is_a_reference():
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+           {"name": "NCCL_DEBUG", "value": "INFO"}]
+    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "env": env}})
+    rendered = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"][-2:]
+    assert rendered == env
+    with pytest.raises(ValueError, match="set value or valueFrom, not both"):
+        parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "env": [{**env[0], "value": "hf_x"}]}})
+
+
 def test_config_map_carries_no_env_values():
     spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "env": [{"name": "WANDB_API_KEY", "value": "k-123"}]}})
     data = builders.build_configmap(REF, spec)["data"]
