@@ -70,7 +70,7 @@ REASON_STEPPING = "Stepping"
 REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 REASON_POD_DISRUPTED = "PodDisrupted"  # evicted, preempted, drained: restarts without using maxRestarts
 REASON_CHILD_CONFLICT = "ChildConflict"  # a child's name is taken by an object this job does not control
-REASON_FORCE_DELETED = "PodStuckTerminating"  # an old pod outlived its grace period: force-deleted
+REASON_STUCK_TERMINATING = "PodStuckTerminating"  # an old pod outlived its grace period (forced or reported)
 # Why the trainer waits (status.trainer.waiting.reason, copied into Progressing=False).
 WAIT_DATA = "WaitingForExperiences"
 WAIT_STALE = "ExperiencesStale"
@@ -161,3 +161,9 @@ def explorer_pod_name(job: str, index: int) -> str:
 def master_addr(job: str, attempt: int, namespace: str) -> str:
     """Stable DNS name of rank 0 through the headless Service."""
     return f"{pod_name(job, attempt, 0)}.{service_name(job)}.{namespace}.svc"
+
+
+# Annotation on static children: the label and annotation keys outside rft.dev/* that the
+# operator rendered (JSON, e.g. {"annotations": ["eks.amazonaws.com/role-arn"]}), so a key
+# dropped from the spec is removed from the live object, and keys others added are not.
+ANNOTATION_MANAGED_KEYS = "rft.dev/managed-keys"

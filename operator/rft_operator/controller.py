@@ -11,6 +11,10 @@ is retried with backoff. What it cannot, a child the API server refuses as inval
 or a child's name taken by an object this job does not control (409 on create, and the
 object's controller is not this job), is remembered for the job's generation and handed
 to the pure reconcile (`Observed.refusal`), which fails the job.
+
+Nodes: only for trainer pods stuck terminating past their deadline (rare) does a pass GET
+their Nodes (no node watch), so the gang can tell whether a force delete is safe
+(`Observed.nodes`); a Node it may not read (403: the namespaced install) is unknown.
 """
 
 from __future__ import annotations
@@ -176,8 +180,11 @@ class Controller:
             await self._reconcile(key, body)
 
     async def _reconcile(self, key: Key, body: dict[str, Any]) -> None:
-        observed = self.observe(key, body)
-        plan = rc.reconcile(body, observed, self.clock())
+        observed, now = self.observe(key, body), self.clock()
+        nodes = rc.nodes_to_read(body, observed, now)
+        if nodes:
+            observed.nodes = await asyncio.get_running_loop().run_in_executor(self._pool, self.read_nodes, nodes)
+        plan = rc.reconcile(body, observed, now)
         self.reconciles += 1
         self.metrics.reconciles.inc()
         log.debug("%s/%s: %d pods seen, phase %s -> %s, %d creates, %d deletes", *key,
@@ -212,6 +219,20 @@ class Controller:
         return rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
                                       [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
 
+    def read_nodes(self, names: Iterable[str]) -> dict[str, str]:
+        """What each Node says about the pods on it (`policy.classify_node`). A Node that
+        cannot be read is unknown (`NODE_UNREADABLE`): its pods are not force-deleted, and
+        the next pass asks again."""
+        out = {}
+        for name in sorted(names):
+            try:
+                out[name] = policy.classify_node(self.kube.read_node(name))
+            except ApiException as e:
+                out[name] = policy.NODE_UNREADABLE
+                log.log(logging.INFO if e.status == 403 else logging.WARNING,
+                        "node %s: %s; its stuck pods are not force-deleted", name, _describe(e))
+        return out
+
     def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
         ns, name = key
         if plan.status_changed:
@@ -238,6 +259,9 @@ class Controller:
             self.kube.delete_pod(ns, pod)
         for pod in plan.force_delete_pods:
             self.kube.delete_pod(ns, pod, grace_period_seconds=0)
+        for obj in plan.delete:
+            log.info("%s/%s: deleting %s, which the spec no longer renders", ns, name, _what(obj))
+            self.kube.delete(obj)
 
     def _create(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
         """Create by name; a name already taken is fine only when this job controls the
@@ -250,7 +274,7 @@ class Controller:
         if owner == policy.OURS:
             # Ours, yet not in the index: someone took our labels off. Put them back.
             if obj["kind"] != "Pod" and not policy.covers(managed_fields(live), managed_fields(obj)):
-                self._write(body, obj, "patching", self.kube.replace)
+                self._write(body, policy.compute_patch(obj, live), "patching", self.kube.replace)
             return
         if owner == policy.PREVIOUS:
             raise Retry(f"{what} still belongs to a deleted {c.KIND} of the same name; waiting for the "

@@ -13,11 +13,14 @@ a child the API server refused). Suspended can be entered from any non-terminal 
 
 Failure policy across the gang (`compute_failure`): one rank's failure usually takes the
 others down with it (NCCL errors, torchrun's own shutdown), so the rank that ended first
-is the root cause, except that a fatal exit code on any rank fails the job. A pod the
-cluster disrupted (condition DisruptionTarget: evicted, preempted, drained, node pressure)
-restarts the gang without using `maxRestarts`, counted in `status.disruptions`, if it is
-the root cause. Old pods that outlive their grace period (a lost node never confirms the
-deletion) are force-deleted after `policy.FORCE_DELETE_MARGIN_SECONDS`.
+is the root cause (a deleted pod ended when its delete was requested), except that a code
+in `fatalExitCodes` on any rank fails the job. A pod the cluster disrupted (condition
+DisruptionTarget: evicted, preempted, tainted away, garbage-collected) restarts the gang
+without using `maxRestarts`, counted in `status.disruptions`, if it is the root cause; a
+node-pressure eviction by the kubelet uses the budget like a crash. Old pods that outlive
+their grace period by `policy.FORCE_DELETE_MARGIN_SECONDS` are force-deleted only when
+their node is known to run nothing (Node deleted or tainted out-of-service); otherwise
+the gang keeps waiting and says, once, what an admin can do.
 
 Progress deadline: while the gang runs, `status.progress {step, attempt, since}` records
 when the trainer's reported step (`status.trainer.step` of this attempt) last moved; the
@@ -94,6 +97,7 @@ class Gang:
     create: tuple[Obj, ...] = ()
     delete: tuple[str, ...] = ()
     force_delete: tuple[str, ...] = ()  # pods stuck terminating: delete with grace period 0
+    stuck: str = ""  # pods stuck terminating that may not be forced: why we wait, what to do
     requeue_after: float | None = None
 
     @property
@@ -107,10 +111,11 @@ class Gang:
 
 def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj,
                  pods: list[PodView], now: datetime, progress: Progress = Progress(),
-                 refusal: Refusal | None = None) -> Gang:
+                 refusal: Refusal | None = None, nodes: dict[str, str] | None = None) -> Gang:
     """One pass over the trainer pods. `old` is the stored operator status, `pods` the
     trainer pods of every attempt, `spec` None when the stored spec is invalid, `refusal`
-    a child the API server would not take for this job (it fails the job)."""
+    a child the API server would not take for this job (it fails the job), `nodes` what is
+    known of the nodes of pods stuck terminating (`stuck_nodes`; `policy.NODE_*`)."""
     g = _start(old)
     if spec is None:
         return _fail(g, pods, now, c.REASON_INVALID_SPEC, spec_error)
@@ -127,10 +132,10 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
         g = _set_phase(replace(g, status={**g.status, "attempt": 1}), c.PENDING, "starting attempt 1",
                        c.REASON_CREATED)
     if g.phase == c.RESTARTING:
-        g = _restart_when_due(g, spec, pods, now)
+        g = _restart_when_due(g, ref, spec, pods, now, nodes or {})
         if g.phase == c.RESTARTING:
             return g
-    return _run(g, ref, spec, old, pods, now, progress)
+    return _run(g, ref, spec, old, pods, now, progress, nodes or {})
 
 
 def _start(old: Obj) -> Gang:
@@ -159,27 +164,84 @@ def _requeue(g: Gang, seconds: float) -> Gang:
     return replace(g, requeue_after=seconds if g.requeue_after is None else min(g.requeue_after, seconds))
 
 
-def _force_stuck(g: Gang, pods: list[PodView], now: datetime) -> Gang:
+def stuck_nodes(pods: list[PodView], now: datetime) -> set[str]:
+    """The nodes of pods stuck terminating (past their deadline and margin, not forced
+    yet), whose state `_force_stuck` needs: the controller reads only these Nodes."""
+    return {x.node_name for x in pods if x.node_name and (left := _stuck_for(x, now)) is not None and left <= 0}
+
+
+def _stuck_for(x: PodView, now: datetime) -> float | None:
+    """Seconds until `x` counts as stuck terminating (<= 0: it does); None: it never will."""
+    return None if x.force_deleted else policy.force_delete_remaining(x.deletion_deadline, now)
+
+
+def _force_stuck(g: Gang, pods: list[PodView], now: datetime, nodes: dict[str, str], namespace: str) -> Gang:
     """Old pods the next gang waits for, still terminating `FORCE_DELETE_MARGIN_SECONDS`
-    after their grace period ended (a node that is gone never confirms the deletion), are
-    force-deleted (grace period 0) with one Warning event naming them. Until then, come
-    back when the first would be due: no event will. A pod forced once is not forced again."""
+    after their grace period ended. A pod whose node is gone or out of service (or that
+    never had one) is force-deleted (grace period 0) with one Warning event: nothing runs
+    it. Any other may still run on a node cut off from the API server (holding its GPUs,
+    writing the same checkpoints), so it is not forced: `stuck` says why the gang waits
+    and what an admin can do. Until the first is due, come back then: no event will."""
     due, waits = [], []
     for x in pods:
-        left = None if x.force_deleted else policy.force_delete_remaining(x.deletion_deadline, now)
+        left = _stuck_for(x, now)
         if left is not None and left <= 0:
-            due.append(x.name)
+            due.append(x)
         elif left is not None:
             waits.append(left)
     if waits:
         g = _requeue(g, min(waits))
-    if not due:
+    forced = [x for x in due if policy.may_force_delete(x.node_name, nodes)]
+    held = [x for x in due if x not in forced]
+    if held:
+        g = replace(g, stuck=build_stuck_message(held, nodes, namespace))
+    if not forced:
         return g
-    message = (f"pod{'s' if len(due) > 1 else ''} {', '.join(due)} still terminating "
-               f"{int(policy.FORCE_DELETE_MARGIN_SECONDS)}s after the grace period ended (node lost or "
-               "kubelet not responding?): force-deleting (grace period 0) so the next gang can start")
-    return replace(g, force_delete=g.force_delete + tuple(due),
-                   events=g.events + (Event("Warning", c.REASON_FORCE_DELETED, message),))
+    margin = int(policy.FORCE_DELETE_MARGIN_SECONDS)
+    message = (f"{_pods_on_nodes(forced, nodes)} still terminating {margin}s after the grace period ended, "
+               "and nothing runs them any more: force-deleting (grace period 0) so the next gang can start")
+    return replace(g, force_delete=g.force_delete + tuple(x.name for x in forced),
+                   events=g.events + (Event("Warning", c.REASON_STUCK_TERMINATING, message),))
+
+
+_NODE_WORDS = {policy.NODE_GONE: "deleted", policy.NODE_OUT_OF_SERVICE: "out of service",
+               policy.NODE_UNREADABLE: "the operator may not read it", policy.NODE_UP: ""}
+
+
+def _pods_on_nodes(pods: list[PodView], nodes: dict[str, str]) -> str:
+    """"pod a (node n1, deleted), b (node n2)": each pod with its node and what is known of it."""
+    def one(x: PodView) -> str:
+        if not x.node_name:
+            return f"{x.name} (never scheduled)"
+        words = _NODE_WORDS.get(nodes.get(x.node_name, ""), "")
+        return f"{x.name} (node {x.node_name}{', ' + words if words else ''})"
+    return f"pod{'s' if len(pods) > 1 else ''} " + ", ".join(one(x) for x in pods)
+
+
+def build_stuck_message(pods: list[PodView], nodes: dict[str, str], namespace: str) -> str:
+    """Why the gang waits for pods stuck terminating on nodes that may still run them, and
+    what an admin can do. Steady (no clock in it): it is the status message while waiting,
+    and the Warning event goes out when the message first says it."""
+    node_names = sorted({x.node_name for x in pods})
+    node = node_names[0] if len(node_names) == 1 else "<node>"
+    pod = pods[0].name if len(pods) == 1 else "<pod>"
+    return (f"waiting for {_pods_on_nodes(pods, nodes)}, still terminating "
+            f"{int(policy.FORCE_DELETE_MARGIN_SECONDS)}s after the grace period ended: the node has not "
+            "confirmed that the containers stopped, and a node cut off from the cluster may still run them, "
+            "so the operator does not force-delete them. If the node is down: kubectl delete node "
+            f"{' '.join(node_names)}, or kubectl taint node {node} "
+            f"{policy.OUT_OF_SERVICE_TAINT}=nodeshutdown:NoExecute; if you know the pods no longer run: "
+            f"kubectl delete pod -n {namespace} {pod} --force --grace-period=0. The job goes on by itself "
+            "once they are gone")
+
+
+def _report_stuck(g: Gang, old_message: str | None) -> Gang:
+    """While waiting for pods that may not be forced, the status message says so; the
+    Warning event goes out once, in the pass that first writes the message."""
+    if not g.stuck:
+        return g
+    events = g.events if old_message == g.stuck else g.events + (Event("Warning", c.REASON_STUCK_TERMINATING, g.stuck),)
+    return replace(g, status={**g.status, "message": g.stuck}, events=events)
 
 
 def _next_attempt(g: Gang, verb: str, reason: str) -> Gang:
@@ -188,14 +250,16 @@ def _next_attempt(g: Gang, verb: str, reason: str) -> Gang:
     return _set_phase(g, c.PENDING, f"{verb}: starting attempt {attempt}", reason)
 
 
-def _restart_when_due(g: Gang, spec: RFTJobSpec, pods: list[PodView], now: datetime) -> Gang:
+def _restart_when_due(g: Gang, ref: JobRef, spec: RFTJobSpec, pods: list[PodView], now: datetime,
+                      nodes: dict[str, str]) -> Gang:
     """In Restarting: tear the old gang down, then wait out the backoff. Still Restarting
     on return while waiting, Pending with the next attempt once due.
 
     Terminated pods are kept (they hold no resources, and their logs explain the
     failure); the garbage collector removes them with the job."""
     active = [x for x in pods if x.active or x.deleting]
-    g = _force_stuck(_delete(g, active), active, now)
+    g = _force_stuck(_delete(g, active), active, now, nodes, ref.namespace)
+    g = _report_stuck(g, g.status.get("message"))
     failed_at = policy.parse_time((g.status.get("lastFailure") or {}).get("time"))
     wait = policy.backoff_remaining(failed_at, spec.failure_policy.backoff_seconds, now)
     if wait > 0:
@@ -206,13 +270,13 @@ def _restart_when_due(g: Gang, spec: RFTJobSpec, pods: list[PodView], now: datet
 
 
 def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], now: datetime,
-         progress: Progress) -> Gang:
+         progress: Progress, node_states: dict[str, str]) -> Gang:
     """Pending/Running: create the gang, watch it, apply the failure policy."""
     nodes, attempt = spec.trainer.nodes, g.attempt
     # Pods of earlier attempts: stop the live ones; keep terminated ones for their logs.
     stale = [x for x in pods if x.attempt != attempt and (x.active or x.deleting)]
     gang = {x.rank: x for x in pods if x.attempt == attempt}
-    g = _force_stuck(_delete(g, stale), stale, now)
+    g = _force_stuck(_delete(g, stale), stale, now, node_states, ref.namespace)
 
     failure = compute_failure(ref.name, old, attempt, gang, nodes, spec.failure_policy)
     if failure:
@@ -229,8 +293,9 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
         g = replace(g, create=g.create + tuple(missing))
     ready = sum(1 for x in gang.values() if x.phase == "Running")
     # No event: waiting for pods to schedule is not news.
-    return replace(g, status={**g.status, "phase": c.PENDING,
-                              "message": f"attempt {attempt}: {ready}/{nodes} trainer pods running"})
+    g = replace(g, status={**g.status, "phase": c.PENDING,
+                           "message": f"attempt {attempt}: {ready}/{nodes} trainer pods running"})
+    return _report_stuck(g, old.get("message"))
 
 
 def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], nodes: int,
@@ -240,12 +305,16 @@ def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], 
     Every rank that ended is a candidate: a failed pod, a lost (`Unknown`) or deleted one,
     a disrupted one, and, once the whole gang had been running, a missing one (a pod
     missing before the gang ever ran is simply recreated). The root cause is
-      1. the first fatal candidate: a fatal exit code on any rank fails the job, whatever
-         ended first (the program said a restart cannot help);
-      2. else the first to end: `PodView.ended_at` (when it was disrupted, else when its
-         trainer container exited), pods without a time after those with one, rank
-         breaking ties, missing pods last. A disrupted root cause restarts without using the budget; a crash
-         that came first does use it, even if another rank was disrupted later.
+      1. the first candidate with a code in `fatalExitCodes`: it fails the job, whatever
+         ended first (the program said a restart cannot help, and a peer's crash does not
+         make a rank say that);
+      2. else the first to end: `PodView.ended_at` (when it was disrupted or its delete
+         requested, else when its trainer container exited), pods without a time after
+         those with one, rank breaking ties, missing pods last. Its verdict decides: a
+         code outside `retryableExitCodes` fails the job only here, as the root cause
+         (ranks that die after a peer exit with whatever NCCL or torchrun make of it); a
+         disrupted root cause restarts without using the budget; a crash that came first
+         does use it, even if another rank was disrupted later.
     """
     ended = sorted((_pod_failure(x, fp) for x in gang.values() if x.phase in ("Failed", "Unknown") or x.deleting),
                    key=lambda f: (f.ended_at is None, f.ended_at or _NEVER, f.rank))
@@ -258,7 +327,7 @@ def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], 
                 ended.append(Failure(name, None, c.REASON_POD_DELETED, f"pod {name} disappeared", rank=rank))
     if not ended:
         return None
-    root = next((f for f in ended if f.verdict == policy.FATAL), ended[0])
+    root = next((f for f in ended if f.verdict == policy.FATAL and f.exit_code in fp.fatal_exit_codes), ended[0])
     if len(ended) > 1:
         others = len(ended) - 1
         root = replace(root, message=f"{root.message} ({others} other rank{'s' if others > 1 else ''} "
@@ -267,9 +336,15 @@ def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], 
 
 
 def _pod_failure(x: PodView, fp: FailurePolicy) -> Failure:
-    verdict = policy.classify_failure(x.exit_code, x.disruption, fp)
+    verdict = policy.classify_failure(x.exit_code, x.disruption, fp, x.status_reason)
     if x.disruption:
         reason, message = c.REASON_POD_DISRUPTED, f"pod {x.name} was disrupted ({x.disruption})"
+        if verdict != policy.DISRUPTED:  # node pressure: say which resource ran out
+            message = (f"pod {x.name} was evicted by the kubelet for node pressure ({x.disruption}"
+                       + (f": {x.disruption_message})" if x.disruption_message else ")"))
+    elif x.stopped_by_deletion:  # its exit code answers the SIGTERM: not judged
+        verdict = policy.RETRYABLE
+        reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted"
     elif x.phase == "Failed":
         how = f" with exit code {x.exit_code}" if x.exit_code is not None else f" ({x.reason or 'no exit code'})"
         reason, message = c.REASON_POD_FAILED, f"pod {x.name} failed" + how

@@ -1,5 +1,6 @@
-"""The one module that talks to the Kubernetes API server (writes only; reads come from
-kopf's watch-fed indexes). Everything else takes and returns plain dicts."""
+"""The one module that talks to the Kubernetes API server: writes, and the few reads kopf's
+watch-fed indexes cannot answer (the object holding a child's name on 409, the Node of a
+pod stuck terminating). Everything else takes and returns plain dicts."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class Kube:
     @_timed
     def replace(self, obj: Obj) -> None:
         """Bring a drifted child back to its rendered form. A merge patch: rendered keys win,
-        lists (ports, subjects, rules) are replaced whole, what the server added is kept."""
+        lists (ports, subjects, rules) are replaced whole, keys set to null go (labels and
+        annotations we no longer render: `policy.compute_patch`), what the server added is kept."""
         meta = obj["metadata"]
         # Not the client's default strategic merge: it merges a Service's ports by port
         # number, so a hand-edited port would stay beside ours (and clash on the name).
@@ -115,8 +117,8 @@ class Kube:
 
     @_timed
     def delete(self, obj: Obj) -> None:
-        """Delete a child (404 = already gone), e.g. to create it again with a field the API
-        server does not let change (a RoleBinding's roleRef)."""
+        """Delete a child (404 = already gone): one the spec no longer renders, or one to
+        create again with a field the API server does not let change (a RoleBinding's roleRef)."""
         meta = obj["metadata"]
         try:
             self._call("delete", obj["kind"])(meta["name"], meta["namespace"], _preload_content=False)
@@ -134,6 +136,17 @@ class Kube:
         except ApiException as e:
             if e.status != 404:
                 raise
+
+    @_timed
+    def read_node(self, name: str) -> Obj | None:
+        """The Node object; None when it does not exist (404). Other errors, e.g. 403 where
+        the operator may not read nodes, are raised."""
+        try:
+            return json.loads(self.core.read_node(name, _preload_content=False).data)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
 
     # ---------------------------------------------------------------- status
 

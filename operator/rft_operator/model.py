@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
 
 from rft_contract import names as c
@@ -42,11 +42,14 @@ class PodView:
     # The DisruptionTarget condition: the cluster, not the program, stopped the pod.
     disruption: str | None = None  # its reason, e.g. EvictionByEvictionAPI; None: not disrupted
     disrupted_at: datetime | None = None  # its lastTransitionTime
+    disruption_message: str = ""  # its message, e.g. "The node was low on resource: memory. ..."
+    status_reason: str | None = None  # status.reason: "Evicted" (node pressure), "Terminated" (node shutdown)
     # metadata.deletionTimestamp: the API server sets it to the delete request's time plus
     # the grace period, so it is when the kubelet should have finished, not when deletion began.
     deletion_deadline: datetime | None = None
     deletion_grace_seconds: int | None = None  # metadata.deletionGracePeriodSeconds; 0: forced
     owner_uid: str = ""  # uid of the controller ownerReference
+    node_name: str = ""  # spec.nodeName; "" while unscheduled
 
     @classmethod
     def from_pod(cls, pod: Obj) -> "PodView":
@@ -73,9 +76,12 @@ class PodView:
             finished_at=finished,
             disruption=(disruption.get("reason") or DISRUPTION_TARGET) if disruption else None,
             disrupted_at=parse_api_time(disruption.get("lastTransitionTime")) if disruption else None,
+            disruption_message=(disruption.get("message") or "") if disruption else "",
+            status_reason=status.get("reason"),
             deletion_deadline=parse_api_time(meta.get("deletionTimestamp")),
             deletion_grace_seconds=meta.get("deletionGracePeriodSeconds"),
             owner_uid=controller_uid(meta),
+            node_name=(pod.get("spec") or {}).get("nodeName") or "",
         )
 
     @property
@@ -83,10 +89,30 @@ class PodView:
         return self.phase in ("Pending", "Running") and not self.deleting
 
     @property
+    def deletion_requested_at(self) -> datetime | None:
+        """When the delete request came: deletionTimestamp less the grace period."""
+        if self.deletion_deadline is None:
+            return None
+        return self.deletion_deadline - timedelta(seconds=self.deletion_grace_seconds or 0)
+
+    @property
+    def stopped_by_deletion(self) -> bool:
+        """Deleted while its trainer still ran: whatever it exits with answers the SIGTERM
+        and says nothing about the program."""
+        requested = self.deletion_requested_at
+        return requested is not None and (self.finished_at is None or requested <= self.finished_at)
+
+    @property
     def ended_at(self) -> datetime | None:
-        """When the pod stopped being part of the gang: when it was disrupted (the decision
-        to stop it, which precedes its exit) or else when its trainer container exited."""
-        return self.disrupted_at or self.finished_at
+        """When the pod stopped being part of the gang: when it was disrupted or its delete
+        was requested (the decision to stop it precedes its exit, and a pod lost with its
+        node never reports one), else when its trainer container exited."""
+        if self.disrupted_at:
+            return self.disrupted_at
+        requested = self.deletion_requested_at
+        if requested and (self.finished_at is None or requested < self.finished_at):
+            return requested
+        return self.finished_at
 
     @property
     def force_deleted(self) -> bool:
@@ -145,10 +171,11 @@ def controller_uid(meta: Obj) -> str:
 
 
 def managed_fields(obj: Obj) -> Obj:
-    """The parts of a child the operator renders and restores: its labels and every
-    top-level field but identity and status (data, spec, rules, roleRef, subjects, ...)."""
+    """The parts of a child the operator renders and restores: its labels and annotations
+    and every top-level field but identity and status (data, spec, rules, roleRef, ...)."""
     out = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
-    out["metadata"] = {"labels": dict((obj.get("metadata") or {}).get("labels") or {})}
+    meta = obj.get("metadata") or {}
+    out["metadata"] = {"labels": dict(meta.get("labels") or {}), "annotations": dict(meta.get("annotations") or {})}
     return out
 
 

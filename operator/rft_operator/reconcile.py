@@ -10,8 +10,10 @@ One module per concern, each a pure function of explicit inputs: `gang` (trainer
 failure policy, progress deadline), `weightsync` (serving target, replica counts),
 `rollout` (inference and explorer pods), `conditions`. This module only composes them into
 a Plan (docs/design.md), and keeps the static children as rendered: every one carries a
-spec hash, and one whose hash or live fields drifted is patched back (or, when a field that
-cannot change did, deleted and created again).
+spec hash, and one whose hash or live fields drifted is patched back, labels and
+annotations it no longer renders removed (or, when a field that cannot change did, deleted
+and created again); one the spec no longer renders (spec.explorer or spec.inference
+removed) is deleted.
 
 Ownership: only children whose controller ownerReference is this job (by uid) are observed
 as ours (the controller filters the indexes); a name taken by anything else makes the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec, parse_spec
@@ -56,6 +59,9 @@ class Observed:
     live: dict[tuple[str, str], Obj] = field(default_factory=dict)
     # A child the API server refused for this job's current generation.
     refusal: Refusal | None = None
+    # What the controller read of the nodes of trainer pods stuck terminating
+    # (`nodes_to_read`): node name -> policy.NODE_*. A node missing here is unknown.
+    nodes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_views(cls, pods: list[PodView], children: list[ChildView], refusal: Refusal | None = None
@@ -71,6 +77,7 @@ class Plan:
     create: list[Obj] = field(default_factory=list)
     replace: list[Obj] = field(default_factory=list)  # merge-patch back to the rendered form
     recreate: list[Obj] = field(default_factory=list)  # delete, then create (an immutable field drifted)
+    delete: list[Obj] = field(default_factory=list)  # static children the spec no longer renders
     delete_pods: list[str] = field(default_factory=list)
     force_delete_pods: list[str] = field(default_factory=list)  # stuck terminating: grace period 0
     events: list[Event] = field(default_factory=list)
@@ -96,8 +103,8 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     spec, spec_error = _parse(body)
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
     progress = gang.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
-    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal)
-    create, replace, recreate = compute_static_children(ref, spec, g.phase, observed.children, observed.live)
+    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes)
+    static = compute_static_children(ref, spec, g.phase, observed.children, observed.live)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
@@ -113,15 +120,24 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     return Plan(
         status=status,
         status_changed=changed or "trainer" in status or "weightSync" in status,
-        create=[*create, *g.create, *ro.create],
-        replace=replace,
-        recreate=recreate,
+        create=[*static.create, *g.create, *ro.create],
+        replace=static.replace,
+        recreate=static.recreate,
+        delete=static.delete,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
         force_delete_pods=list(g.force_delete),
         events=[*g.events, *ws.events],
         # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
         requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
     )
+
+
+def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:
+    """The nodes whose state the gang needs before it may force-delete a trainer pod stuck
+    terminating (`gang.stuck_nodes`); none for a finished job, which waits for nothing."""
+    if (body.get("status") or {}).get("phase") in c.TERMINAL_PHASES:
+        return set()
+    return gang.stuck_nodes([x for x in observed.pods if x.role == c.ROLE_TRAINER], now)
 
 
 def _parse(body: Obj) -> tuple[RFTJobSpec | None, str]:
@@ -132,34 +148,57 @@ def _parse(body: Obj) -> tuple[RFTJobSpec | None, str]:
         return None, f"invalid spec: {e}"
 
 
+class StaticChildren(NamedTuple):
+    create: list[Obj]  # missing
+    replace: list[Obj]  # drifted: merge patches (`policy.compute_patch`)
+    recreate: list[Obj]  # drifted in a field that cannot change: delete, then create
+    delete: list[Obj]  # no longer rendered: {kind, metadata: {name, namespace}}
+
+
 def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | None,
                             present: dict[tuple[str, str], str], live: dict[tuple[str, str], Obj] | None = None,
-                            ) -> tuple[list[Obj], list[Obj], list[Obj]]:
-    """(to create, to patch back, to delete and create again): the missing children, the
-    ones that drifted, and the drifted ones whose immutable fields changed. Nothing for an
-    invalid spec or a finished job: it needs none of them any more.
+                            ) -> StaticChildren:
+    """The missing children, the ones that drifted (patched back, or recreated when an
+    immutable field changed) and the ones this spec no longer renders (an explorer's
+    ServiceAccount and Role once spec.explorer is gone). Nothing for an invalid spec or a
+    finished job: it creates none of them any more, and the garbage collector removes
+    them with the job.
 
     A child drifted when its spec hash annotation is not the rendered one (the spec
     changed; a child without one predates the hashes and is judged by its fields), or when
     its live fields no longer hold the rendered ones (a hand edit: `policy.covers`)."""
-    create: list[Obj] = []
-    replace: list[Obj] = []
-    recreate: list[Obj] = []
+    out = StaticChildren([], [], [], [])
     if spec is None or phase in c.TERMINAL_PHASES:
-        return create, replace, recreate
+        return out
+    rendered = set()
     for obj in build_static_children(ref, spec):
-        obj = with_spec_hash(obj)
+        obj = with_spec_hash(with_managed_keys(obj))
         key = (obj["kind"], obj["metadata"]["name"])
+        rendered.add(key)
         if key not in present:
-            create.append(obj)
+            out.create.append(obj)
             continue
         have = (live or {}).get(key)
         hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
         if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
-            recreate.append(obj)
+            out.recreate.append(obj)
         elif hash_drift or (have is not None and not policy.covers(have, managed_fields(obj))):
-            replace.append(obj)
-    return create, replace, recreate
+            out.replace.append(policy.compute_patch(obj, have))
+    out.delete.extend({"kind": kind, "metadata": {"name": name, "namespace": ref.namespace}}
+                      for kind, name in sorted(present) if (kind, name) not in rendered)
+    return out
+
+
+def with_managed_keys(obj: Obj) -> Obj:
+    """The child with `rft.dev/managed-keys` listing its label and annotation keys outside
+    our namespaces (`policy.build_managed_keys`), when it has any: a later render that drops
+    one then removes it (`policy.compute_patch`)."""
+    keys = policy.build_managed_keys(obj["metadata"])
+    if not keys:
+        return obj
+    out = copy.deepcopy(obj)
+    out["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), c.ANNOTATION_MANAGED_KEYS: keys}
+    return out
 
 
 def with_spec_hash(obj: Obj) -> Obj:

@@ -1,8 +1,9 @@
 """Ownership, refusals, drift, disruptions and a clean start, against the real API server:
 the operator never adopts an object it did not create, fails a job whose children the API
 server refuses as invalid (422) with the field in the message, restores children edited by
-hand, restarts an evicted gang without using the restart budget, and starts without
-logging errors."""
+hand, removes keys and children the spec no longer renders (and nothing anyone else added),
+restarts an evicted gang without using the restart budget, and starts without logging
+errors."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rft_contract import names as c
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401  (fixtures)
-    api, create_job, events, get_job, hold_pod, installed, job_manifest, namespace, operator, pods,
+    api, create_job, events, get_job, hold_pod, installed, job_manifest, namespace, operator, patch_spec, pods,
     release_pod, wait_phase, wait_status,
 )
 
@@ -154,6 +155,51 @@ def test_children_edited_by_hand_are_restored(operator, api, namespace):
     time.sleep(12)  # more than one 10 s resync
     assert core.read_namespaced_service(svc_name, namespace).metadata.resource_version == rv
     assert get_job(api, namespace, "drift")["status"]["phase"] == c.RUNNING
+
+
+def test_what_the_spec_no_longer_renders_goes_and_what_others_added_stays(operator, api, namespace):
+    """Dropping a ServiceAccount annotation from the spec removes it from the live
+    ServiceAccounts (an annotation someone else added stays); dropping spec.explorer, then
+    spec.inference, deletes their ServiceAccounts, the explorers' Role and RoleBinding and
+    the inference Service."""
+    job, role_arn, cost = "shrink", "eks.amazonaws.com/role-arn", "example.com/cost-center"
+    sa_annotations = {role_arn: "arn:aws:iam::1:role/x", cost: "42"}
+    create_job(api, namespace, job_manifest(job, serviceAccountAnnotations=sa_annotations,
+                                            inference={"replicas": 1, "gpusPerReplica": 1},
+                                            explorer={"tasksetUri": "s3://ckpts/tasks.jsonl"}))
+    core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
+    trainer_sa, explorer_sa = c.service_account_name(job, c.ROLE_TRAINER), c.service_account_name(job, c.ROLE_EXPLORER)
+    reader, inference_sa = c.status_reader_role_name(job), c.service_account_name(job, c.ROLE_INFERENCE)
+
+    def annotations(name: str) -> dict:
+        return core.read_namespaced_service_account(name, namespace).metadata.annotations or {}
+
+    wait_for(lambda: cost in annotations(explorer_sa) and rbac.read_namespaced_role_binding(reader, namespace), 60,
+             "the explorer's ServiceAccount and RoleBinding")
+    by_hand = {"metadata": {"annotations": {"example.com/by-hand": "y"}}}
+    core.patch_namespaced_service_account(trainer_sa, namespace, by_hand)
+
+    patch_spec(api, namespace, job, {"serviceAccountAnnotations": {cost: None}, "explorer": None})
+    wait_for(lambda: cost not in annotations(trainer_sa), 60, "the dropped annotation removed")
+    assert annotations(trainer_sa)[role_arn] == "arn:aws:iam::1:role/x"
+    assert annotations(trainer_sa)["example.com/by-hand"] == "y"  # not ours: kept
+
+    def gone(read, name: str) -> bool:
+        try:
+            read(name, namespace)
+        except kubernetes.client.ApiException as e:
+            return e.status == 404
+        return False
+
+    wait_for(lambda: all(gone(read, name) for read, name in [
+        (core.read_namespaced_service_account, explorer_sa), (rbac.read_namespaced_role, reader),
+        (rbac.read_namespaced_role_binding, reader)]), 60, "the explorers' identity deleted")
+    patch_spec(api, namespace, job, {"inference": None})
+    wait_for(lambda: gone(core.read_namespaced_service_account, inference_sa)
+             and gone(core.read_namespaced_service, c.inference_service_name(job)), 60,
+             "the inference children deleted")
+    assert not gone(core.read_namespaced_service_account, trainer_sa)
+    assert get_job(api, namespace, job)["status"]["phase"] != c.FAILED
 
 
 def test_evicted_trainer_restarts_the_gang_without_using_the_budget(operator, api, namespace):

@@ -1,10 +1,13 @@
 """The controller between the pure reconcile and the API: ownership on 409 (never adopt),
-a 422 turned into InvalidSpec, errors described with the server's message, drift and
-force deletions applied. A fake API server stands in for `Kube`."""
+a 422 turned into InvalidSpec, errors described with the server's message, drift, force
+deletions (fenced by the pod's Node) and leftover children applied. A fake API server
+stands in for `Kube`."""
 
 import asyncio
 import copy
 import json
+
+from datetime import timedelta
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -36,6 +39,8 @@ class FakeKube:
         self.refuse: dict[tuple[str, str], ApiException] = {}
         self.calls: list[tuple] = []
         self.events: list[tuple[str, str, str]] = []
+        self.nodes: dict[str, dict] = {}  # a node missing here answers 404
+        self.node_errors: dict[str, ApiException] = {}
 
     def patch_status(self, ns, name, status, rv):
         # What the watch then delivers: the job with the new status and resourceVersion.
@@ -65,6 +70,12 @@ class FakeKube:
 
     def delete_pod(self, ns, name, grace_period_seconds=None):
         self.calls.append(("delete_pod", name, grace_period_seconds))
+
+    def read_node(self, name):
+        self.calls.append(("read_node", name))
+        if name in self.node_errors:
+            raise self.node_errors[name]
+        return copy.deepcopy(self.nodes.get(name))
 
 
 def controller(kube, pods=(), children=()):
@@ -181,7 +192,7 @@ def test_only_children_this_job_controls_are_observed():
 def test_recreate_and_force_deletions_are_applied():
     kube = FakeKube(make_job(status={"phase": c.PENDING, "attempt": 2, "restarts": 1}))
     stuck = PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID,
-                    deletion_deadline=NOW.replace(hour=11), deletion_grace_seconds=30)
+                    deletion_deadline=NOW.replace(hour=11), deletion_grace_seconds=30, node_name="gone")
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": {"name": "demo-status-writer", "namespace": "team-a", "labels": {},
                             "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]},
@@ -212,3 +223,79 @@ def test_describe_never_shows_the_request():
 
 def _cond(status, type_):
     return next(x for x in status["conditions"] if x["type"] == type_)
+
+
+# ------------------------------------------------------------------ pods stuck terminating
+
+NODE = "gpu-node-7"
+RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1, "message": "pod demo-trainer-1-1 failed",
+              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
+                              "time": "2026-11-30T11:00:00Z"}}
+
+
+def stuck_pod(seconds_past_deadline=600, node=NODE):
+    return PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID, node_name=node,
+                   deletion_deadline=NOW - timedelta(seconds=seconds_past_deadline), deletion_grace_seconds=30)
+
+
+def node(ready="False", taints=()):
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+            "spec": {"taints": list(taints)},
+            "status": {"conditions": [{"type": "Ready", "status": ready, "reason": "NodeStatusUnknown"}]}}
+
+
+OUT_OF_SERVICE = {"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown", "effect": "NoExecute"}
+FORBIDDEN = api_error(403, 'nodes "gpu-node-7" is forbidden: User "system:serviceaccount:rft:op" cannot get '
+                      'resource "nodes"', "Forbidden")
+
+
+@pytest.mark.parametrize("setup, want_force", [
+    (lambda k: None, True),                                          # Node gone (404)
+    (lambda k: k.nodes.update({NODE: node(taints=[OUT_OF_SERVICE])}), True),
+    (lambda k: k.nodes.update({NODE: node()}), False),              # present, NotReady: maybe partitioned
+    (lambda k: k.node_errors.update({NODE: FORBIDDEN}), False),     # namespaced install: may not read nodes
+], ids=["node-gone", "out-of-service", "node-not-ready", "node-unreadable"])
+def test_a_stuck_pod_is_force_deleted_only_when_its_node_runs_nothing(setup, want_force):
+    kube = FakeKube(make_job(status=RESTARTING))
+    setup(kube)
+    ctl = controller(kube, [stuck_pod()])
+    passes(ctl, 3)  # each pass sees the status the previous one wrote
+    forced = [x for x in kube.calls if x[0] == "delete_pod" and x[2] == 0]
+    warnings = [m for t, r, m in kube.events if (t, r) == ("Warning", c.REASON_STUCK_TERMINATING)]
+    assert ("read_node", NODE) in kube.calls and ctl.errors == 0
+    if want_force:
+        assert forced and "force-deleting" in warnings[0]
+        return
+    assert forced == [] and len(warnings) == 1  # one event, not one per pass
+    status = kube.job["status"]
+    assert (status["phase"], status["message"]) == (c.RESTARTING, warnings[0])
+    assert f"kubectl delete node {NODE}" in warnings[0] and "out-of-service=nodeshutdown:NoExecute" in warnings[0]
+
+
+def test_nodes_are_read_only_for_pods_past_the_bound():
+    kube = FakeKube(make_job(status=RESTARTING))
+    passes(controller(kube, [stuck_pod(seconds_past_deadline=10)]), 1)  # within the margin
+    assert not [x for x in kube.calls if x[0] == "read_node"]
+    kube = FakeKube(make_job(status={**RESTARTING, "phase": c.FAILED}))
+    passes(controller(kube, [stuck_pod()]), 1)  # a finished job waits for nothing
+    assert not [x for x in kube.calls if x[0] == "read_node"]
+
+
+def test_read_nodes_classifies_what_it_reads():
+    kube = FakeKube(make_job())
+    kube.nodes.update({"up": node("True"), "down": node(taints=[OUT_OF_SERVICE])})
+    kube.node_errors["hidden"] = FORBIDDEN
+    kube.node_errors["flaky"] = api_error(503, "unavailable", "Service Unavailable")
+    got = controller(kube).read_nodes(["up", "down", "gone", "hidden", "flaky"])
+    assert got == {"up": "up", "down": "out-of-service", "gone": "gone", "hidden": "unreadable",
+                   "flaky": "unreadable"}
+
+
+def test_children_the_spec_no_longer_renders_are_deleted():
+    kube = FakeKube(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}))
+    explorer_sa = {"apiVersion": "v1", "kind": "ServiceAccount",
+                   "metadata": {"name": "demo-rft-explorer", "namespace": "team-a",
+                                "labels": {c.LABEL_JOB: "demo", c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                                "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]}}
+    passes(controller(kube, [], [ChildView.from_object("ServiceAccount", explorer_sa)]), 1)
+    assert ("delete", "ServiceAccount", "demo-rft-explorer") in kube.calls

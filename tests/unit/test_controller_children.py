@@ -3,6 +3,7 @@ spec change is patched back (an immutable field: deleted and created again). Pur
 (`reconcile.compute_static_children`, `policy.covers`, `policy.classify_owner`)."""
 
 import copy
+import json
 
 import pytest
 
@@ -11,15 +12,15 @@ from rft_contract.spec import parse_spec
 from rft_operator import policy
 from rft_operator.model import ChildView
 from rft_operator.objects import JobRef
-from rft_operator.reconcile import Observed, compute_static_children
+from rft_operator.reconcile import Observed, compute_static_children, reconcile
 
-from .conftest import SPEC
+from .conftest import NOW, SPEC, make_job
 
 REF = JobRef("demo", "team-a", "0000-1111")
 
 
 def rendered(spec=SPEC):
-    create, _, _ = compute_static_children(REF, parse_spec(spec), c.RUNNING, {})
+    create = compute_static_children(REF, parse_spec(spec), c.RUNNING, {}).create
     return {(o["kind"], o["metadata"]["name"]): o for o in create}
 
 
@@ -44,10 +45,12 @@ def observe(objs):
 
 
 def plan(objs, spec=SPEC):
+    """(kinds to create, keys to patch, keys to recreate); nothing is ever deleted here."""
     o = observe(objs)
-    create, replace, recreate = compute_static_children(REF, parse_spec(spec), c.RUNNING, o.children, o.live)
-    return ([x["kind"] for x in create], [(x["kind"], x["metadata"]["name"]) for x in replace],
-            [(x["kind"], x["metadata"]["name"]) for x in recreate])
+    static = compute_static_children(REF, parse_spec(spec), c.RUNNING, o.children, o.live)
+    assert static.delete == []
+    return ([x["kind"] for x in static.create], [(x["kind"], x["metadata"]["name"]) for x in static.replace],
+            [(x["kind"], x["metadata"]["name"]) for x in static.recreate])
 
 
 def test_every_static_child_carries_a_spec_hash():
@@ -96,7 +99,7 @@ def test_a_spec_change_shows_as_hash_drift():
     assert sorted(plan(live, spec)[1]) == want
     # The hash alone tells, without the live fields.
     hashes = observe(live).children
-    _, replace, _ = compute_static_children(REF, parse_spec(spec), c.RUNNING, hashes)
+    replace = compute_static_children(REF, parse_spec(spec), c.RUNNING, hashes).replace
     assert sorted((x["kind"], x["metadata"]["name"]) for x in replace) == want
 
 
@@ -116,3 +119,108 @@ def test_extra_keys_the_server_or_users_add_are_fine():
 ])
 def test_classify_owner(refs, want):
     assert policy.classify_owner({"ownerReferences": refs}, "demo", "0000-1111", c.KIND) == want
+
+
+# ------------------------------------------------------------------ keys we no longer render
+
+SA_ANNOTATIONS = {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/rft", "team.example.com/cost-center": "42"}
+
+
+def _served_with(spec, edit=lambda o: None):
+    live = {k: as_served(v) for k, v in rendered(spec).items()}
+    for obj in live.values():
+        edit(obj)
+    return live
+
+
+def _patches(live, spec):
+    o = observe(live)
+    return {(x["kind"], x["metadata"]["name"]): x
+            for x in compute_static_children(REF, parse_spec(spec), c.RUNNING, o.children, o.live).replace}
+
+
+def test_an_annotation_dropped_from_the_spec_is_removed_and_others_keys_stay():
+    before = {**SPEC, "serviceAccountAnnotations": SA_ANNOTATIONS}
+    sa = ("ServiceAccount", c.service_account_name("demo", c.ROLE_TRAINER))
+    assert json.loads(rendered(before)[sa]["metadata"]["annotations"][c.ANNOTATION_MANAGED_KEYS]) == {
+        "annotations": sorted(SA_ANNOTATIONS)}
+
+    def added_by_others(obj):  # the API server, kubectl, another controller
+        obj["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = "{}"
+        obj["metadata"]["labels"]["example.com/team"] = "ml"
+
+    live = _served_with(before, added_by_others)
+    after = {**SPEC, "serviceAccountAnnotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/rft"}}
+    patch = _patches(live, after)[sa]["metadata"]
+    assert patch["annotations"]["team.example.com/cost-center"] is None  # ours before, not any more
+    assert patch["annotations"]["eks.amazonaws.com/role-arn"] == "arn:aws:iam::1:role/rft"
+    managed = json.loads(patch["annotations"][c.ANNOTATION_MANAGED_KEYS])
+    assert managed == {"annotations": ["eks.amazonaws.com/role-arn"]}
+    assert "kubectl.kubernetes.io/last-applied-configuration" not in patch["annotations"]  # not ours: untouched
+    assert "example.com/team" not in patch["labels"]
+    # All annotations gone from the spec: the list of managed keys goes too.
+    patch = _patches(live, SPEC)[sa]["metadata"]
+    assert {k for k, v in patch["annotations"].items() if v is None} == {
+        *SA_ANNOTATIONS, c.ANNOTATION_MANAGED_KEYS}
+    # Once the server merged the patches, the children are steady; others' keys are still there.
+    for key, patch in _patches(live, SPEC).items():
+        live[key] = merge_patch(live[key], patch)
+    assert plan(live, SPEC) == ([], [], [])
+    assert "kubectl.kubernetes.io/last-applied-configuration" in live[sa]["metadata"]["annotations"]
+    assert not set(SA_ANNOTATIONS) & set(live[sa]["metadata"]["annotations"])
+
+
+def merge_patch(target, patch):
+    """RFC 7386, as the API server applies application/merge-patch+json."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+def test_a_label_in_our_namespace_we_no_longer_render_is_removed():
+    def stale(obj):
+        obj["metadata"]["labels"]["rft.dev/replica"] = "0"  # e.g. rendered by an older operator
+        obj["metadata"]["labels"]["example.com/team"] = "ml"
+    live = _served_with(SPEC, stale)
+    patch = policy.compute_patch(rendered()[SVC], observe(live).live[SVC])
+    labels = patch["metadata"]["labels"]
+    assert labels["rft.dev/replica"] is None and "example.com/team" not in labels
+    assert policy.compute_patch(rendered()[SVC], None) == rendered()[SVC]  # nothing known of it: nothing removed
+
+
+# ------------------------------------------------------------------ children the spec no longer renders
+
+FULL = {**SPEC, "inference": {"replicas": 1, "gpusPerReplica": 1}, "explorer": {"tasksetUri": "s3://data/t.jsonl"}}
+
+
+def _deleted(spec, phase=c.RUNNING):
+    o = observe({k: as_served(v) for k, v in rendered(FULL).items()})
+    static = compute_static_children(REF, parse_spec(spec) if spec else None, phase, o.children, o.live)
+    assert all(set(x) == {"kind", "metadata"} and x["metadata"]["namespace"] == "team-a" for x in static.delete)
+    return sorted((x["kind"], x["metadata"]["name"]) for x in static.delete)
+
+
+def test_children_the_spec_no_longer_renders_are_deleted():
+    without_explorer = {k: v for k, v in FULL.items() if k != "explorer"}
+    assert _deleted(FULL) == []
+    assert _deleted(without_explorer) == [("Role", "demo-status-reader"), ("RoleBinding", "demo-status-reader"),
+                                          ("ServiceAccount", "demo-rft-explorer")]
+    assert _deleted(SPEC) == [("Role", "demo-status-reader"), ("RoleBinding", "demo-status-reader"),
+                              ("Service", "demo-inference"), ("ServiceAccount", "demo-rft-explorer"),
+                              ("ServiceAccount", "demo-rft-inference")]
+    # A finished job, or one whose spec is invalid, creates nothing and deletes nothing:
+    # the garbage collector takes them with the job.
+    assert _deleted(SPEC, c.SUCCEEDED) == _deleted(SPEC, c.FAILED) == _deleted(None) == []
+
+
+def test_reconcile_plans_the_deletions():
+    o = observe({k: as_served(v) for k, v in rendered(FULL).items()})
+    plan_ = reconcile(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}), o, NOW)
+    assert ("ServiceAccount", "demo-rft-inference") in [(x["kind"], x["metadata"]["name"]) for x in plan_.delete]
+    assert not [x for x in plan_.delete_pods if x.startswith("demo-trainer")]

@@ -1,7 +1,9 @@
 """The failure policy across the gang, from pods shaped as the API server reports them
-(`PodView.from_pod`): fatal codes win over retryable ones on any rank, otherwise the rank
-that ended first is the root cause; disruptions restart without using the budget; old
-pods stuck terminating are force-deleted once their grace period is well over."""
+(`PodView.from_pod`): fatalExitCodes win on any rank, otherwise the rank that ended first
+(a deleted one: when its delete was requested) is the root cause; the cluster's
+disruptions restart without using the budget, the kubelet's node-pressure evictions use
+it; old pods stuck terminating are force-deleted once their grace period is well over,
+and only when their node is gone or out of service."""
 
 from datetime import timedelta
 
@@ -9,7 +11,7 @@ import pytest
 
 from rft_contract import names as c
 from rft_contract.spec import parse_spec
-from rft_operator import gang
+from rft_operator import gang, policy
 from rft_operator.model import PodView
 from rft_operator.objects import JobRef
 from rft_operator.policy import FORCE_DELETE_MARGIN_SECONDS, format_time
@@ -20,13 +22,17 @@ from .conftest import NOW, SPEC, make_job
 REF = JobRef("demo", "team-a", "0000-1111")
 
 
+NODE = "gpu-node-1"
+
+
 def at(seconds: float) -> str:
     return format_time(NOW + timedelta(seconds=seconds))
 
 
 def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int | None = None,
              finished: float | None = None, disrupted: str | None = None, disrupted_at: float = -120,
-             deleted_at: float | None = None, grace: int = 30, terminated_reason: str = "Error") -> dict:
+             deleted_at: float | None = None, grace: int = 30, terminated_reason: str = "Error",
+             node: str = NODE) -> dict:
     """A trainer pod as `kubectl get pod -o json` shows it. `finished`, `disrupted_at` and
     `deleted_at` are seconds from NOW; `deleted_at` is when the delete request came: the API
     server sets deletionTimestamp to that plus the grace period."""
@@ -63,18 +69,19 @@ def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int 
                                      "lastState": {}, "containerID": f"containerd://{rank}"}]}
     if phase == "Failed" and disrupted == "TerminationByKubelet":
         status["reason"] = "Evicted"
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": [{"name": "trainer"}]},
-            "status": status}
+        conditions[-1]["message"] = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 0."
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"containers": [{"name": "trainer"}], "nodeName": node}, "status": status}
 
 
 def views(*pods: dict) -> list[PodView]:
     return [PodView.from_pod(p) for p in pods]
 
 
-def run(pods, old=None, after: float = 0, **policy):
-    spec = parse_spec({**SPEC, "failurePolicy": {**SPEC["failurePolicy"], **policy}})
+def run(pods, old=None, after: float = 0, nodes=None, **fp):
+    spec = parse_spec({**SPEC, "failurePolicy": {**SPEC["failurePolicy"], **fp}})
     old = old or {"phase": c.RUNNING, "attempt": 1, "restarts": 0}
-    return gang.compute_gang(REF, spec, "", old, views(*pods), NOW + timedelta(seconds=after))
+    return gang.compute_gang(REF, spec, "", old, views(*pods), NOW + timedelta(seconds=after), nodes=nodes)
 
 
 def failed(rank, code, finished, **kw):
@@ -108,8 +115,11 @@ CASES = [
     ("preempted-rank-exited-143",
      [pod_dict(1, 0), failed(1, 143, -100, disrupted="PreemptionByScheduler", deleted_at=-110)],
      (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-1", 0, 1)),
-    ("node-pressure-eviction-by-kubelet", [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)],
+    ("pod-gc", [pod_dict(1, 0, "Failed", disrupted="DeletionByPodGC", deleted_at=-100), pod_dict(1, 1)],
      (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+    # The kubelet's node-pressure eviction is often the job's own memory: it uses the budget.
+    ("node-pressure-eviction-by-kubelet", [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("disrupted-first-then-peer-crashed: a disruption",
      [pod_dict(1, 0, disrupted="DeletionByTaintManager", disrupted_at=-120, deleted_at=-120), failed(1, 1, -100)],
      (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
@@ -121,12 +131,25 @@ CASES = [
      (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
     ("deleted-by-hand-is-no-disruption", [pod_dict(1, 0, deleted_at=-1), pod_dict(1, 1)],
      (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+    # A deleted pod ended when its delete was requested, not at some later or unknown time:
+    # the peer's NCCL abort 5 s later is its consequence, even outside retryableExitCodes.
+    ("deleted-rank-0-then-rank-1-aborted",
+     [pod_dict(1, 0, deleted_at=-5), failed(1, 134, 0)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+    ("deleted-rank-0-exited-143-then-rank-1-aborted",
+     [failed(0, 143, -4, deleted_at=-5), failed(1, 134, 0)],
+     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+    ("rank-1-aborted-first-outside-the-allow-list-fails",
+     [pod_dict(1, 0, deleted_at=-5), failed(1, 134, -10)],
+     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
 ]
+ALLOW_137 = {"deleted-rank-0-then-rank-1-aborted", "deleted-rank-0-exited-143-then-rank-1-aborted",
+             "rank-1-aborted-first-outside-the-allow-list-fails"}
 
 
-@pytest.mark.parametrize("pods, want", [x[1:] for x in CASES], ids=[x[0] for x in CASES])
-def test_root_cause_across_the_gang(pods, want):
-    g = run(pods)
+@pytest.mark.parametrize("case, pods, want", CASES, ids=[x[0] for x in CASES])
+def test_root_cause_across_the_gang(case, pods, want):
+    g = run(pods, **({"retryableExitCodes": [137]} if case in ALLOW_137 else {}))
     failure = g.status["lastFailure"]
     got = (g.phase, g.events[-1].reason, failure["pod"], g.status["restarts"], g.status["disruptions"])
     assert got == want
@@ -134,6 +157,38 @@ def test_root_cause_across_the_gang(pods, want):
     assert failure["pod"] in g.status["message"]
     if want[1] == c.REASON_POD_DISRUPTED:
         assert failure["reason"] == c.REASON_POD_DISRUPTED and "maxRestarts" in g.status["message"]
+
+
+# DisruptionTarget reason (and the pod's status.reason) -> whether the restart is free.
+@pytest.mark.parametrize("reason, status_reason, free", [
+    ("EvictionByEvictionAPI", None, True),  # kubectl drain, descheduler
+    ("PreemptionByScheduler", None, True),
+    ("DeletionByTaintManager", None, True),  # node not ready / unreachable, NoExecute
+    ("DeletionByPodGC", None, True),  # node gone
+    ("TerminationByKubelet", "Evicted", False),  # node pressure: often the job's own memory
+    ("TerminationByKubelet", None, False),
+    ("TerminationByKubelet", "Terminated", True),  # graceful node shutdown
+])
+def test_which_disruptions_use_the_budget(reason, status_reason, free):
+    pod = failed(0, 137, -100, disrupted=reason)
+    pod["status"]["reason"] = status_reason
+    g = run([pod, pod_dict(1, 1)], old={"phase": c.RUNNING, "attempt": 1, "restarts": 0})
+    assert (g.status["restarts"], g.status["disruptions"]) == ((0, 1) if free else (1, 0))
+    assert g.status["lastFailure"]["reason"] == c.REASON_POD_DISRUPTED  # recorded with its reason either way
+    assert reason in g.status["lastFailure"]["message"]
+    assert policy.classify_failure(137, reason, parse_spec(SPEC).failure_policy, status_reason) == (
+        policy.DISRUPTED if free else policy.RETRYABLE)
+
+
+def test_node_pressure_eviction_says_what_ran_out_and_fails_once_the_budget_is_spent():
+    pods = [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)]
+    g = run(pods)
+    assert "evicted by the kubelet for node pressure" in g.status["message"]
+    assert "low on resource: memory" in g.status["lastFailure"]["message"]
+    g = run(pods, old={"phase": c.RUNNING, "attempt": 1, "restarts": 2})  # maxRestarts 2
+    assert (g.phase, g.failed_reason) == (c.FAILED, c.REASON_BACKOFF_LIMIT)
+    # Its exit code is the kill's: not judged, even outside an allow-list.
+    assert run(pods, retryableExitCodes=[1]).phase == c.RESTARTING
 
 
 def test_message_counts_the_other_ranks_that_ended():
@@ -169,6 +224,9 @@ RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1,
 MARGIN = FORCE_DELETE_MARGIN_SECONDS
 
 
+GONE = {NODE: policy.NODE_GONE}
+
+
 @pytest.mark.parametrize("deleted_at, grace, want_force, want_requeue", [
     (-30 - MARGIN + 1, 30, False, 1.0),          # grace over, margin not yet: come back then
     (-10, 30, False, 20 + MARGIN),               # still within its grace period
@@ -176,30 +234,86 @@ MARGIN = FORCE_DELETE_MARGIN_SECONDS
     (-300 - MARGIN - 5, 300, True, None),         # a longer grace period counts too
 ], ids=["margin-not-over", "within-grace", "due", "due-long-grace"])
 def test_old_pod_stuck_terminating_is_force_deleted_after_the_bound(deleted_at, grace, want_force, want_requeue):
-    g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING)
+    g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING, nodes=GONE)
     assert g.phase == c.RESTARTING  # the next attempt waits until the pod is gone
     assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
-    warnings = [e for e in g.events if e.reason == c.REASON_FORCE_DELETED]
+    warnings = [e for e in g.events if e.reason == c.REASON_STUCK_TERMINATING]
     if want_force:
         assert len(warnings) == 1 and warnings[0].type == "Warning" and "demo-trainer-1-0" in warnings[0].message
     else:
         assert warnings == [] and g.requeue_after == pytest.approx(want_requeue)
 
 
+STUCK = -30 - MARGIN - 1  # deleted this long ago, grace period 30 s: past the bound
+
+
+# What the controller read of the node -> force-deleted? (Kubernetes' own rule: only once
+# nothing can run the pod any more.)
+@pytest.mark.parametrize("nodes, node, want_force", [
+    ({NODE: policy.NODE_GONE}, NODE, True),            # Node object deleted (404)
+    ({NODE: policy.NODE_OUT_OF_SERVICE}, NODE, True),  # tainted node.kubernetes.io/out-of-service
+    ({NODE: policy.NODE_UP}, NODE, False),              # there, NotReady: maybe partitioned, still running
+    ({NODE: policy.NODE_UNREADABLE}, NODE, False),      # 403: the operator may not read nodes
+    ({}, NODE, False),                                  # not read at all: unknown
+    ({}, "", True),                                     # never scheduled: nothing runs it
+], ids=["node-gone", "out-of-service", "node-present", "node-unreadable", "unknown", "unscheduled"])
+def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
+    g = run([pod_dict(1, 0, deleted_at=STUCK, node=node), failed(1, 1, -600)], old=RESTARTING, nodes=nodes)
+    assert g.phase == c.RESTARTING
+    assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
+    assert [(e.type, e.reason) for e in g.events] == [("Warning", c.REASON_STUCK_TERMINATING)]
+    message = g.events[0].message
+    if want_force:
+        assert "force-deleting" in message and g.status.get("message") == RESTARTING.get("message")
+        return
+    # Kept waiting: the status message says why and what an admin can do; so does the event.
+    assert g.status["message"] == message and g.stuck == message
+    assert f"waiting for pod demo-trainer-1-0 (node {NODE}" in message
+    for remedy in (f"kubectl delete node {NODE}",
+                   f"kubectl taint node {NODE} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute",
+                   "kubectl delete pod -n team-a demo-trainer-1-0 --force --grace-period=0"):
+        assert remedy in message
+    if nodes.get(NODE) == policy.NODE_UNREADABLE:
+        assert "the operator may not read it" in message
+    # The next pass, with the message stored: still waiting, no second event, no write.
+    again = run([pod_dict(1, 0, deleted_at=STUCK - 600), failed(1, 1, -600)],
+                old={**RESTARTING, "message": message}, nodes=nodes)
+    assert (again.phase, again.force_delete, again.events, again.status["message"]) == (
+        c.RESTARTING, (), (), message)
+
+
+def test_a_stuck_pod_goes_on_by_itself_once_gone():
+    waiting = run([pod_dict(1, 0, deleted_at=STUCK), failed(1, 1, -600)], old=RESTARTING, nodes={NODE: policy.NODE_UP})
+    g = run([failed(1, 1, -600)], old={**RESTARTING, "message": waiting.status["message"]})
+    assert (g.phase, g.attempt, [e.reason for e in g.events]) == (c.PENDING, 2, [c.REASON_RESTARTED])
+
+
+def test_stuck_nodes_are_only_those_of_pods_past_the_bound():
+    pods = views(pod_dict(1, 0, deleted_at=STUCK, node="a"), pod_dict(1, 1, deleted_at=-10, node="b"),
+                 pod_dict(1, 2, node="c"), pod_dict(1, 3, deleted_at=STUCK, node=""))
+    assert gang.stuck_nodes(pods, NOW) == {"a"}
+
+
 def test_a_force_deleted_pod_is_not_forced_again():
     stuck = pod_dict(1, 0, deleted_at=-30 - MARGIN - 100)
     stuck["metadata"]["deletionGracePeriodSeconds"] = 0  # what the force delete leaves (e.g. a finalizer holds it)
-    g = run([stuck], old=RESTARTING)
+    g = run([stuck], old=RESTARTING, nodes=GONE)
     assert (g.phase, g.force_delete, g.events) == (c.RESTARTING, (), ())
 
 
 def test_stale_attempt_stuck_terminating_blocks_the_new_gang_until_forced():
     old = {"phase": c.PENDING, "attempt": 2, "restarts": 1}
-    g = run([pod_dict(1, 0, deleted_at=-30 - MARGIN - 1)], old=old)
+    g = run([pod_dict(1, 0, deleted_at=STUCK)], old=old, nodes=GONE)
     assert g.force_delete == ("demo-trainer-1-0",) and g.create == ()
-    plan = reconcile(make_job(status=old), Observed(pods=views(pod_dict(1, 0, deleted_at=-30 - MARGIN - 1))), NOW)
+    observed = Observed(pods=views(pod_dict(1, 0, deleted_at=STUCK)), nodes=GONE)
+    plan = reconcile(make_job(status=old), observed, NOW)
     assert plan.force_delete_pods == ["demo-trainer-1-0"] and plan.delete_pods == []
-    assert [e.reason for e in plan.events] == [c.REASON_FORCE_DELETED]
+    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
+    # A node that may still run it: the new gang waits, and the Pending message says why.
+    plan = reconcile(make_job(status=old), Observed(pods=observed.pods, nodes={NODE: policy.NODE_UP}), NOW)
+    assert plan.force_delete_pods == [] and not [x for x in plan.create if x["kind"] == "Pod"]
+    assert plan.status["phase"] == c.PENDING and plan.status["message"].startswith("waiting for pod demo-trainer-1-0")
+    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
 
 
 # ------------------------------------------------------------------ parsing

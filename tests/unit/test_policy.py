@@ -70,3 +70,46 @@ def test_conditions_keep_foreign_types():
     old = [{"type": "Checkpointed", "status": "True", "reason": "Saved", "message": "", "lastTransitionTime": "x"}]
     out = policy.compute_conditions(old, [Cond("Running", True, "AllPodsRunning")], 1, NOW)
     assert {c["type"] for c in out} == {"Checkpointed", "Running"}
+
+
+@pytest.mark.parametrize("node, want", [
+    (None, policy.NODE_GONE),  # 404
+    ({"spec": {"taints": [{"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown",
+                           "effect": "NoExecute"}]}}, policy.NODE_OUT_OF_SERVICE),
+    ({"spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]},
+      "status": {"conditions": [{"type": "Ready", "status": "Unknown"}]}}, policy.NODE_UP),  # partitioned
+    ({"spec": {}}, policy.NODE_UP),
+])
+def test_classify_node(node, want):
+    assert policy.classify_node(node) == want
+
+
+@pytest.mark.parametrize("node_name, state, want", [
+    ("n", policy.NODE_GONE, True), ("n", policy.NODE_OUT_OF_SERVICE, True), ("n", policy.NODE_UP, False),
+    ("n", policy.NODE_UNREADABLE, False), ("n", None, False), ("", None, True),
+])
+def test_may_force_delete(node_name, state, want):
+    assert policy.may_force_delete(node_name, {"n": state} if state else {}) is want
+
+
+@pytest.mark.parametrize("rendered, live, want", [
+    # Our namespace: a key we no longer render goes; anyone else's stays.
+    ({"rft.dev/job": "j"}, {"rft.dev/job": "j", "rft.dev/old": "x", "example.com/x": "y"},
+     {"rft.dev/job": "j", "rft.dev/old": None}),
+    # Listed by the previous render (`rft.dev/managed-keys`): goes once not rendered.
+    ({"rft.dev/spec-hash": "h"},
+     {"rft.dev/spec-hash": "g", "a.io/k": "1", "b.io/k": "2", "rft.dev/managed-keys": '{"annotations":["a.io/k"]}'},
+     {"rft.dev/spec-hash": "h", "a.io/k": None, "rft.dev/managed-keys": None}),
+    ({"rft.dev/spec-hash": "h"}, {}, {"rft.dev/spec-hash": "h"}),
+])
+def test_compute_patch_removes_only_keys_we_rendered(rendered, live, want):
+    obj = {"kind": "ServiceAccount", "metadata": {"name": "sa", "annotations": rendered}}
+    patch = policy.compute_patch(obj, {"metadata": {"annotations": live}})
+    assert patch["metadata"]["annotations"] == want and obj["metadata"]["annotations"] == rendered  # not mutated
+
+
+def test_build_managed_keys_lists_keys_outside_our_namespaces():
+    assert policy.build_managed_keys({"labels": {"rft.dev/job": "j", "app.kubernetes.io/managed-by": "x"},
+                                      "annotations": {"rft.dev/spec-hash": "h"}}) == ""
+    assert policy.build_managed_keys({"annotations": {"b.io/k": "1", "a.io/k": "2", "rft.dev/spec-hash": "h"}}) == (
+        '{"annotations":["a.io/k","b.io/k"]}')
