@@ -238,10 +238,12 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     binding = {"metadata": _managed(job, "owner-status-probe"),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "owner-status-probe"},
                "subjects": [{"kind": "ServiceAccount", "name": "owner-rft-trainer", "namespace": namespace}]}
+    # The API server checks a binding against its Role from a cache: wait until it has the Role.
+    wait_for(lambda: refusal(lambda: rbac.create_namespaced_role_binding(namespace, binding, **dry)) == (200, ""),
+             30, "the new Role to reach the API server's RBAC cache")
     refused(lambda: rbac.create_namespaced_role_binding(namespace, {
         **binding, "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]}, **dry),
         "job's own ServiceAccounts")
-    rbac.create_namespaced_role_binding(namespace, binding, **dry)
 
     # Status: patch, never a whole-object update; never the spec; no Secrets at all.
     body = get_job(api, namespace, "owner")
