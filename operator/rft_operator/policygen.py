@@ -59,6 +59,17 @@ def _list(items: tuple[str, ...] | list[str]) -> str:
     return "[" + ", ".join(f"'{x}'" for x in items) + "]"
 
 
+def _policy(name: str, resource_rules: list[dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy that fails closed, matching `resource_rules`; `body` holds
+    its matchConditions, variables and validations."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": resource_rules}, **body},
+    }
+
+
 def _rule(expression: str, message: str, reason: str = "Forbidden") -> dict[str, str]:
     return {"expression": expression, "message": message, "reason": reason}
 
@@ -68,50 +79,43 @@ def status_policy() -> dict[str, Any]:
     others = lambda *keep: [f for f in status_fields if f not in keep]  # noqa: E731
     sync_fields = [f for f in _aliases(WeightSyncStatus) if f != "replicas"]
     prefix = f"'{SA_PREFIX}' + request.namespace + ':' + object.metadata.name + '{c.SA_INFIX}'"
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": STATUS_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": [c.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
-                "resources": [f"{c.PLURAL}/status"],
-            }]},
-            # Only the job's own pod identities; the operator and people are not narrowed here.
-            "matchConditions": [{"name": "job-pod-identity",
-                                 "expression": f"request.userInfo.username.startsWith({prefix})"}],
-            "variables": [
-                {"name": "role", "expression": f"request.userInfo.username.substring(({prefix}).size())"},
-                # Set by the API server on tokens bound to a pod; absent otherwise.
-                {"name": "pod", "expression": "request.userInfo.?extra[?'authentication.kubernetes.io/pod-name']"
-                                              ".orValue(['']).join(',')"},
-                {"name": "trainerKept", "expression": _kept("?status", ["trainer"])},
-                {"name": "operatorKept", "expression": _kept("?status", others("trainer", "weightSync"))},
-                {"name": "syncTargetKept", "expression": _kept("?status.?weightSync", sync_fields)},
-                {"name": "replicas", "expression": "object.?status.?weightSync.?replicas.orValue({})"},
-                {"name": "oldReplicas", "expression": "oldObject.?status.?weightSync.?replicas.orValue({})"},
-                # Every replica entry but `variables.pod`'s is unchanged (none added or removed).
-                {"name": "replicasKeptBut", "expression":
-                 "variables.replicas.all(k, k == variables.pod || (k in variables.oldReplicas && "
-                 "variables.replicas[k] == variables.oldReplicas[k])) && "
-                 "variables.oldReplicas.all(k, k == variables.pod || k in variables.replicas)"},
-            ],
-            "validations": [
-                _rule(f"variables.role in {_list([c.ROLE_TRAINER, c.ROLE_INFERENCE])}",
-                      "this identity may read the RFTJob but not write its status"),
-                _rule(f"variables.role != '{c.ROLE_TRAINER}' || (variables.operatorKept && variables.syncTargetKept "
-                      "&& variables.replicas == variables.oldReplicas)",
-                      "the trainer's identity may change only status.trainer"),
-                _rule(f"variables.role != '{c.ROLE_INFERENCE}' || "
-                      f"variables.pod.startsWith(object.metadata.name + '-{c.ROLE_INFERENCE}-')",
-                      "a sync agent must use its pod's bound token (the pod name keys its entry)"),
-                _rule(f"variables.role != '{c.ROLE_INFERENCE}' || (variables.operatorKept && variables.trainerKept "
-                      "&& variables.syncTargetKept && variables.replicasKeptBut)",
-                      "a sync agent may change only its own pod's entry, status.weightSync.replicas[<pod>]"),
-            ],
-        },
-    }
+    return _policy(STATUS_POLICY, [{
+        "apiGroups": [c.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": [f"{c.PLURAL}/status"],
+    }], {
+        # Only the job's own pod identities; the operator and people are not narrowed here.
+        "matchConditions": [{"name": "job-pod-identity",
+                             "expression": f"request.userInfo.username.startsWith({prefix})"}],
+        "variables": [
+            {"name": "role", "expression": f"request.userInfo.username.substring(({prefix}).size())"},
+            # Set by the API server on tokens bound to a pod; absent otherwise.
+            {"name": "pod", "expression": "request.userInfo.?extra[?'authentication.kubernetes.io/pod-name']"
+                                          ".orValue(['']).join(',')"},
+            {"name": "trainerKept", "expression": _kept("?status", ["trainer"])},
+            {"name": "operatorKept", "expression": _kept("?status", others("trainer", "weightSync"))},
+            {"name": "syncTargetKept", "expression": _kept("?status.?weightSync", sync_fields)},
+            {"name": "replicas", "expression": "object.?status.?weightSync.?replicas.orValue({})"},
+            {"name": "oldReplicas", "expression": "oldObject.?status.?weightSync.?replicas.orValue({})"},
+            # Every replica entry but `variables.pod`'s is unchanged (none added or removed).
+            {"name": "replicasKeptBut", "expression":
+             "variables.replicas.all(k, k == variables.pod || (k in variables.oldReplicas && "
+             "variables.replicas[k] == variables.oldReplicas[k])) && "
+             "variables.oldReplicas.all(k, k == variables.pod || k in variables.replicas)"},
+        ],
+        "validations": [
+            _rule(f"variables.role in {_list([c.ROLE_TRAINER, c.ROLE_INFERENCE])}",
+                  "this identity may read the RFTJob but not write its status"),
+            _rule(f"variables.role != '{c.ROLE_TRAINER}' || (variables.operatorKept && variables.syncTargetKept "
+                  "&& variables.replicas == variables.oldReplicas)",
+                  "the trainer's identity may change only status.trainer"),
+            _rule(f"variables.role != '{c.ROLE_INFERENCE}' || "
+                  f"variables.pod.startsWith(object.metadata.name + '-{c.ROLE_INFERENCE}-')",
+                  "a sync agent must use its pod's bound token (the pod name keys its entry)"),
+            _rule(f"variables.role != '{c.ROLE_INFERENCE}' || (variables.operatorKept && variables.trainerKept "
+                  "&& variables.syncTargetKept && variables.replicasKeptBut)",
+                  "a sync agent may change only its own pod's entry, status.weightSync.replicas[<pod>]"),
+        ],
+    })
 
 
 def operator_policy() -> dict[str, Any]:
@@ -128,91 +132,84 @@ def operator_policy() -> dict[str, Any]:
     pod_write = f"({kind('pods')} && {writes})"
     privileged_namespace = f"namespaceObject.metadata.?labels[?'{POD_SECURITY_LABEL}'].orValue('') == 'privileged'"
     sa_prefix = f"variables.job + '{c.SA_INFIX}'"
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": OPERATOR_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [
-                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
-                 "resources": ["pods", "services", "configmaps", "serviceaccounts"]},
-                {"apiGroups": ["rbac.authorization.k8s.io"], "apiVersions": ["v1"],
-                 "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["roles", "rolebindings"]},
-            ]},
-            # Any ServiceAccount named like the operator's: matching more identities only
-            # narrows more, and the install's namespace may be renamed by kustomize.
-            "matchConditions": [{"name": "operator-identity", "expression":
-                                 f"request.userInfo.username.startsWith('{SA_PREFIX}') && "
-                                 f"request.userInfo.username.endsWith(':{OPERATOR_SA}')"}],
-            "variables": [
-                {"name": "obj", "expression": "request.operation == 'DELETE' ? oldObject : object"},
-                {"name": "job", "expression": job_label},
-                {"name": "managed", "expression": managed.replace("obj.", "variables.obj.")},
-                {"name": "wasManaged", "expression": "request.operation != 'UPDATE' || ("
-                                                     + managed.replace("obj.", "oldObject.") + ")"},
-                # A pod being created: its containers (ephemeral ones come through a
-                # subresource the operator holds no right to), else nothing.
-                {"name": "containers", "expression": f"{pod_write} ? variables.obj.spec.containers + "
-                                                     "variables.obj.spec.?initContainers.orValue([]) : []"},
-                {"name": "volumes", "expression": f"{pod_write} ? variables.obj.spec.?volumes.orValue([]) : []"},
-            ],
-            "validations": [
-                _rule(f"!(request.namespace in {_list(PROTECTED_NAMESPACES)})",
-                      "the rftjob-operator does not act in the kube-* namespaces"),
-                _rule("variables.managed && variables.wasManaged",
-                      f"the rftjob-operator may only touch objects it manages: labels {c.LABEL_MANAGED_BY}="
-                      f"{c.MANAGED_BY} and {c.LABEL_JOB}=<job>, controlled by that RFTJob"),
-                _rule(f"!({kind('pods')} && {writes}) || (variables.obj.metadata.?labels[?'{c.LABEL_ROLE}']"
-                      f".orValue('') in {_list(POD_ROLES)} && variables.obj.spec.?serviceAccountName.orValue('') == "
-                      f"{sa_prefix} + variables.obj.metadata.labels['{c.LABEL_ROLE}'])",
-                      "the rftjob-operator runs a job's pods only as that job's own ServiceAccount "
-                      "<job>-rft-<role>"),
-                _rule(f"!{pod_write} || !(has(variables.obj.spec.nodeName) || "
-                      "variables.obj.spec.?hostNetwork.orValue(false) || variables.obj.spec.?hostPID.orValue(false) || "
-                      "variables.obj.spec.?hostIPC.orValue(false) || variables.containers.exists(x, "
-                      "x.?securityContext.?privileged.orValue(false) || "
-                      "x.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0)))",
-                      "the rftjob-operator never creates privileged pods, pods in the host's namespaces or "
-                      "on its ports, or pods bound to a node by name"),
-                _rule("variables.volumes.all(v, !has(v.secret) && v.?projected.?sources.orValue([]).all(s, "
-                      "!has(s.secret))) && variables.containers.all(x, x.?envFrom.orValue([]).all(e, "
-                      "!has(e.secretRef)))",
-                      "the rftjob-operator passes a Secret to pods only key by key (secretKeyRef), "
-                      "never whole"),
-                _rule(f"variables.volumes.all(v, !has(v.hostPath) || (v.name == '{MODEL_CACHE_VOLUME}' && "
-                      f"variables.obj.metadata.labels['{c.LABEL_ROLE}'] == '{c.ROLE_TRAINER}'))",
-                      "the rftjob-operator mounts a host path only as a trainer pod's model cache"),
-                _rule(f"!{pod_write} || {privileged_namespace} || (variables.volumes.all(v, !has(v.hostPath)) && "
-                      f"{_unconfined('variables.obj.spec')} && variables.containers.all(x, "
-                      f"{_unconfined('x')} && x.?securityContext.?capabilities.?add.orValue([]).all(cap, "
-                      f"cap in {_list(BASELINE_CAPABILITIES)})))",
-                      f"pod settings beyond the Pod Security baseline profile (spec.trainer.securityContext."
-                      f"allowPrivileged: hostPath model cache, Unconfined seccomp, other capabilities) need "
-                      f"the namespace label {POD_SECURITY_LABEL}=privileged, which a cluster admin sets",
-                      reason="Invalid"),
-                _rule(f"!({kind('services')} && {writes}) || (variables.obj.spec.?type.orValue('ClusterIP') == "
-                      "'ClusterIP' && variables.obj.spec.?externalIPs.orValue([]).size() == 0)",
-                      "the rftjob-operator creates only ClusterIP Services without externalIPs"),
-                _rule(f"!({kind('serviceaccounts')} && {writes}) || "
-                      f"variables.obj.metadata.name.startsWith({sa_prefix})",
-                      "the rftjob-operator names ServiceAccounts <job>-rft-<role>"),
-                _rule(f"!({kind('configmaps')} && {writes}) || variables.obj.metadata.name == variables.job + "
-                      "'-config'",
-                      "the rftjob-operator creates only the ConfigMap <job>-config"),
-                _rule(f"!({kind('roles')} && {writes}) || variables.obj.rules.all(r, r.apiGroups == ['{c.GROUP}'] "
-                      f"&& r.?resourceNames.orValue([]) == [variables.job] && r.resources.all(x, x in "
-                      f"{_list([c.PLURAL, c.PLURAL + '/status'])}) && r.verbs.all(v, v in "
-                      f"{_list(['get', 'list', 'watch', 'patch'])}))",
-                      "the rftjob-operator's Roles reach only the RFTJob they belong to"),
-                _rule(f"!({kind('rolebindings')} && {writes}) || (variables.obj.roleRef.kind == 'Role' && "
-                      "variables.obj.roleRef.name.startsWith(variables.job + '-status-') && "
-                      "variables.obj.?subjects.orValue([]).all(s, s.kind == 'ServiceAccount' && "
-                      f"s.?namespace.orValue('') == request.namespace && s.name.startsWith({sa_prefix})))",
-                      "the rftjob-operator binds only the job's own Roles to the job's own ServiceAccounts"),
-            ],
-        },
-    }
+    return _policy(OPERATOR_POLICY, [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
+         "resources": ["pods", "services", "configmaps", "serviceaccounts"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "apiVersions": ["v1"],
+         "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["roles", "rolebindings"]},
+    ], {
+        # Any ServiceAccount named like the operator's: matching more identities only
+        # narrows more, and the install's namespace may be renamed by kustomize.
+        "matchConditions": [{"name": "operator-identity", "expression":
+                             f"request.userInfo.username.startsWith('{SA_PREFIX}') && "
+                             f"request.userInfo.username.endsWith(':{OPERATOR_SA}')"}],
+        "variables": [
+            {"name": "obj", "expression": "request.operation == 'DELETE' ? oldObject : object"},
+            {"name": "job", "expression": job_label},
+            {"name": "managed", "expression": managed.replace("obj.", "variables.obj.")},
+            {"name": "wasManaged", "expression": "request.operation != 'UPDATE' || ("
+                                                 + managed.replace("obj.", "oldObject.") + ")"},
+            # A pod being created: its containers (ephemeral ones come through a
+            # subresource the operator holds no right to), else nothing.
+            {"name": "containers", "expression": f"{pod_write} ? variables.obj.spec.containers + "
+                                                 "variables.obj.spec.?initContainers.orValue([]) : []"},
+            {"name": "volumes", "expression": f"{pod_write} ? variables.obj.spec.?volumes.orValue([]) : []"},
+        ],
+        "validations": [
+            _rule(f"!(request.namespace in {_list(PROTECTED_NAMESPACES)})",
+                  "the rftjob-operator does not act in the kube-* namespaces"),
+            _rule("variables.managed && variables.wasManaged",
+                  f"the rftjob-operator may only touch objects it manages: labels {c.LABEL_MANAGED_BY}="
+                  f"{c.MANAGED_BY} and {c.LABEL_JOB}=<job>, controlled by that RFTJob"),
+            _rule(f"!({kind('pods')} && {writes}) || (variables.obj.metadata.?labels[?'{c.LABEL_ROLE}']"
+                  f".orValue('') in {_list(POD_ROLES)} && variables.obj.spec.?serviceAccountName.orValue('') == "
+                  f"{sa_prefix} + variables.obj.metadata.labels['{c.LABEL_ROLE}'])",
+                  "the rftjob-operator runs a job's pods only as that job's own ServiceAccount "
+                  "<job>-rft-<role>"),
+            _rule(f"!{pod_write} || !(has(variables.obj.spec.nodeName) || "
+                  "variables.obj.spec.?hostNetwork.orValue(false) || variables.obj.spec.?hostPID.orValue(false) || "
+                  "variables.obj.spec.?hostIPC.orValue(false) || variables.containers.exists(x, "
+                  "x.?securityContext.?privileged.orValue(false) || "
+                  "x.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0)))",
+                  "the rftjob-operator never creates privileged pods, pods in the host's namespaces or "
+                  "on its ports, or pods bound to a node by name"),
+            _rule("variables.volumes.all(v, !has(v.secret) && v.?projected.?sources.orValue([]).all(s, "
+                  "!has(s.secret))) && variables.containers.all(x, x.?envFrom.orValue([]).all(e, "
+                  "!has(e.secretRef)))",
+                  "the rftjob-operator passes a Secret to pods only key by key (secretKeyRef), "
+                  "never whole"),
+            _rule(f"variables.volumes.all(v, !has(v.hostPath) || (v.name == '{MODEL_CACHE_VOLUME}' && "
+                  f"variables.obj.metadata.labels['{c.LABEL_ROLE}'] == '{c.ROLE_TRAINER}'))",
+                  "the rftjob-operator mounts a host path only as a trainer pod's model cache"),
+            _rule(f"!{pod_write} || {privileged_namespace} || (variables.volumes.all(v, !has(v.hostPath)) && "
+                  f"{_unconfined('variables.obj.spec')} && variables.containers.all(x, "
+                  f"{_unconfined('x')} && x.?securityContext.?capabilities.?add.orValue([]).all(cap, "
+                  f"cap in {_list(BASELINE_CAPABILITIES)})))",
+                  f"pod settings beyond the Pod Security baseline profile (spec.trainer.securityContext."
+                  f"allowPrivileged: hostPath model cache, Unconfined seccomp, other capabilities) need "
+                  f"the namespace label {POD_SECURITY_LABEL}=privileged, which a cluster admin sets",
+                  reason="Invalid"),
+            _rule(f"!({kind('services')} && {writes}) || (variables.obj.spec.?type.orValue('ClusterIP') == "
+                  "'ClusterIP' && variables.obj.spec.?externalIPs.orValue([]).size() == 0)",
+                  "the rftjob-operator creates only ClusterIP Services without externalIPs"),
+            _rule(f"!({kind('serviceaccounts')} && {writes}) || "
+                  f"variables.obj.metadata.name.startsWith({sa_prefix})",
+                  "the rftjob-operator names ServiceAccounts <job>-rft-<role>"),
+            _rule(f"!({kind('configmaps')} && {writes}) || variables.obj.metadata.name == variables.job + "
+                  "'-config'",
+                  "the rftjob-operator creates only the ConfigMap <job>-config"),
+            _rule(f"!({kind('roles')} && {writes}) || variables.obj.rules.all(r, r.apiGroups == ['{c.GROUP}'] "
+                  f"&& r.?resourceNames.orValue([]) == [variables.job] && r.resources.all(x, x in "
+                  f"{_list([c.PLURAL, c.PLURAL + '/status'])}) && r.verbs.all(v, v in "
+                  f"{_list(['get', 'list', 'watch', 'patch'])}))",
+                  "the rftjob-operator's Roles reach only the RFTJob they belong to"),
+            _rule(f"!({kind('rolebindings')} && {writes}) || (variables.obj.roleRef.kind == 'Role' && "
+                  "variables.obj.roleRef.name.startsWith(variables.job + '-status-') && "
+                  "variables.obj.?subjects.orValue([]).all(s, s.kind == 'ServiceAccount' && "
+                  f"s.?namespace.orValue('') == request.namespace && s.name.startsWith({sa_prefix})))",
+                  "the rftjob-operator binds only the job's own Roles to the job's own ServiceAccounts"),
+        ],
+    })
 
 
 def _unconfined(owner: str) -> str:
