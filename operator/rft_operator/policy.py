@@ -17,11 +17,10 @@ FATAL = "fatal"
 RETRYABLE = "retryable"
 DISRUPTED = "disrupted"  # the cluster stopped the pod: restart without using the budget
 
-# DisruptionTarget reasons that say the cluster stopped the pod for reasons of its own:
-# eviction through the Eviction API (drain, descheduler), preemption, a NoExecute taint
-# (node not ready or unreachable), PodGC (node gone). `TerminationByKubelet` is not
-# among them: the kubelet's node-pressure eviction is often the job's own memory use.
-FREE_DISRUPTIONS = ("EvictionByEvictionAPI", "PreemptionByScheduler", "DeletionByTaintManager", "DeletionByPodGC")
+# DisruptionTarget reasons say the cluster stopped the pod for reasons of its own:
+# EvictionByEvictionAPI (drain, descheduler), PreemptionByScheduler, DeletionByTaintManager
+# (node not ready or unreachable), DeletionByPodGC (node gone). TerminationByKubelet is the
+# exception: the kubelet's node-pressure eviction is often the job's own memory use.
 TERMINATION_BY_KUBELET = "TerminationByKubelet"
 # The kubelet also uses TerminationByKubelet for a graceful node shutdown, and then sets the
 # pod's status.reason to this ("Shutdown" before Kubernetes 1.27); node pressure sets "Evicted".
