@@ -4,6 +4,10 @@
 #   $RFT_CACHE/bin/k8s-$K8S_VERSION/{kube-apiserver,kube-controller-manager,kube-scheduler}
 #   $RFT_CACHE/bin/etcd-$ETCD_VERSION/etcd
 #   $RFT_CACHE/bin/kwok-$KWOK_VERSION/kwok
+#   $RFT_CACHE/bin/k8s-$K8S_VERSION/{kubelet,kube-proxy}          (the real node)
+#   $RFT_CACHE/bin/coredns-$COREDNS_VERSION/coredns                (cluster DNS)
+#   $RFT_CACHE/bin/registry-$REGISTRY_VERSION/registry             (CNCF distribution)
+#   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
 # A warm cache skips every build. `go install` refuses k8s.io/kubernetes and etcd's
 # server module (their go.mod files use replace directives), so each is built through a
 # small wrapper module that pins the staging modules instead.
@@ -21,10 +25,10 @@ have() { for f in "$@"; do [ -x "$f" ] || return 1; done; }
 
 build_k8s() {
   local out=$RFT_CACHE/bin/k8s-$K8S_VERSION
-  if have "$out/kube-apiserver" "$out/kube-controller-manager" "$out/kube-scheduler"; then
-    log "kubernetes $K8S_VERSION: cached in $out"; return
-  fi
-  log "kubernetes $K8S_VERSION: building (tens of minutes on 2 cores)"
+  local cmds="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy" missing="" c
+  for c in $cmds; do have "$out/$c" || missing+=" $c"; done
+  if [ -z "$missing" ]; then log "kubernetes $K8S_VERSION: cached in $out"; return; fi
+  log "kubernetes $K8S_VERSION:$missing: building (tens of minutes on 2 cores)"
   local work=$RFT_CACHE/src/k8s-$K8S_VERSION
   rm -rf "$work"; mkdir -p "$work"; cd "$work"
   go mod init rftjob.local/k8s-build >/dev/null 2>&1
@@ -49,6 +53,8 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
   go mod tidy >/dev/null
@@ -59,12 +65,12 @@ GO
     ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$min"
     ld+=" -X $pkg.gitCommit=$commit -X $pkg.gitTreeState=clean -X $pkg.buildDate=$date"
   done
-  mkdir -p "$out.tmp"
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  mkdir -p "$out"
+  for c in $missing; do
     log "  go build $c"
-    go build -trimpath -ldflags "-s -w $ld" -o "$out.tmp/$c" "k8s.io/kubernetes/cmd/$c"
+    go build -trimpath -ldflags "-s -w $ld" -o "$out/$c.tmp" "k8s.io/kubernetes/cmd/$c"
+    mv "$out/$c.tmp" "$out/$c"
   done
-  rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
 build_etcd() {
@@ -92,6 +98,72 @@ build_kwok() {
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
-want=${*:-etcd kwok k8s}
+build_coredns() {
+  local out=$RFT_CACHE/bin/coredns-$COREDNS_VERSION
+  if have "$out/coredns"; then log "coredns $COREDNS_VERSION: cached in $out"; return; fi
+  log "coredns $COREDNS_VERSION: building"
+  local work=$RFT_CACHE/src/coredns-$COREDNS_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/coredns-build >/dev/null 2>&1
+  echo "require github.com/coredns/coredns $COREDNS_VERSION" >>go.mod
+  # Only the plugins the cluster's Corefile uses (e2e/node.py); no forward: there is no
+  # upstream DNS to forward to.
+  cat >main.go <<'GO'
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+	dnsserver.Directives = []string{"bind", "ready", "health", "errors", "cache", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+  go mod tidy >/dev/null
+  mkdir -p "$out.tmp"
+  go build -trimpath -ldflags "-s -w" -o "$out.tmp/coredns" .
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+build_registry() {
+  local out=$RFT_CACHE/bin/registry-$REGISTRY_VERSION
+  if have "$out/registry"; then log "registry $REGISTRY_VERSION: cached in $out"; return; fi
+  log "registry (CNCF distribution) $REGISTRY_VERSION: building"
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath -ldflags "-s -w" \
+    "github.com/distribution/distribution/v3/cmd/registry@$REGISTRY_VERSION"
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+build_seaweedfs() {
+  local out=$RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION
+  if have "$out/weed"; then log "seaweedfs $SEAWEEDFS_VERSION: cached in $out"; return; fi
+  log "seaweedfs $SEAWEEDFS_VERSION: building (several minutes on 2 cores)"
+  local work=$RFT_CACHE/src/seaweedfs-$SEAWEEDFS_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/seaweedfs-build >/dev/null 2>&1
+  go mod download -json "github.com/seaweedfs/seaweedfs@$SEAWEEDFS_VERSION" >download.json
+  local gomod
+  gomod=$(python3 -c 'import json; print(json.load(open("download.json"))["GoMod"])')
+  # `go install` refuses a module with replace directives; carry them over.
+  { echo "require github.com/seaweedfs/seaweedfs $SEAWEEDFS_VERSION"
+    grep -E '^replace ' "$gomod" || true; } >>go.mod
+  printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/seaweedfs/seaweedfs/weed"\n' >tools.go
+  go mod tidy >/dev/null
+  mkdir -p "$out.tmp"
+  go build -trimpath -ldflags "-s -w" -o "$out.tmp/weed" github.com/seaweedfs/seaweedfs/weed
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+want=${*:-etcd kwok k8s coredns registry seaweedfs}
 for w in $want; do "build_$w"; done
 log "done"

@@ -48,7 +48,7 @@ from typing import Any, Callable
 import psutil
 import yaml
 
-from .pki import _write_private, write_kubeconfig, write_pki
+from .pki import _write_private, write_client_cert, write_kubeconfig, write_pki
 
 log = logging.getLogger("e2e.cluster")
 
@@ -66,12 +66,17 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # Start order.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-# Stop order, tier by tier: the API server drains in ~1s once its clients are gone, and
-# etcd once the API server is (stopping all at once takes 10s or more).
-STOP_TIERS = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
+# With the real node (e2e/node.py), started after these and stopped before them.
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")
+# Stop order, tier by tier: the node's services, the kubelet before the runtime it
+# drives; the API server drains in ~1s once its clients are gone, and etcd once the API
+# server is (stopping all at once takes 10s or more).
+STOP_TIERS = (("coredns", "kube-proxy"), ("kubelet",), ("containerd",),
+              ("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
 
 # Admin-token identity; the other components get their own (see _write_credentials).
 ADMIN_USER = "rft-admin"
+COREDNS_USER = "rft-coredns"
 
 
 class ClusterError(RuntimeError):
@@ -186,10 +191,11 @@ class KubeApi:
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
         )
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 10) -> Any:
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 10,
+                content_type: str = "application/json") -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.server + path, data=data, method=method, headers={
-            **self._headers, "Accept": "application/json", "Content-Type": "application/json",
+            **self._headers, "Accept": "application/json", "Content-Type": content_type,
         })
         try:
             with self._opener.open(req, timeout=timeout) as resp:
@@ -412,15 +418,29 @@ class Cluster(_KubeconfigAccess):
 
     # -- lifecycle
 
-    def up(self, num_gpu_nodes: int = 4, gpus_per_node: int = 8) -> None:
+    @property
+    def has_real_node(self) -> bool:
+        return (self.state_dir / "node").is_dir()
+
+    def up(self, num_gpu_nodes: int = 4, gpus_per_node: int = 8, real_node: bool = False,
+           registry: str | None = None) -> None:
         """Starts the control plane and fake GPU nodes; returns once it is usable.
 
-        A no-op when this state dir already holds a healthy cluster; leftovers of a dead
-        one are stopped and wiped first. On failure everything started is stopped again.
+        `real_node`: also the real node `local` (e2e/node.py: containerd, kubelet,
+        kube-proxy, CoreDNS), pulling the project's images from `registry` (host:port).
+        A no-op when this state dir already holds a healthy cluster of that shape;
+        leftovers of a dead one are stopped and wiped first. On failure everything
+        started is stopped again.
         """
         binaries = Binaries.locate()
+        if real_node:
+            from .node import NodeBinaries
+
+            NodeBinaries.locate()  # fail before starting anything
         if self.status()["healthy"]:
             log.info("cluster in %s is already up", self.state_dir)
+            if real_node:
+                self.start_node(gpus_per_node, registry)
             return
         self.down()
         self._wipe_state()
@@ -431,6 +451,8 @@ class Cluster(_KubeconfigAccess):
             self._wait_nodes_ready(num_gpu_nodes)
             self._wait(lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
                        60, "the default ServiceAccount", "kube-controller-manager")
+            if real_node:
+                self.start_node(gpus_per_node, registry)
         except BaseException:
             self.down()
             raise
@@ -438,7 +460,11 @@ class Cluster(_KubeconfigAccess):
                  time.monotonic() - started, self.server, self.kubeconfig)
 
     def down(self) -> None:
-        """Stops the processes recorded in pids.json (and only those), clients first."""
+        """Stops the processes recorded in pids.json (and only those), clients first.
+
+        With the real node, its pods are deleted through the API first (the kubelet
+        tears down their sandboxes), and every host change it made is undone last."""
+        self.stop_node()
         records = self._read_records()
         for tier in STOP_TIERS:
             _stop_processes([r for r in records if r.name in tier])
@@ -451,7 +477,7 @@ class Cluster(_KubeconfigAccess):
         records = {r.name: r for r in self._read_records()}
         components = {
             name: ("running" if records[name].find() else "dead") if name in records else "absent"
-            for name in COMPONENTS
+            for name in COMPONENTS + (NODE_COMPONENTS if self.has_real_node else ())
         }
         healthy = all(s == "running" for s in components.values()) and self._readyz_ok()
         return {
@@ -473,6 +499,8 @@ class Cluster(_KubeconfigAccess):
         etcd_peer = f"http://127.0.0.1:{free_port()}"
         server = f"https://127.0.0.1:{free_port()}"
         kubeconfigs = self._write_credentials(server)
+        cert, key = write_client_cert(pki, "apiserver-kubelet-client",
+                                      "kube-apiserver-kubelet-client", "system:masters")
 
         self._spawn("etcd", [
             str(b.etcd), "--name=rft", f"--data-dir={self.state_dir / 'etcd-data'}",
@@ -486,9 +514,10 @@ class Cluster(_KubeconfigAccess):
         self._spawn("kube-apiserver", [
             str(b.kube_apiserver),
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", f"--secure-port={server.rsplit(':', 1)[1]}",
+            # Every address: pods reach it at the advertise address, through the
+            # `kubernetes` Service whose endpoints it publishes itself.
+            "--bind-address=0.0.0.0", f"--secure-port={server.rsplit(':', 1)[1]}",
             f"--advertise-address={advertise_ip}",
-            "--endpoint-reconciler-type=none",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -510,8 +539,10 @@ class Cluster(_KubeconfigAccess):
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
-            # Fake nodes have no reachable kubelet; never resolve or dial their names.
+            # Fake nodes have no reachable kubelet; never resolve or dial their names. The
+            # real node's kubelet is called with this client certificate.
             "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={cert}", f"--kubelet-client-key={key}",
             "--profiling=false",
         ])
         self._wait(self._readyz_ok, 120, "kube-apiserver /readyz", "kube-apiserver")
@@ -561,6 +592,10 @@ class Cluster(_KubeconfigAccess):
             "kube-controller-manager": ("system:kube-controller-manager", ""),
             "kube-scheduler": ("system:kube-scheduler", ""),
             "kwok": ("rft-kwok", "system:masters"),
+            # The real node's components (e2e/node.py); bootstrap RBAC binds the first two.
+            "kubelet": ("system:node:local", "system:nodes"),
+            "kube-proxy": ("system:kube-proxy", ""),
+            "coredns": (COREDNS_USER, ""),
         }
         ca_pem = (pki / "ca.crt").read_bytes()
         rows, paths = [], {}
@@ -571,6 +606,65 @@ class Cluster(_KubeconfigAccess):
             paths[name] = write_kubeconfig(path, server, ca_pem, user, token)
         _write_private(pki / "tokens.csv", ("\n".join(rows) + "\n").encode())
         return paths
+
+    def start_node(self, gpus: int = 8, registry: str | None = None) -> None:
+        """Starts the real node `local` (e2e/node.py) on this running cluster; with
+        `registry` (host:port) its containerd pulls the project's images from there.
+        When the node already runs, only the registry address is updated."""
+        from .node import RealNode
+
+        node = RealNode(self)
+        if self.has_real_node and all(self.status()["components"][n] == "running"
+                                      for n in NODE_COMPONENTS):
+            if registry:
+                node.set_registry(registry)
+            return
+        self.stop_node()
+        api = self.api()
+        # What CoreDNS' kubernetes plugin reads (kubeadm's system:coredns role).
+        _create(api, "/apis/rbac.authorization.k8s.io/v1/clusterroles", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": "rftjob-local:coredns"},
+            "rules": [{"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"],
+                       "verbs": ["list", "watch"]},
+                      {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                       "verbs": ["list", "watch"]}]})
+        _create(api, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "rftjob-local:coredns"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "rftjob-local:coredns"},
+            "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": COREDNS_USER}]})
+        kubeconfigs = self.state_dir / "kubeconfigs"
+        try:
+            node.start(advertise_address(), {name: kubeconfigs / f"{name}.kubeconfig"
+                                             for name in ("kubelet", "kube-proxy", "coredns")},
+                       gpus=gpus, registry=registry)
+        except BaseException:
+            self.stop_node()
+            raise
+        finally:
+            if node.owns_host():
+                node.record_processes([r for r in self._read_records() if r.name in NODE_COMPONENTS])
+
+    def stop_node(self) -> None:
+        """Stops the real node: its pods are deleted through the API first (the kubelet
+        tears down their sandboxes), then its processes; then every host change it made
+        is undone. The control plane keeps running; the Node object stays NotReady."""
+        if not self.has_real_node:
+            return
+        from .node import RealNode, restore_host
+
+        node = RealNode(self)
+        records = self._read_records()
+        if any(r.name == "kubelet" and r.find() for r in records) and self._readyz_ok():
+            node.drain()
+        for tier in STOP_TIERS:
+            _stop_processes([r for r in records if r.name in tier and r.name in NODE_COMPONENTS])
+        self._write_records([r for r in self._read_records() if r.name not in NODE_COMPONENTS])
+        if node.owns_host():
+            restore_host()
+        shutil.rmtree(node.dir, ignore_errors=True)
 
     def _create_gpu_nodes(self, count: int, gpus: int) -> None:
         """Registers fake nodes that KWOK manages (selected by its annotation)."""
@@ -632,7 +726,7 @@ class Cluster(_KubeconfigAccess):
     def _wipe_state(self) -> None:
         """Removes what a previous cluster left, keeping anything else in the dir."""
         for entry in ("etcd-data", "pki", "kubeconfigs", "logs", "kwok-home", "kcm-certs",
-                      "scheduler-certs", "admin.kubeconfig", "pids.json"):
+                      "scheduler-certs", "admin.kubeconfig", "pids.json", "node"):
             path = self.state_dir / entry
             if path.is_dir():
                 shutil.rmtree(path)
@@ -690,6 +784,15 @@ class Cluster(_KubeconfigAccess):
             raise
 
 
+def _create(api: KubeApi, path: str, body: dict) -> None:
+    """POST, where an existing object of that name is fine."""
+    try:
+        api.post(path, body)
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
 def _node_schedulable(node: dict) -> bool:
     conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
     taints = {t["key"] for t in node.get("spec", {}).get("taints", [])}
@@ -706,13 +809,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the cluster keeps its files (default: %(default)s)")
     parser.add_argument("--gpu-nodes", type=int, default=4, help="fake GPU nodes (up)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (up)")
+    parser.add_argument("--real-node", action="store_true",
+                        help="also the real node `local`: containerd, kubelet, kube-proxy, CoreDNS (up)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[cluster] %(message)s", stream=sys.stderr)
 
     cluster = Cluster(args.state_dir)
     try:
         if args.command == "up":
-            cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node)
+            cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node,
+                       real_node=args.real_node)
             print(f"export KUBECONFIG={cluster.kubeconfig}")
         elif args.command == "down":
             cluster.down()

@@ -40,10 +40,16 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=()) -> x509.Certificate:
-    """Signs a certificate valid for a year with the extensions strict verifiers require."""
+def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=(),
+                 client_org: str | None = None) -> x509.Certificate:
+    """Signs a certificate valid for a year with the extensions strict verifiers require.
+
+    With `client_org` it is a client certificate (Kubernetes reads O as the group)."""
     now = dt.datetime.now(dt.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, subject)]
+    if client_org is not None:
+        attrs.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, client_org))
+    name = x509.Name(attrs)
     issuer_name = issuer_cert.subject if issuer_cert is not None else name
     builder = (
         x509.CertificateBuilder()
@@ -67,7 +73,10 @@ def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=(
             critical=True,
         )
     )
-    if not ca:
+    if client_org is not None:
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    elif not ca:
         builder = builder.add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
         ).add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
@@ -102,6 +111,18 @@ def write_pki(pki: Path, advertise_ip: str) -> None:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
+
+
+def write_client_cert(pki: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
+    """Signs a client certificate for `user` in `group` with the cluster CA; returns the
+    (cert, key) paths `pki/<name>.crt` and `pki/<name>.key`."""
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    key = _new_key()
+    cert = _certificate(user, key, ca_cert, ca_key, ca=False, client_org=group)
+    (pki / f"{name}.crt").write_bytes(_cert_pem(cert))
+    _write_private(pki / f"{name}.key", _key_pem(key))
+    return pki / f"{name}.crt", pki / f"{name}.key"
 
 
 def write_kubeconfig(path: Path, server: str, ca_pem: bytes, user: str, token: str) -> Path:
