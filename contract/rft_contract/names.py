@@ -97,6 +97,8 @@ SERVED_MODEL_NAME = "policy"
 MODEL_CACHE_MOUNT = "/var/cache/rft/models"
 # A resuming pod downloads the checkpoint here once (local rank 0); every rank loads it.
 STAGING_MOUNT = "/var/lib/rft/staging"
+# Every container's writable scratch (an emptyDir; the root filesystem is read-only) and HOME.
+SCRATCH_MOUNT = "/tmp"
 ENV_STAGING_DIR = "RFT_STAGING_DIR"
 ENV_GRACE_SECONDS = "RFT_TERMINATION_GRACE_SECONDS"
 # Inference pods stay after success until they serve the final weights, at most this long.

@@ -167,8 +167,9 @@ class Toleration(Model):
 
 class SecurityContext(Model):
     """Explicit relaxations of the restricted default (non-root, no escalation, all
-    capabilities dropped, RuntimeDefault seccomp). Unset fields keep the default. Without
-    `allowPrivileged`, relaxations stop at what the Pod Security baseline profile allows."""
+    capabilities dropped, RuntimeDefault seccomp, read-only root filesystem), for every
+    container of the job's pods. Unset fields keep the default. Without `allowPrivileged`,
+    relaxations stop at what the Pod Security baseline profile allows."""
 
     rules = (
         Check("!(self.?runAsNonRoot.orValue(false) && self.?runAsUser.orValue(-1) == 0)",
@@ -194,6 +195,12 @@ class SecurityContext(Model):
     allow_privilege_escalation: bool | None = None
     add_capabilities: unique_list(Capability) = Field(default_factory=list, max_length=16)
     seccomp_profile: Literal["RuntimeDefault", "Unconfined"] | None = None
+    read_only_root_filesystem: bool = Field(
+        default=True,
+        description="Mount every container's root filesystem read-only. The pods write only to their "
+                    "volumes, among them an emptyDir at /tmp that HOME points to unless trainer.env sets "
+                    "it (caches of Hugging Face, torch, triton, pip). false for an image that must write "
+                    "elsewhere.")
     allow_privileged: bool = Field(
         default=False,
         description="Opt in to relaxations beyond the Pod Security baseline profile (seccompProfile "

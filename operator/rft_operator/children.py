@@ -20,9 +20,12 @@ from .objects import JobRef, Obj, build_meta, labels, pod_roles, spec_hash
 def build_trainer_config(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """The resolved config the trainer reads (defaults applied; no secrets)."""
     # Pods get env vars and identities from their pod spec, never from here: a value in
-    # trainer.env may be sensitive, and a ConfigMap is readable by more people.
+    # trainer.env may be sensitive, and a ConfigMap is readable by more people. The
+    # security context is the pod spec's too: no program reads it, and a trainer image
+    # built before one of its fields would refuse the config for an unknown key.
     data = spec.model_dump(mode="json", exclude={"suspend": True, "failure_policy": True,
-                                                 "service_account_annotations": True, "trainer": {"env"}})
+                                                 "service_account_annotations": True,
+                                                 "trainer": {"env", "security_context"}})
     data["checkpoint"].pop("credentials_secret", None)
     data["job"] = {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid}
     return data

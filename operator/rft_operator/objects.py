@@ -2,9 +2,10 @@
 
 Identity (JobRef, labels, the controller owner reference, metadata), the spec hash that
 tells a drifted child apart, and the pod-level pieces that trainer, inference and explorer
-pods must agree on: one service account, one security posture, one placement, the same
-GPU requests and S3 environment. Kept in one place so the three pod builders
-(`trainer_pods`, `rollout_pods`) and the static children (`children`) cannot drift apart.
+pods must agree on: one service account, one security posture, one placement, scratch
+space at /tmp, the same GPU requests and S3 environment. Kept in one place so the three
+pod builders (`trainer_pods`, `rollout_pods`) and the static children (`children`) cannot
+drift apart.
 
 Names are deterministic (`rft_contract.names`), so "create what is missing by name, treat
 409 as success, delete leftovers" is the whole idempotency mechanism.
@@ -23,6 +24,8 @@ Obj = dict[str, Any]
 
 # Non-root user of the trainer image (trainer_image/Dockerfile creates it).
 IMAGE_UID = 1000
+# The emptyDir every container gets at `c.SCRATCH_MOUNT`.
+SCRATCH_VOLUME = "tmp"
 
 
 class JobRef:
@@ -86,13 +89,34 @@ def spec_hash(data: Any) -> str:
 
 
 def build_pod(ref: JobRef, spec: RFTJobSpec, name: str, lbls: dict[str, str], pod_spec: Obj) -> Obj:
-    """A Pod object; every pod of the job gets the trainer's placement constraints."""
+    """A Pod object; every pod of the job gets the trainer's placement constraints and
+    scratch space in every container."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": build_meta(ref, name, lbls),
-        "spec": {**pod_spec, **build_placement(spec)},
+        "spec": {**with_scratch_space(pod_spec), **build_placement(spec)},
     }
+
+
+def with_scratch_space(pod_spec: Obj) -> Obj:
+    """The pod spec with an emptyDir `tmp` mounted at /tmp in every container (init
+    containers too) and HOME=/tmp where the container does not set HOME itself (a user's
+    `trainer.env` may). With a read-only root filesystem this is where Python, torch
+    (inductor, triton), Hugging Face and pip write their temporary files and caches."""
+    out = {**pod_spec, "volumes": [*pod_spec.get("volumes", []), {"name": SCRATCH_VOLUME, "emptyDir": {}}]}
+    for key in ("initContainers", "containers"):
+        if key in pod_spec:
+            out[key] = [_with_scratch_mount(x) for x in pod_spec[key]]
+    return out
+
+
+def _with_scratch_mount(container: Obj) -> Obj:
+    env = container.get("env", [])
+    # First, so that `$(HOME)` in a later value expands.
+    home = [] if any(e["name"] == "HOME" for e in env) else [{"name": "HOME", "value": c.SCRATCH_MOUNT}]
+    mounts = [*container.get("volumeMounts", []), {"name": SCRATCH_VOLUME, "mountPath": c.SCRATCH_MOUNT}]
+    return {**container, "env": home + env, "volumeMounts": mounts}
 
 
 def build_placement(spec: RFTJobSpec) -> Obj:
@@ -125,6 +149,8 @@ def build_pod_security_context(spec: RFTJobSpec) -> Obj:
 
 
 def build_container_security_context(spec: RFTJobSpec) -> Obj:
+    """The same for every container of every pod: no escalation, all capabilities dropped,
+    a read-only root filesystem, unless `spec.trainer.securityContext` relaxes them."""
     sc = spec.trainer.security_context
     caps: Obj = {"drop": ["ALL"]}
     if sc.add_capabilities:
@@ -132,6 +158,8 @@ def build_container_security_context(spec: RFTJobSpec) -> Obj:
     return {
         "allowPrivilegeEscalation": bool(sc.allow_privilege_escalation),
         "capabilities": caps,
+        # Writable: the pod's volumes only, /tmp among them (`with_scratch_space`).
+        "readOnlyRootFilesystem": sc.read_only_root_filesystem,
     }
 
 

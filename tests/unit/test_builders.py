@@ -87,7 +87,8 @@ def test_restricted_security_context_by_default(spec):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     csc = pod["containers"][0]["securityContext"]
-    assert csc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert csc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                   "readOnlyRootFilesystem": True}
 
 
 def test_security_context_relaxed_only_explicitly():
@@ -297,3 +298,52 @@ def test_staging_volume_is_an_emptydir_sized_by_checkpoint_staging_size_limit(li
     assert got == {"name": "staging", "emptyDir": empty_dir} and mount == c.STAGING_MOUNT
     env = {e["name"]: e.get("value") for e in builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]}
     assert env[c.ENV_STAGING_DIR] == c.STAGING_MOUNT
+
+
+# Every role's pod, with init containers: vLLM's inference pod fetches weights first.
+ALL_ROLES = {**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "vllm:1"}}
+
+
+def _all_containers(spec) -> list[tuple[str, dict, dict]]:
+    """(pod/container, container, pod spec) for every container of every pod role."""
+    pods = [builders.build_trainer_pod(REF, spec, 1, 0), *builders.build_rollout_pods(REF, spec)]
+    return [(f"{pod['metadata']['name']}/{x['name']}", x, pod["spec"]) for pod in pods
+            for x in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]]
+
+
+def test_every_container_is_read_only_with_a_writable_tmp_and_home():
+    containers = _all_containers(parse_spec(ALL_ROLES))
+    assert {name.split("/")[1] for name, _, _ in containers} == {
+        "trainer", "engine", "sync-agent", "fetch-weights", "explorer"}
+    for name, x, pod in containers:
+        assert x["securityContext"]["readOnlyRootFilesystem"] is True, name
+        assert {"name": "tmp", "mountPath": "/tmp"} in x["volumeMounts"], name
+        assert [e for e in x["env"] if e["name"] == "HOME"] == [{"name": "HOME", "value": "/tmp"}], name
+        assert {"name": "tmp", "emptyDir": {}} in pod["volumes"], name
+        # The volumes a program writes to stay: shared memory, caches, weights.
+        assert all(m["name"] in {v["name"] for v in pod["volumes"]} for m in x["volumeMounts"]), name
+    trainer = _volumes(parse_spec(ALL_ROLES))
+    assert trainer["dshm"][1] == "/dev/shm" and trainer["tmp"] == ({"name": "tmp", "emptyDir": {}}, "/tmp")
+
+
+def test_read_only_root_filesystem_opt_out_reaches_every_container():
+    trainer = {**ALL_ROLES["trainer"], "securityContext": {"readOnlyRootFilesystem": False}}
+    spec = parse_spec({**ALL_ROLES, "trainer": trainer})
+    for name, x, _ in _all_containers(spec):
+        assert x["securityContext"]["readOnlyRootFilesystem"] is False, name
+        assert {"name": "tmp", "mountPath": "/tmp"} in x["volumeMounts"], name
+    # A pod setting, not the programs': the ConfigMap (and its hash) does not carry it.
+    config = builders.build_configmap(REF, spec)
+    assert "security_context" not in json.loads(config["data"][c.CONFIG_FILE])["trainer"]
+    assert config == builders.build_configmap(REF, parse_spec(ALL_ROLES))
+    # Rollout pods carry a spec hash: switching it replaces them.
+    h = lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]  # noqa: E731
+    assert [h(p) for p in builders.build_rollout_pods(REF, spec)] != [
+        h(p) for p in builders.build_rollout_pods(REF, parse_spec(ALL_ROLES))]
+
+
+def test_home_set_in_trainer_env_wins():
+    trainer = {**SPEC["trainer"], "env": [{"name": "HOME", "value": "/var/cache/rft/models/home"}]}
+    pod = builders.build_trainer_pod(REF, parse_spec({**SPEC, "trainer": trainer}), 1, 0)
+    env = pod["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/var/cache/rft/models/home"}]

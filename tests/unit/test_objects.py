@@ -29,9 +29,21 @@ def test_build_placement(trainer, want):
 def test_build_pod_carries_placement_and_owner():
     pod = objects.build_pod(REF, spec_with(nodeSelector={"pool": "gpu"}), "p", {"a": "b"}, {"containers": []})
     assert pod["spec"] == {"containers": [], "nodeSelector": {"pool": "gpu"},
-                           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+                           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                           "volumes": [{"name": "tmp", "emptyDir": {}}]}
     assert pod["metadata"]["ownerReferences"][0] == {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "demo",
                                                      "uid": "0000-1111", "controller": True, "blockOwnerDeletion": True}
+
+
+def test_with_scratch_space_mounts_tmp_and_sets_home_unless_set():
+    mine = {"name": "a", "env": [{"name": "HOME", "value": "/home/me"}, {"name": "X", "value": "$(HOME)/x"}],
+            "volumeMounts": [{"name": "w", "mountPath": "/w"}]}
+    out = objects.with_scratch_space({"initContainers": [{"name": "i"}], "containers": [mine],
+                                      "volumes": [{"name": "w", "emptyDir": {}}]})
+    tmp = {"name": "tmp", "mountPath": "/tmp"}
+    assert out["volumes"] == [{"name": "w", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    assert out["initContainers"] == [{"name": "i", "env": [{"name": "HOME", "value": "/tmp"}], "volumeMounts": [tmp]}]
+    assert out["containers"] == [{**mine, "volumeMounts": [*mine["volumeMounts"], tmp]}]
 
 
 @pytest.mark.parametrize("resources, gpus, want", [
