@@ -276,6 +276,9 @@ class RealNode:
         self._spawn_kube_proxy(b, tokens["kube-proxy"])
         self._spawn_coredns(b, tokens["coredns"])
         self.cluster._wait(self._ready, 90, f"node {NODE_NAME} Ready", "kubelet")
+        # A Node object kept from an earlier start is still cordoned by its drain.
+        self.cluster.api().request("PATCH", f"/api/v1/nodes/{NODE_NAME}", {"spec": {"unschedulable": None}},
+                                   content_type="application/merge-patch+json")
         if gpus:
             self.cluster.api().request("PATCH", f"/api/v1/nodes/{NODE_NAME}/status", {
                 "status": {"capacity": {GPU_RESOURCE: str(gpus)}}}, content_type="application/merge-patch+json")
