@@ -3,9 +3,10 @@
     python bench/checkpoint.py [--params-m 80] [--endpoint http://...]
                                [--resume-mb 512] [--resume-files 4] [--only-resume]
 
-Without --endpoint it starts moto's S3 server on loopback (the same server the tests
-use); pass a MinIO/AWS endpoint (with AWS_* credentials in the environment) to measure a
-real store. Reports, each against a baseline measured in the same run:
+Without --endpoint it starts a SeaweedFS S3 server on loopback (e2e/s3server.py, the same
+server the tests use; its data in a temp dir, removed at the end); pass a MinIO/AWS
+endpoint (with AWS_* credentials in the environment) to measure another store. Reports,
+each against a baseline measured in the same run:
   (a) training-loop stall per checkpoint: async save (returns after local staging) vs a
       synchronous save of the same state, as a ratio;
   (b) upload throughput of the commit (per-rank files + manifest) vs a raw boto3
@@ -15,7 +16,7 @@ real store. Reports, each against a baseline measured in the same run:
       --resume-files files: our streamed download + sha256 check (`download_verified`,
       what each node's local rank 0 runs) vs boto3's `download_file` of the same objects
       (as S3Storage configures it, and with our part size and window), each in a fresh
-      subprocess (its own GIL, apart from the in-process moto), median of --repeat, as
+      subprocess (its own GIL, apart from this one's), median of --repeat, as
       throughput ratios; and each one's peak RSS above its baseline (VmHWM), beside the
       checkpoint and part sizes: ours stays at read_window + 1 parts, whatever the
       checkpoint size.
@@ -25,12 +26,12 @@ Single process (world size 1); no thresholds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from rft_trainer.checkpoint import CheckpointManager  # noqa: E402
 from rft_trainer.parallelize import Runtime  # noqa: E402
 from rft_contract.s3 import S3Storage  # noqa: E402
+from e2e.s3server import S3Server  # noqa: E402
 
 
 class Role:
@@ -67,20 +69,16 @@ class Role:
         return per_param * 4 * 3  # weights + exp_avg + exp_avg_sq, fp32
 
 
-def start_moto() -> str:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ThreadedMotoServer(ip_address="127.0.0.1", port=port).start()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+def start_s3(stack: contextlib.ExitStack) -> str:
+    """A SeaweedFS server in a temp dir for this run (stopped and removed by `stack`); the
+    environment (ours and the download subprocesses') points at it."""
+    data = tempfile.mkdtemp(prefix="rft-bench-s3-")
+    stack.callback(shutil.rmtree, data, True)
+    key, secret = "bench", "bench-secret"
+    server = stack.enter_context(S3Server(data, credentials={key: secret}))
+    os.environ.update({"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
-    return f"http://127.0.0.1:{port}"
+    return server.endpoint
 
 
 def peak_rss() -> int:
@@ -132,8 +130,7 @@ def bench_resume_download(storage: S3Storage, bucket: str, total_mb: int, num_fi
     """(d): a synthetic checkpoint step (random bytes + manifest), downloaded three ways:
     ours; boto3's download_file as S3Storage configures it (64 MiB parts, 16 threads);
     and download_file with our part size and window (the same requests as ours, so the
-    ratio is our cost: ordering + sha256). moto reads the whole object for every ranged
-    GET, so there smaller parts cost more than on S3."""
+    ratio is our cost: ordering + sha256)."""
     from rft_contract.manifest import file_entry, write_manifest
 
     prefix = f"s3://{bucket}/resume/ckpt/step-00000001"
@@ -182,8 +179,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="runs of each download in (d)")
     ap.add_argument("--only-resume", action="store_true", help="run (d) only")
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        os.environ["AWS_ENDPOINT_URL"] = args.endpoint or start_s3(stack)
+        run(args)
 
-    os.environ["AWS_ENDPOINT_URL"] = args.endpoint or start_moto()
+
+def run(args: argparse.Namespace) -> None:
     storage = S3Storage()
     storage.client.create_bucket(Bucket=args.bucket)
     if args.only_resume:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
-from e2e.demo import install  # noqa: E402
+from e2e.demo import install_api as install  # noqa: E402
 from rft_contract import names as c  # noqa: E402
 
 

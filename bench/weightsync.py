@@ -5,10 +5,11 @@ inference replica serving them, for 1, 2, 4 and 8 replicas.
                                [--dtype fp32|bf16] [--out .local/bench/weightsync.json]
 
 Runs the whole protocol as tests/integration/test_weightsync.py does: a local control
-plane (KWOK inference pods), the operator as a subprocess under its ServiceAccount, moto's
-S3 server (a subprocess, so it does not share our GIL), and per pod a `ReferenceServer`
-plus a `SyncAgent` in threads acting as the job's ServiceAccount. Versions are exported
-once with the real exporter (untimed) and announced with `StatusReporter.report_weights`.
+plane (KWOK inference pods), the operator as a subprocess under its ServiceAccount, a
+SeaweedFS S3 server (e2e/s3server.py, the tests' server), and per pod a `ReferenceServer`
+plus a `SyncAgent` in threads, as the inference ServiceAccount with a token bound to its
+pod. Versions are exported once with the real exporter (untimed) and announced with
+`StatusReporter.report_weights`, as the trainer's ServiceAccount.
 For each replica count a fresh RFTJob is created, the replicas converge to the base model
 (version 0), then for each version t0 is taken just before report_weights and the end is
 the first watch event with `status.weightSync.synced == "N/N"` at that version.
@@ -19,10 +20,10 @@ Columns (medians over the versions, seconds):
             server, is the raw cost of one replica's work: boto3 `download_file` of every
             object of a version into a temp dir, then `AutoModelForCausalLM.from_pretrained`
             of that dir (fp32, as the reference server loads on CPU). It uses the agents'
-            transfer settings (S3Storage: 64 MiB parts): with boto3's default 8 MiB parts
-            downloads from moto take 2-3x longer (it materialises the whole object for every
-            ranged GET), so the ratio would mostly measure part sizes; that variant is
-            printed for reference. At N = 1 the ratio is the protocol's overhead (promotion,
+            transfer settings (S3Storage: 64 MiB parts); boto3's default 8 MiB parts are
+            printed for reference (against moto, which materialised the whole object for
+            every ranged GET, they took 2-3x longer, so the ratio would have mostly measured
+            part sizes). At N = 1 the ratio is the protocol's overhead (promotion,
             verification, the tokenizer load, reporting); for N > 1 it adds N replicas
             sharing one S3 server and 2 CPUs (expect roughly linear growth), and all
             servers and agents share this process's GIL, unlike real pods.
@@ -44,7 +45,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,14 +55,14 @@ from pathlib import Path
 
 import boto3
 import kubernetes
-import requests
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster  # noqa: E402
-from e2e.demo import install  # noqa: E402
+from e2e.demo import install_api  # noqa: E402
+from e2e.s3server import S3Server  # noqa: E402
 from rft_contract import names as c  # noqa: E402
 from rft_contract.layout import weights_uri  # noqa: E402
 from rft_trainer.export import export_hf  # noqa: E402
@@ -78,21 +78,13 @@ NS = "bench-ws"
 PHASES = ("promote", "notice", "download", "verify", "reload", "report", "count")
 
 
-def start_moto(log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        with contextlib.suppress(requests.RequestException):
-            requests.get(url, timeout=1)
-            break
-        time.sleep(0.1)
-    os.environ.update({"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+def start_s3(data_dir: Path) -> S3Server:
+    """The S3 server, with this process's (and the operator's) environment pointing at it."""
+    key, secret = "bench", "bench-secret"
+    server = S3Server(data_dir, credentials={key: secret}).start()
+    os.environ.update({"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
                        "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
-    return proc, url
+    return server
 
 
 class TimedEngine(ReferenceEngine):
@@ -225,21 +217,27 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{job}: {n} inference pods not Running after 90s")
             time.sleep(0.2)
-        kc = cluster.service_account_kubeconfig(NS, f"{job}-rftjob", tmp / f"{job}.kubeconfig")
-        as_job = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
+        def as_role(role: str, pod: str | None = None):
+            """The role's own ServiceAccount; an agent's token is bound to its pod, as in the pod."""
+            bound = (pod, core.read_namespaced_pod(pod, NS).metadata.uid) if pod else None
+            kc = cluster.service_account_kubeconfig(NS, c.service_account_name(job, role),
+                                                    tmp / f"{pod or job}.kubeconfig", pod=bound)
+            return kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
+
         watch = JobWatch(api, job, n)
         watch.start()
         stack.callback(watch.stop.set)
-        reporter = StatusReporter(job, NS, as_job, min_interval=0)
+        reporter = StatusReporter(job, NS, as_role(c.ROLE_TRAINER), min_interval=0)
         stack.callback(reporter.close)
         engines = {}
         for i in range(n):
-            pod = f"{job}-inference-{i}"
+            pod = c.inference_pod_name(job, i)
             server = ReferenceServer(max_concurrency=1)
             server.start()
             stack.callback(server.stop)
             engines[pod] = TimedEngine(server.url)
-            agent = SyncAgent(job, NS, pod, engines[pod], tmp / job / pod, api=as_job, resync_seconds=2, max_backoff=2)
+            agent = SyncAgent(job, NS, pod, engines[pod], tmp / job / pod, api=as_role(c.ROLE_INFERENCE, pod),
+                              resync_seconds=2, max_backoff=2)
             thread = threading.Thread(target=agent.run, daemon=True)
             thread.start()
             stack.callback(thread.join, 10)
@@ -305,9 +303,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: shutil.rmtree(tmp, ignore_errors=True) if ok else
                        print(f"logs and state kept in {tmp}"))
-        moto, _ = start_moto(tmp / "moto.log")
-        stack.callback(moto.wait, 30)
-        stack.callback(moto.terminate)
+        stack.callback(start_s3(tmp / "s3").stop)
         bucket = "rft-bench-ws"
         boto3.client("s3").create_bucket(Bucket=bucket)
         versions = export_versions(args, tmp, bucket)
@@ -323,7 +319,7 @@ def main() -> None:
         stack.callback(cluster.down)
         print(f"cluster up in {time.monotonic() - t:.1f}s")
         kc = str(cluster.kubeconfig)
-        install(cluster)
+        install_api(cluster)
         subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", NS], check=True, capture_output=True)
         op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp / "op.kubeconfig")
         op = subprocess.Popen([sys.executable, "-m", "rft_operator"], env={**os.environ, "KUBECONFIG": str(op_kc)},

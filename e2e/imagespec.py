@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from packaging.requirements import Requirement  # pytest's dependency: in every dev env
+from packaging.requirements import Requirement
 
 from .cluster import REPO_ROOT
 

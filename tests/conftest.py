@@ -1,7 +1,8 @@
 """Fixtures shared by every test layer.
 
-* A real S3-compatible server (moto in server mode, over HTTP on loopback) for every S3
-  path (trainer, sync agents, explorers), with the environment variables the operator sets.
+* A real S3-compatible server (SeaweedFS, see e2e/s3server.py: over HTTP on loopback,
+  SigV4-authenticated) for every S3 path (trainer, sync agents, explorers), with the
+  environment variables the operator sets. Its binary missing is an error, as below.
 * The local control plane (see e2e/cluster.py), one per session for tests/integration and
   tests/e2e. By default the session starts its own cluster in a temp dir and stops it at
   the end. Set RFT_KUBECONFIG to reuse a running one instead (e.g. the demo's, from
@@ -11,7 +12,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import time
 import uuid
@@ -21,28 +21,24 @@ from typing import Any, Callable
 import pytest
 
 from e2e.cluster import Cluster, ExistingCluster
+from e2e.s3server import S3Server
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# access key -> secret key: the tests' own, and the demo's (the e2e jobs use the sample's
+# Secret, manifests/samples/s3-secret.example.yaml).
+S3_CREDENTIALS = {"test": "test-secret", "rftdemo": "rftdemo-secret-change-me"}
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """The endpoint URL of a SeaweedFS S3 server for the whole session."""
+    with S3Server(tmp_path_factory.mktemp("s3"), credentials=S3_CREDENTIALS) as server:
+        yield server.endpoint
 
 
 @pytest.fixture
 def s3_env(s3_server, monkeypatch):
-    env = {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test-secret",
+    key, secret = "test", S3_CREDENTIALS["test"]
+    env = {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
            "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)

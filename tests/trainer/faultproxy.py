@@ -20,7 +20,8 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, fail_fraction: float = 0.0, seed: int = 0):
+    def __init__(self, upstream: str, fail_fraction: float = 0.0, seed: int = 0, host: str = "127.0.0.1"):
+        """`host`: where it listens (the real node's pods reach the host at its bridge gateway)."""
         self.upstream = urlsplit(upstream)
         self.fail_fraction = fail_fraction
         self.rng = random.Random(seed)
@@ -28,13 +29,14 @@ class FaultProxy:
         self.requests = 0
         self.injected = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.host = host
+        self._server = ThreadingHTTPServer((host, 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"http://{self.host}:{self._server.server_address[1]}"
 
     def start(self) -> "FaultProxy":
         self._thread.start()

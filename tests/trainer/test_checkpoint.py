@@ -1,4 +1,4 @@
-"""Checkpoints against a real S3-compatible server (moto over HTTP), with torchrun workers.
+"""Checkpoints against a real S3-compatible server (SeaweedFS over HTTP), with torchrun workers.
 
 One 2-rank PPO run (actor + critic, async saves every step, keep=2) is shared by the
 module; tests copy its prefix before damaging it. Resharding is exact (DCP copies
