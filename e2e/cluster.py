@@ -647,6 +647,25 @@ class Cluster(_KubeconfigAccess):
             if node.owns_host():
                 node.record_processes([r for r in self._read_records() if r.name in NODE_COMPONENTS])
 
+    def kill_node(self) -> None:
+        """The node dies: its processes and every container SIGKILLed at once, no drain
+        (pods stay bound to it in the API), then the host cleaned up as after a reboot."""
+        if not self.has_real_node:
+            return
+        from .node import RealNode, kill_shims, restore_host
+
+        node = RealNode(self)
+        records = self._read_records()
+        for r in records:
+            if r.name in NODE_COMPONENTS and (proc := r.find()) is not None:
+                proc.kill()
+        kill_shims()
+        _stop_processes([r for r in records if r.name in NODE_COMPONENTS], grace=0)
+        self._write_records([r for r in records if r.name not in NODE_COMPONENTS])
+        if node.owns_host():
+            restore_host()
+        shutil.rmtree(node.dir, ignore_errors=True)
+
     def stop_node(self) -> None:
         """Stops the real node: its pods are deleted through the API first (the kubelet
         tears down their sandboxes), then its processes; then every host change it made
@@ -660,6 +679,8 @@ class Cluster(_KubeconfigAccess):
         if any(r.name == "kubelet" and r.find() for r in records) and self._readyz_ok():
             node.drain()
         for tier in STOP_TIERS:
+            if tier == ("containerd",) and any(r.name == "containerd" and r.find() for r in records):
+                node.forget_containers()
             _stop_processes([r for r in records if r.name in tier and r.name in NODE_COMPONENTS])
         self._write_records([r for r in self._read_records() if r.name not in NODE_COMPONENTS])
         if node.owns_host():

@@ -1,14 +1,19 @@
 """`make demo`: a real RFTJob on this machine, end to end, no Docker and no GPU.
 
-    python -m e2e.demo up      # cluster + S3 + pod runner + operator + sample job, until Succeeded
-    python -m e2e.demo down    # stop everything it started
+    python -m e2e.demo up      # registry, cluster + real node, S3, the operator, the sample job
+    python -m e2e.demo down    # stops everything it started and undoes its host changes
 
-What runs: the local control plane (e2e/cluster.py), an S3-compatible server (moto) on
-127.0.0.1:$RFT_DEMO_S3_PORT (default 39000), the pod runner (e2e/podrunner/: the
-kubelet of node `local`, running pods as host processes), and the operator as a host
-process with the identity of its Deployment (the `rftjob-operator` ServiceAccount from
-manifests/base/rbac.yaml). The sample RFTJob (manifests/samples/) trains a tiny random Qwen2
-with GRPO on an arithmetic taskset: 2 trainer pods, 2 inference replicas, 1 explorer.
+What runs (`make demo` first builds the images with `make images`):
+  * the local registry (e2e/registry.py) holding this repository's images (e2e/images.py);
+  * the local control plane (e2e/cluster.py) with the real node `local` (e2e/node.py:
+    containerd, runc, bridge CNI, kubelet, kube-proxy, CoreDNS), which pulls the images
+    from the registry under the name registry.rft.local;
+  * SeaweedFS' S3 gateway (e2e/s3server.py) on the node's bridge gateway 10.244.0.1, at a
+    port picked free at start and recorded in the state directory, its data on disk;
+  * the operator as its Deployment (manifests/, the image set by a kustomize override);
+  * the sample RFTJob (manifests/samples/, its image and endpoint set the same way): a tiny
+    random Qwen2 trained with GRPO on an arithmetic taskset: 2 trainer pods, 2 inference
+    replicas, 1 explorer, all under the restricted Pod Security profile.
 """
 
 from __future__ import annotations
@@ -22,14 +27,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from .background import Background, python, wait_until
+import yaml
+
 from .cluster import DEFAULT_STATE_DIR, REPO_ROOT, Cluster, ClusterError
+from .node import GATEWAY, LOCAL_NODE_LABEL, LOCAL_TAINT, REGISTRY_HOST
+from .registry import DEFAULT_STATE_DIR as REGISTRY_STATE_DIR
+from .registry import Registry
+from .s3server import S3Server
 
 JOB, NAMESPACE, BUCKET = "demo", "default", "rft-demo"
-S3_PORT = int(os.environ.get("RFT_DEMO_S3_PORT", "39000"))
-ENDPOINT = f"http://127.0.0.1:{S3_PORT}"
 CREDS = {"AWS_ACCESS_KEY_ID": "rftdemo", "AWS_SECRET_ACCESS_KEY": "rftdemo-secret-change-me",
          "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
+OPERATOR_IMAGE = "ghcr.io/rft-dev/rftjob-operator"  # as manifests/base/deployment.yaml names it
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def kubectl(cluster: Cluster, *args: str, check: bool = True, input: str | None = None) -> str:
@@ -43,40 +61,82 @@ def kubectl(cluster: Cluster, *args: str, check: bool = True, input: str | None 
 # ------------------------------------------------------------------ the helper processes
 
 
-def s3_server(cluster: Cluster, port: int = S3_PORT) -> Background:
-    return Background("s3", cluster.state_dir, python("-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)),
-                      marker="moto.server")
+def s3_server(cluster: Cluster) -> S3Server:
+    """SeaweedFS on the bridge gateway, where both this host and the node's pods reach it."""
+    return S3Server(cluster.state_dir / "s3", log_file=cluster.logs_dir / "s3.log", host=GATEWAY,
+                    credentials={CREDS["AWS_ACCESS_KEY_ID"]: CREDS["AWS_SECRET_ACCESS_KEY"]})
 
 
-def pod_runner(cluster: Cluster) -> Background:
-    return Background("podrunner", cluster.state_dir,
-                      python("-m", "e2e.podrunner", "--kubeconfig", str(cluster.kubeconfig),
-                             "--state-dir", str(cluster.state_dir / "podrunner")), marker="e2e.podrunner")
+def image_refs(state_dir: Path = REGISTRY_STATE_DIR) -> dict[str, str]:
+    """image -> reference by digest under the registry's stable name, from `make images`."""
+    path = Path(state_dir) / "images.json"
+    if not path.exists():
+        raise ClusterError(f"{path} is missing: build the images first with `make images`")
+    return {name: f"{REGISTRY_HOST}/{ref['repository']}@{ref['digest']}"
+            for name, ref in json.loads(path.read_text()).items()}
 
 
-def operator(cluster: Cluster) -> Background:
-    kc = cluster.state_dir / "operator.kubeconfig"  # written by up() (needs a running cluster)
-    return Background("operator", cluster.state_dir, python("-m", "rft_operator", "--log-format=json"),
-                      marker="rft_operator", env={"KUBECONFIG": str(kc)})
+def _on_local_node() -> dict:
+    """A pod template patch that puts a pod on the real node (KWOK's nodes run nothing)."""
+    return {"nodeSelector": {LOCAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": LOCAL_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}]}
 
 
-def install(cluster: Cluster) -> None:
-    """CRD, RBAC and admission policies from the real manifests (the Deployment is replaced by a
-    host process)."""
+def write_overlay(directory: Path, base: Path, images: list[dict] | None = None,
+                  patches: list[dict] | None = None) -> Path:
+    """A kustomization in `directory` over `base` (a directory of the repository)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     "resources": [os.path.relpath(base, directory)]}
+    if images:
+        kustomization["images"] = images
+    if patches:
+        kustomization["patches"] = patches
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
+    return directory
+
+
+def install_api(cluster: Cluster) -> None:
+    """The CRD, RBAC and admission policies from manifests/, without the Deployment: for
+    tests and benchmarks that run the operator as a host process with its identity."""
     for f in ("manifests/base/namespace.yaml", "crds/rftjob.yaml", "manifests/base/rbac.yaml",
               "manifests/base/admission-policies.yaml"):
-        kubectl(cluster, "apply", "--server-side", "-f", str(REPO_ROOT / f))
+        kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / f))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
 
 
-def s3_client(endpoint: str = ENDPOINT):
+def install(cluster: Cluster, operator_ref: str, timeout: float = 180) -> None:
+    """manifests/ as a user installs it (CRD, RBAC, admission policies, the Deployment),
+    with the operator image from the local registry and the pod placed on the real node."""
+    name, digest = operator_ref.split("@")
+    template = {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "rftjob-operator", "namespace": "rftjob-system"},
+                "spec": {"template": {"spec": _on_local_node()}}}
+    overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
+                            images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}],
+                            patches=[{"patch": yaml.safe_dump(template)}])
+    kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-k", str(overlay))
+    kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
+    kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",
+            f"--timeout={int(timeout)}s")
+
+
+def sample_overlay(cluster: Cluster, trainer_ref: str, endpoint: str) -> Path:
+    """manifests/samples/ with this cluster's trainer image and S3 endpoint."""
+    ops = [{"op": "replace", "path": "/spec/trainer/image", "value": trainer_ref},
+           {"op": "replace", "path": "/spec/checkpoint/endpoint", "value": endpoint}]
+    return write_overlay(cluster.state_dir / "overlays" / "sample", REPO_ROOT / "manifests" / "samples",
+                         patches=[{"target": {"kind": "RFTJob", "name": JOB}, "patch": json.dumps(ops)}])
+
+
+def s3_client(endpoint: str):
     import boto3
 
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=CREDS["AWS_ACCESS_KEY_ID"],
                         aws_secret_access_key=CREDS["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
 
 
-def prepare_data(endpoint: str = ENDPOINT, bucket: str = BUCKET, num_tasks: int = 256) -> None:
+def prepare_data(endpoint: str, bucket: str = BUCKET, num_tasks: int = 256) -> None:
     """The tiny model and the taskset the sample job reads, created here (no downloads)."""
     from rft_rollout.tasksets import arithmetic
     from tests.fixtures.models import save_tiny_model
@@ -93,7 +153,7 @@ def prepare_data(endpoint: str = ENDPOINT, bucket: str = BUCKET, num_tasks: int 
     s3.put_object(Bucket=bucket, Key="data/arith.jsonl", Body=lines.encode())
 
 
-def clear_run(endpoint: str = ENDPOINT, bucket: str = BUCKET, prefix: str = "runs/demo/") -> None:
+def clear_run(endpoint: str, bucket: str = BUCKET, prefix: str = "runs/demo/") -> None:
     s3 = s3_client(endpoint)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
@@ -135,8 +195,8 @@ def watch(cluster: Cluster, until: str, timeout: float) -> dict:
         if st.get("phase") == "Failed":
             raise ClusterError(f"{JOB} failed: {st.get('message')}")
         time.sleep(1)  # a display refresh, not synchronisation
-    raise ClusterError(f"{JOB} did not reach {until} within {timeout:.0f}s; "
-                       f"see {cluster.logs_dir}/operator.log and {cluster.state_dir}/podrunner/")
+    raise ClusterError(f"{JOB} did not reach {until} within {timeout:.0f}s; see "
+                       "`kubectl logs -n rftjob-system deploy/rftjob-operator` and the pods' logs")
 
 
 def write_curves(checkpoint_uri: str, out: Path) -> Path | None:
@@ -170,47 +230,46 @@ def write_curves(checkpoint_uri: str, out: Path) -> Path | None:
 
 def up(cluster: Cluster, timeout: float = 900) -> None:
     t0 = time.monotonic()
-    cluster.up()
-    print(f"[demo] control plane ready in {time.monotonic() - t0:.1f}s", flush=True)
-    install(cluster)
+    refs = image_refs()
+    registry = Registry(REGISTRY_STATE_DIR).ensure()
+    cluster.up(real_node=True, registry=registry)
+    print(f"[demo] control plane and node `local` ready in {time.monotonic() - t0:.1f}s", flush=True)
     s3 = s3_server(cluster)
-    s3.start()
-    prepare_data()
-    print(f"[demo] S3 server at {ENDPOINT}: tiny model and arithmetic taskset uploaded", flush=True)
-    cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator",
-                                       cluster.state_dir / "operator.kubeconfig")
-    for proc in (pod_runner(cluster), operator(cluster)):
-        proc.start()
-    wait_until(lambda: kubectl(cluster, "get", "node", "local", check=False), 60, "node `local`")
+    endpoint = S3Server.recorded_endpoint(s3.data_dir) or s3.start().endpoint
+    prepare_data(endpoint)
+    print(f"[demo] S3 server at {endpoint}: tiny model and arithmetic taskset uploaded", flush=True)
+    install(cluster, refs["operator"])
+    print(f"[demo] operator Deployment ready ({refs['operator']})", flush=True)
     if kubectl(cluster, "get", "rftjob", JOB, "-n", NAMESPACE, "--ignore-not-found", check=False).strip():
         print(f"[demo] deleting the previous {JOB} run", flush=True)
         kubectl(cluster, "delete", "rftjob", JOB, "-n", NAMESPACE, "--wait=true")
-    clear_run()
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    print(subprocess.run(["kubectl", "apply", "-k", str(REPO_ROOT / "manifests" / "samples")],
-                         env=env, capture_output=True, text=True, check=True).stdout.rstrip(), flush=True)
+    clear_run(endpoint)
+    print(kubectl(cluster, "apply", "-k", str(sample_overlay(cluster, refs["trainer"], endpoint))).rstrip(),
+          flush=True)
     st = watch(cluster, "Succeeded", timeout)
     elapsed = time.monotonic() - t0
     trainer, ws = st.get("trainer") or {}, st.get("weightSync") or {}
     uri = f"s3://{BUCKET}/runs/demo"
-    print(f"\n[demo] {JOB} Succeeded in {elapsed:.0f}s (from a cold `up`)")
+    print(f"\n[demo] {JOB} Succeeded in {elapsed:.0f}s (from `up`)")
     print(f"[demo] checkpoints: {uri}/ckpt/  last: step {(trainer.get('lastCheckpoint') or {}).get('step')}")
     print(f"[demo] weights:     {uri}/weights/  versions {trainer.get('weightVersions')}, "
           f"served by {ws.get('synced')} replicas at version {(ws.get('target') or {}).get('version')}")
-    os.environ.update({"AWS_ENDPOINT_URL": ENDPOINT, **CREDS})
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, **CREDS})
     png = write_curves(uri, cluster.state_dir.parent / "demo" / "curves.png")
     if png:
         print(f"[demo] reward/loss curves: {png}")
     print(f"\n  export KUBECONFIG={cluster.kubeconfig}")
-    print(f"  kubectl get rftjob {JOB} -o yaml       # the whole status")
-    print(f"  python -m e2e.podrunner logs {NAMESPACE}/{JOB}-trainer-1-0   # a pod's log")
+    print(f"  kubectl get rftjob {JOB} -o yaml                 # the whole status")
+    print(f"  kubectl logs {JOB}-trainer-1-0                   # a pod's log")
+    print("  kubectl logs -n rftjob-system deploy/rftjob-operator")
     print("  make down")
 
 
 def down(cluster: Cluster) -> None:
-    for proc in (operator(cluster), pod_runner(cluster), s3_server(cluster)):
-        proc.stop()
+    """Stops the cluster and its node (undoing the host changes), S3 and the registry."""
     cluster.down()
+    S3Server.stop_recorded(cluster.state_dir / "s3")
+    Registry(REGISTRY_STATE_DIR).stop()
 
 
 def main(argv: list[str] | None = None) -> int:

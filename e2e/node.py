@@ -8,7 +8,8 @@ reaches under the stable name ``REGISTRY_HOST`` whatever port the registry got.
 One real node per host: a kubelet, a CNI bridge and kube-proxy's iptables chains are
 host-wide. The node's host-side files live at fixed short paths (``NODE_ROOT``,
 ``NODE_RUN``; unix sockets must stay under 108 bytes); its configuration and logs in the
-cluster's state directory. ``down`` stops everything and undoes every host change it
+cluster's state directory; containerd's image store in the build cache
+(``containerd_root()``), so a restarted node does not pull again. ``down`` stops everything and undoes every host change it
 made (sysctls, iptables rules and chains, mounts, the bridge and veths, cgroups, files),
 against a snapshot of the host taken before the first change.
 
@@ -71,6 +72,14 @@ IPTABLES = ("iptables", "ip6tables")
 IPTABLES_TABLES = ("filter", "nat", "mangle", "raw")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_TOPS = ("kubepods", "k8s.io")  # kubelet's QoS tree; containerd's for non-CRI tasks
+
+
+def containerd_root() -> Path:
+    """containerd's root: its image store is a cache, kept across node restarts like the
+    registry's storage (a real node keeps its images too); containers are not kept."""
+    from .cluster import cache_dir
+
+    return cache_dir() / "containerd"
 
 
 class NodeError(RuntimeError):
@@ -253,13 +262,14 @@ class RealNode:
         if not HOST_SNAPSHOT.exists():
             NODE_ROOT.mkdir(parents=True, exist_ok=True)
             HOST_SNAPSHOT.write_text(json.dumps(host_snapshot(), indent=1))
-        for d in (NODE_ROOT / "kubelet", NODE_ROOT / "containerd", NODE_ROOT / "pod-logs", NODE_RUN):
+        for d in (NODE_ROOT / "kubelet", containerd_root(), NODE_ROOT / "pod-logs", NODE_RUN):
             d.mkdir(parents=True, exist_ok=True)
         self._bridge()
         self._write_containerd_config(registry)
         self.cluster._spawn("containerd", [b.containerd, "--config", str(self.dir / "containerd.toml")])
         self.cluster._wait(lambda: self._ctr(b, "version").returncode == 0, 30,
                            "containerd's socket", "containerd")
+        self.forget_containers()  # what a node that died (kill_node) left in the store
         res = self._ctr(b, "images", "import", str(pause_archive(b.buildah)))
         if res.returncode != 0:
             raise NodeError(f"importing the pause image: {res.stderr.strip()}")
@@ -347,7 +357,7 @@ class RealNode:
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         (self.dir / "containerd.toml").write_text(f"""\
 version = 2
-root = "{NODE_ROOT / 'containerd'}"
+root = "{containerd_root()}"
 state = "{NODE_RUN / 'state'}"
 
 [grpc]
@@ -456,6 +466,19 @@ state = "{NODE_RUN / 'state'}"
         return subprocess.run([b.ctr, "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", *args],
                               capture_output=True, text=True)
 
+    def forget_containers(self) -> None:
+        """Removes every container and sandbox from containerd (with their writable
+        layers), keeping only images: the next start begins with no pods but no pulls.
+        Runs after the kubelet stopped, while containerd still runs."""
+        if not CONTAINERD_SOCK.exists():
+            return
+        b = NodeBinaries.locate()
+        listed = self._ctr(b, "containers", "list", "--quiet")
+        for cid in listed.stdout.split():
+            self._ctr(b, "tasks", "kill", "--signal", "SIGKILL", cid)
+            self._ctr(b, "tasks", "delete", "--force", cid)
+            self._ctr(b, "containers", "delete", cid)
+
     def _ready(self) -> bool:
         node = self.cluster.api().get(f"/api/v1/nodes/{NODE_NAME}")
         conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
@@ -535,7 +558,7 @@ def restore_host() -> None:
     # Mounts under the node's dirs and the network namespaces of its pods, deepest first.
     before_mounts = set(before["mounts"]) if before else set()
     ours = [m for m in mountpoints() if m not in before_mounts and (
-        m.startswith((str(NODE_ROOT), str(NODE_RUN), "/run/netns", "/var/run/netns",
+        m.startswith((str(NODE_ROOT), str(NODE_RUN), str(containerd_root()), "/run/netns", "/var/run/netns",
                       "/run/containerd/io.containerd")))]
     for point in sorted(set(ours), key=len, reverse=True):
         if subprocess.run(["umount", point], capture_output=True).returncode != 0:
@@ -560,6 +583,9 @@ def restore_host() -> None:
             shutil.rmtree(p, ignore_errors=True)
     for d in (NODE_RUN, NODE_ROOT):
         shutil.rmtree(d, ignore_errors=True)
+    # The CRI plugin's per-sandbox and per-container directories (its image records stay).
+    for kind in ("sandboxes", "containers"):
+        shutil.rmtree(containerd_root() / "io.containerd.grpc.v1.cri" / kind, ignore_errors=True)
 
 
 def _remove_container_log_links() -> None:

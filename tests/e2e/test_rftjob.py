@@ -1,6 +1,8 @@
-"""End to end: the sample RFTJob on the local cluster, its pods run as real processes by
-the pod runner, talking to a real S3 server through a fault-injecting proxy. Each test
-records what it saw (lost steps, recovery seconds) in `RESULTS`, printed at the end.
+"""End to end: the sample RFTJob on the local cluster's real node (containerd, kubelet,
+kube-proxy, CoreDNS), its pods real containers from this repository's images, the operator
+its Deployment, all talking to a real S3 server (SeaweedFS) through a fault-injecting
+proxy. Each test records what it saw (lost steps, recovery seconds) in `RESULTS`, printed
+at the end.
 
 Jobs are the sample (manifests/samples/rftjob.yaml) with fewer steps, each in its own
 namespace and S3 prefix.
@@ -21,13 +23,14 @@ import pytest
 import yaml
 
 from e2e import demo
-from e2e.background import Background, python
+from e2e.node import GATEWAY
 from rft_contract import names as c
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
+from tests.e2e.incluster import InClusterOperator, pod_processes
 from tests.integration.operator_fixtures import (
-    OperatorProcess, events, gang_ranks, hold_pod, pod_deleting, refusing_trainer_pods, release_pod,
+    events, gang_ranks, hold_pod, pod_deleting, refusing_trainer_pods, release_pod,
 )
 from tests.trainer.faultproxy import FaultProxy
 
@@ -42,33 +45,23 @@ RESULTS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
-def s3(s3_server):
-    """The S3 server behind a fault proxy; pods reach it on 127.0.0.1 (host network)."""
-    proxy = FaultProxy(s3_server).start()
+def s3(s3_server, node):
+    """The S3 server behind a fault proxy on the node's bridge gateway, where pods reach it."""
+    proxy = FaultProxy(s3_server, host=GATEWAY).start()
     demo.prepare_data(proxy.url, bucket="rft-e2e", num_tasks=128)
     yield proxy
     proxy.stop()
 
 
 @pytest.fixture(scope="module")
-def stack(cluster, kubectl, s3, tmp_path_factory):
-    """CRD + RBAC, the pod runner (a subprocess, as in the demo), the operator as its SA."""
+def stack(cluster, kubectl, s3, node, images, tmp_path_factory):
+    """manifests/ installed as a user would (CRD, RBAC, policies, the operator Deployment)."""
     d = tmp_path_factory.mktemp("e2e")
-    demo.install(cluster)
-    runner = Background("podrunner", d, python("-m", "e2e.podrunner", "--kubeconfig", str(cluster.kubeconfig),
-                                               "--state-dir", str(d / "podrunner")), marker="e2e.podrunner")
-    runner.start()
+    op = InClusterOperator(cluster, images["operator"])
+    op.install()
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-    wait_for(lambda: kubernetes.client.CoreV1Api(api).read_node("local"), 60, "node local")
-    kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
-    op = OperatorProcess(Path(kc), d / "operator.log")
-    paused = op.pause_others()  # the tests kill "the" operator: it must be the only one
-    op.start()
-    yield {"api": api, "operator": op, "runner": runner, "dir": d, "s3": s3}
+    yield {"api": api, "operator": op, "dir": d, "s3": s3, "images": images}
     op.stop()
-    runner.stop()
-    for other in paused:
-        other.start()
     for name, figures in RESULTS.items():
         print(f"[e2e] {name}: {json.dumps(figures)}")
 
@@ -86,6 +79,7 @@ def job(stack, kubectl):
         spec["model"]["path"] = "s3://rft-e2e/models/tiny"
         spec["explorer"]["tasksetUri"] = "s3://rft-e2e/data/arith.jsonl"
         spec["checkpoint"].update(uri=f"s3://rft-e2e/runs/{ns}", endpoint=stack["s3"].url, interval=INTERVAL)
+        spec["trainer"]["image"] = stack["images"]["trainer"]
         spec["trainer"]["totalSteps"] = steps
         for k, v in overrides.items():
             spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
@@ -129,17 +123,11 @@ def pods(j, role: str | None = None) -> list:
     return kubernetes.client.CoreV1Api(j["api"]).list_namespaced_pod(j["ns"], label_selector=sel).items
 
 
-def container_pids(pod) -> list[int]:
-    return [int(cs.container_id.split("://")[1]) for cs in (pod.status.container_statuses or [])
-            if cs.container_id and cs.state.running]
-
-
 def trainer_worker(j, rank: int = 0) -> psutil.Process:
-    """The torch worker process (a child of the launcher) of a running trainer pod."""
+    """The torch worker process (a child of the launcher) in a running trainer pod's container."""
     pod = next(p for p in pods(j, c.ROLE_TRAINER) if p.metadata.name.endswith(f"-{rank}")
                and p.status.phase == "Running")
-    launcher = psutil.Process(container_pids(pod)[0])
-    return next(p for p in launcher.children(recursive=True) if "rft_trainer" in " ".join(p.cmdline())
+    return next(p for p in pod_processes(pod) if "rft_trainer" in " ".join(p.cmdline())
                 and "launch" not in " ".join(p.cmdline()))
 
 
@@ -283,8 +271,8 @@ def test_suspend_removes_pods_keeps_checkpoints_and_resume_continues(job, kubect
 def test_deleting_the_job_mid_run_ends_every_child_and_process(job, stack):
     j = job()
     wait_status(j, lambda s: s.get("phase") == "Running", 180, "Running")
-    wait_for(lambda: len([p for p in pods(j) if container_pids(p)]) >= 5, 120, "processes running")
-    pids = [pid for p in pods(j) for pid in container_pids(p)]
+    wait_for(lambda: len([p for p in pods(j) if pod_processes(p)]) >= 5, 120, "processes running")
+    pids = [proc.pid for p in pods(j) for proc in pod_processes(p)]
     kubernetes.client.CustomObjectsApi(j["api"]).delete_namespaced_custom_object(
         c.GROUP, c.VERSION, j["ns"], c.PLURAL, j["name"])
     gone = time.monotonic()
@@ -295,6 +283,36 @@ def test_deleting_the_job_mid_run_ends_every_child_and_process(job, stack):
     wait_for(lambda: not core.list_namespaced_config_map(j["ns"], label_selector=c.LABEL_JOB).items, 60,
              "children garbage-collected")
     RESULTS["delete"] = {"seconds_to_all_gone": round(time.monotonic() - gone, 1), "processes": len(pids)}
+
+
+@pytest.mark.timeout(1200)
+def test_the_node_dies_and_is_replaced_the_job_resumes_from_its_checkpoint(job, cluster, registry_address):
+    """The real node dies mid-run (kubelet, containerd and every container SIGKILLed, no
+    drain) and its Node object is deleted, as a cloud provider does with a lost VM. Pod GC
+    removes the orphaned pods, the operator restarts the gang, which waits Pending until a
+    new node registers (the node started again, as a replacement VM would boot); attempt 2
+    resumes from the last checkpoint and the job finishes."""
+    j = job()
+    core = kubernetes.client.CoreV1Api(j["api"])
+    s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
+    at_loss, ckpt_at_loss = step(s), ckpt_step(s)
+    cluster.kill_node()
+    lost = time.monotonic()
+    core.delete_node("local")
+    try:
+        s = wait_status(j, lambda s: s.get("attempt") == 2, 240, "attempt 2 after the node was lost")
+        assert s["restarts"] == 1 or s.get("disruptions"), s
+        assert all(p.status.phase == "Pending" for p in pods(j, c.ROLE_TRAINER) if "-2-" in p.metadata.name)
+    finally:
+        cluster.start_node(registry=registry_address)
+    replaced = time.monotonic()
+    s = wait_status(j, lambda s: (s.get("trainer") or {}).get("attempt") == 2, 300, "attempt 2 reporting")
+    assert ckpt_at_loss <= step(s) <= ckpt_at_loss + 1, (ckpt_at_loss, step(s))
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded on the replacement node")
+    assert step(s) == STEPS and committed_steps_verify(j["uri"])[-1] == STEPS
+    RESULTS["node_lost"] = {"step_at_loss": at_loss, "resumed_from": ckpt_at_loss,
+                            "seconds_to_attempt_2": round(replaced - lost, 1),
+                            "seconds_node_back_to_succeeded": round(time.monotonic() - replaced, 1)}
 
 
 def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):

@@ -106,7 +106,7 @@ class OperatorProcess:
 def installed(cluster) -> None:
     """Namespace, CRD and operator RBAC from the real manifests (not the Deployment:
     the operator runs here as a host process with the Deployment's identity)."""
-    from e2e.demo import install
+    from e2e.demo import install_api as install
 
     install(cluster)
 
