@@ -1,5 +1,6 @@
-# rftjob-operator. `make demo` and `make test` work on a fresh machine (Python 3.11, Go 1.26,
-# kubectl): they install the Python package and build/reuse the control-plane binaries.
+# rftjob-operator. `make demo` and `make test` work on a fresh Debian 12 machine, as root
+# (Python 3.11, Go 1.26, kubectl): they install the Debian packages and the Python package,
+# build/reuse the Go binaries (control plane, real node, registry, SeaweedFS) and the images.
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 

@@ -1,10 +1,12 @@
 """A real, local Kubernetes control plane for integration tests and the demo.
 
 Runs etcd, kube-apiserver, kube-controller-manager and kube-scheduler as plain processes
-(no Docker, no kubelet), plus KWOK, which plays the kubelets of a few fake GPU nodes and
-drives pods through the lifecycle in ``e2e/kwok-stages.yaml``. Everything listens on
-127.0.0.1 ports picked at runtime, so several clusters (the demo and a test run, say) can
-coexist in different state directories.
+(no Docker), plus KWOK, which plays the kubelets of a few fake GPU nodes and drives pods
+through the lifecycle in ``e2e/kwok-stages.yaml``; optionally the real node ``local``
+(e2e/node.py: containerd, kubelet, kube-proxy, CoreDNS; one per host). Ports are picked
+free at runtime; everything listens on 127.0.0.1 except the API server, which pods reach
+at the host's address (token or certificate authentication only), so several clusters
+(the demo and a test run, say) can coexist in different state directories.
 
 Binaries come from ``bash e2e/build-binaries.sh`` (versions in ``e2e/versions.env``).
 
@@ -148,11 +150,15 @@ def free_port() -> int:
 def advertise_address() -> str:
     """A non-loopback IPv4 address of this host.
 
-    kube-apiserver refuses to start without an address to advertise for the `kubernetes`
-    Service, and rejects loopback. Nothing ever connects to it (the endpoint reconciler is
-    off); it only has to be a real address of this host.
+    kube-apiserver advertises it as the `kubernetes` Service's endpoint (pods on the real
+    node reach the API server there) and rejects loopback. The real node's bridge is
+    skipped: its address goes away with the node.
     """
-    for addrs in psutil.net_if_addrs().values():
+    from .node import BRIDGE
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if name == BRIDGE:
+            continue
         for addr in addrs:
             if addr.family != socket.AF_INET:
                 continue
@@ -517,6 +523,7 @@ class Cluster(_KubeconfigAccess):
             # Every address: pods reach it at the advertise address, through the
             # `kubernetes` Service whose endpoints it publishes itself.
             "--bind-address=0.0.0.0", f"--secure-port={server.rsplit(':', 1)[1]}",
+            "--anonymous-auth=false",  # reachable beyond loopback: every request authenticates
             f"--advertise-address={advertise_ip}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
@@ -659,7 +666,8 @@ class Cluster(_KubeconfigAccess):
         for r in records:
             if r.name in NODE_COMPONENTS and (proc := r.find()) is not None:
                 proc.kill()
-        kill_shims()
+        if node.owns_host():  # the shims are found by the host-wide socket path
+            kill_shims()
         _stop_processes([r for r in records if r.name in NODE_COMPONENTS], grace=0)
         self._write_records([r for r in records if r.name not in NODE_COMPONENTS])
         if node.owns_host():

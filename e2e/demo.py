@@ -105,13 +105,25 @@ def install_api(cluster: Cluster) -> None:
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
 
 
-def install(cluster: Cluster, operator_ref: str, timeout: float = 180) -> None:
+def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
     """manifests/ as a user installs it (CRD, RBAC, admission policies, the Deployment),
-    with the operator image from the local registry and the pod placed on the real node."""
+    with the operator image from the local registry and the pod placed on the real node;
+    `extra_args` and `env` go to the operator container (the tests log at debug level)."""
     name, digest = operator_ref.split("@")
+    pod_spec = _on_local_node()
+    if extra_args or env:
+        deployment = yaml.safe_load((REPO_ROOT / "manifests/base/deployment.yaml").read_text())
+        container = {"name": "operator"}
+        if extra_args:
+            base_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            container["args"] = [*base_args, *extra_args]
+        if env:
+            container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        pod_spec["containers"] = [container]
     template = {"apiVersion": "apps/v1", "kind": "Deployment",
                 "metadata": {"name": "rftjob-operator", "namespace": "rftjob-system"},
-                "spec": {"template": {"spec": _on_local_node()}}}
+                "spec": {"template": {"spec": pod_spec}}}
     overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
                             images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}],
                             patches=[{"patch": yaml.safe_dump(template)}])

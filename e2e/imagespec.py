@@ -65,7 +65,6 @@ class ImageSpec:
     cmd: tuple[str, ...]
     smoke: str  # Python run in the image (as the image's user) before it is pushed
     ports: tuple[int, ...] = ()
-    has_torch: bool = False
 
     @property
     def repository(self) -> str:
@@ -95,7 +94,7 @@ IMAGES: dict[str, ImageSpec] = {spec.name: spec for spec in (
                                         "trainer_image/rft_rollout", "trainer_image/rft_serving"),
               entrypoint=(), cmd=("python3", "-m", "rft_trainer", "--help"),
               smoke="import torch, transformers, rft_trainer.launch, rft_rollout.explorer, "
-                    "rft_serving.serve, rft_serving.sync_agent", has_torch=True),
+                    "rft_serving.serve, rft_serving.sync_agent"),
 )}
 
 

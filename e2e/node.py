@@ -54,7 +54,6 @@ NODE_RUN = Path("/run/rftjob-node")  # containerd's state and socket
 OWNER_FILE = NODE_ROOT / "owner.json"
 HOST_SNAPSHOT = NODE_ROOT / "host-before.json"
 CONTAINERD_SOCK = NODE_RUN / "containerd.sock"
-NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")
 APT_PACKAGES = "containerd runc containernetworking-plugins iptables iproute2 buildah gcc"
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 
@@ -71,6 +70,10 @@ SYSCTLS = (
 IPTABLES = ("iptables", "ip6tables")
 IPTABLES_TABLES = ("filter", "nat", "mangle", "raw")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+HOST_PATHS = ("/run/netns", "/var/log/containers", "/var/lib/cni", "/var/lib/kubelet",
+              "/run/containerd", "/opt/containerd")
+# Chains the kubelet, kube-proxy and CNI plugins create: the only ones restore touches.
+OUR_CHAINS = ("KUBE-", "CNI-")
 CGROUP_TOPS = ("kubepods", "k8s.io")  # kubelet's QoS tree; containerd's for non-CRI tasks
 
 
@@ -131,29 +134,41 @@ def mountpoints() -> list[str]:
     return points
 
 
-def links() -> list[str]:
-    return sorted(os.listdir("/sys/class/net"))
-
-
 def host_snapshot() -> dict[str, Any]:
     """What the node may change on the host, read back for restoring and for tests."""
     return {
+        "boot_id": _boot_id(),
         "sysctls": read_sysctls(),
         "iptables": iptables_rules(),
         "mounts": mountpoints(),
-        "links": links(),
         "cgroups": {top: [str(h) for h in _cgroup_hierarchies() if (h / top).exists()]
                     for top in CGROUP_TOPS},
-        "paths": {p: os.path.lexists(p) for p in ("/run/netns", "/var/log/containers",
-                                                   "/var/lib/cni")},
+        # Paths the kubelet hard-codes whatever its --root-dir (device-plugins socket).
+        "paths": {p: os.path.lexists(p) for p in HOST_PATHS},
     }
 
 
 def _cgroup_hierarchies() -> list[Path]:
+    """Each v1 hierarchy, or the unified v2 root (where kubepods sits right under it)."""
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return [CGROUP_ROOT]
     try:
         return [p for p in CGROUP_ROOT.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:
         return []
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -208,6 +223,8 @@ def pause_archive(buildah: str) -> Path:
     out = cache_dir() / "images" / f"pause-{version}.tar"
     if out.exists():
         return out
+    if shutil.which("go") is None:
+        raise NodeError("the pause image is built from Kubernetes' pause.c in the Go module cache: install Go")
     gomodcache = _run(["go", "env", "GOMODCACHE"]).stdout.strip()
     source = Path(gomodcache) / f"k8s.io/kubernetes@{version}" / "build/pause/linux/pause.c"
     if not source.exists():
@@ -229,6 +246,7 @@ def pause_archive(buildah: str) -> Path:
             _run([buildah, "rm", ctr], check=False)
             raise
         tmp = out.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)  # left by an interrupted build: push refuses to overwrite
         _run([buildah, "push", f"localhost/rftjob-pause:{version}", f"docker-archive:{tmp}:{PAUSE_IMAGE}"])
         _run([buildah, "rmi", f"localhost/rftjob-pause:{version}"], check=False)
         tmp.rename(out)
@@ -261,12 +279,12 @@ class RealNode:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not HOST_SNAPSHOT.exists():
             NODE_ROOT.mkdir(parents=True, exist_ok=True)
-            HOST_SNAPSHOT.write_text(json.dumps(host_snapshot(), indent=1))
+            _write_atomic(HOST_SNAPSHOT, json.dumps(host_snapshot(), indent=1))
         for d in (NODE_ROOT / "kubelet", containerd_root(), NODE_ROOT / "pod-logs", NODE_RUN):
             d.mkdir(parents=True, exist_ok=True)
         self._bridge()
         self._write_containerd_config(registry)
-        self.cluster._spawn("containerd", [b.containerd, "--config", str(self.dir / "containerd.toml")])
+        self._spawn("containerd", [b.containerd, "--config", str(self.dir / "containerd.toml")])
         self.cluster._wait(lambda: self._ctr(b, "version").returncode == 0, 30,
                            "containerd's socket", "containerd")
         self.forget_containers()  # what a node that died (kill_node) left in the store
@@ -275,7 +293,7 @@ class RealNode:
             raise NodeError(f"importing the pause image: {res.stderr.strip()}")
 
         kubelet_config, healthz = self._write_kubelet_config(advertise_ip)
-        self.cluster._spawn("kubelet", [
+        self._spawn("kubelet", [
             str(b.kubelet), f"--config={kubelet_config}", f"--kubeconfig={tokens['kubelet']}",
             f"--hostname-override={NODE_NAME}", f"--node-ip={advertise_ip}",
             f"--root-dir={NODE_ROOT / 'kubelet'}", f"--cert-dir={NODE_ROOT / 'kubelet' / 'pki'}",
@@ -283,9 +301,14 @@ class RealNode:
         ])
         self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{healthz}/healthz"),
                            60, "kubelet /healthz", "kubelet")
-        self._spawn_kube_proxy(b, tokens["kube-proxy"])
-        self._spawn_coredns(b, tokens["coredns"])
+        proxy_healthz = self._spawn_kube_proxy(b, tokens["kube-proxy"])
+        dns_ready = self._spawn_coredns(b, tokens["coredns"])
         self.cluster._wait(self._ready, 90, f"node {NODE_NAME} Ready", "kubelet")
+        # Services and DNS answer before the first pod needs them.
+        self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{proxy_healthz}/healthz"),
+                           60, "kube-proxy's first sync", "kube-proxy")
+        self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{dns_ready}/ready"),
+                           60, "CoreDNS ready", "coredns")
         # A Node object kept from an earlier start is still cordoned by its drain.
         self.cluster.api().request("PATCH", f"/api/v1/nodes/{NODE_NAME}", {"spec": {"unschedulable": None}},
                                    content_type="application/merge-patch+json")
@@ -293,6 +316,14 @@ class RealNode:
             self.cluster.api().request("PATCH", f"/api/v1/nodes/{NODE_NAME}/status", {
                 "status": {"capacity": {GPU_RESOURCE: str(gpus)}}}, content_type="application/merge-patch+json")
         log.info("node %s Ready (containerd, kubelet, kube-proxy, CoreDNS)", NODE_NAME)
+
+    def _spawn(self, name: str, argv: list) -> None:
+        """Through the cluster (pids.json), and into the host-wide owner file at once, so
+        another cluster never takes a starting node for a dead one."""
+        from .cluster import NODE_COMPONENTS
+
+        self.cluster._spawn(name, argv)
+        self.record_processes([r for r in self.cluster._read_records() if r.name in NODE_COMPONENTS])
 
     def set_registry(self, registry: str) -> None:
         """Points `REGISTRY_HOST` at the registry's current address (read on every pull)."""
@@ -303,35 +334,45 @@ class RealNode:
             '  capabilities = ["pull", "resolve"]\n')
 
     def _claim_host(self) -> None:
-        """One real node per host: refuses while another cluster's node is alive."""
+        """One real node per host: refuses while another cluster's node is alive (or its
+        claim is under a minute old and names no process yet: it is starting)."""
+        import fcntl
+
         from .cluster import ProcessRecord
 
+        NODE_ROOT.mkdir(parents=True, exist_ok=True)
+        with open(NODE_ROOT.parent / "rftjob-node.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._claim_locked(ProcessRecord)
+
+    def _claim_locked(self, ProcessRecord) -> None:
         try:
             owner = json.loads(OWNER_FILE.read_text())
         except (OSError, ValueError):
             owner = None
         if owner and owner["state_dir"] != str(self.cluster.state_dir):
             alive = [r for r in (ProcessRecord(**p) for p in owner["processes"]) if r.find()]
-            if alive:
+            starting = not owner["processes"] and time.time() - OWNER_FILE.stat().st_mtime < 60
+            if alive or starting:
                 raise NodeError(
                     f"a real node already runs on this host for the cluster in {owner['state_dir']} "
                     f"(one per host); stop it with: python -m e2e.cluster down --state-dir {owner['state_dir']}")
             log.info("cleaning up the dead node of %s", owner["state_dir"])
             restore_host()
         NODE_ROOT.mkdir(parents=True, exist_ok=True)
-        OWNER_FILE.write_text(json.dumps({"state_dir": str(self.cluster.state_dir), "processes": []}))
+        _write_atomic(OWNER_FILE, json.dumps({"state_dir": str(self.cluster.state_dir), "processes": []}))
 
     def owns_host(self) -> bool:
         """Whether the host's node (if any) is this cluster's, so its changes are ours to undo."""
         try:
             return json.loads(OWNER_FILE.read_text())["state_dir"] == str(self.cluster.state_dir)
         except (OSError, ValueError, KeyError):
-            return HOST_SNAPSHOT.exists()  # a start that failed before recording its owner
+            return False
 
     def record_processes(self, records: list) -> None:
         """Copies the node's process records to the host-wide owner file."""
-        OWNER_FILE.write_text(json.dumps({"state_dir": str(self.cluster.state_dir),
-                                          "processes": [vars(r) for r in records]}))
+        _write_atomic(OWNER_FILE, json.dumps({"state_dir": str(self.cluster.state_dir),
+                                              "processes": [vars(r) for r in records]}))
 
     def _bridge(self) -> None:
         if not Path(f"/sys/class/net/{BRIDGE}").exists():
@@ -382,6 +423,10 @@ state = "{NODE_RUN / 'state'}"
 
 [{cri}.containerd.runtimes.runc.options]
   SystemdCgroup = false
+  Root = "{NODE_RUN / 'runc'}"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{NODE_ROOT / 'opt'}"
 
 [{cri}.cni]
   bin_dir = "{CNI_BIN_DIR}"
@@ -424,7 +469,7 @@ state = "{NODE_RUN / 'state'}"
         path.write_text(json.dumps(config, indent=1))
         return path, healthz
 
-    def _spawn_kube_proxy(self, b: NodeBinaries, kubeconfig: Path) -> None:
+    def _spawn_kube_proxy(self, b: NodeBinaries, kubeconfig: Path) -> int:
         from .cluster import free_port
 
         config = {
@@ -441,17 +486,19 @@ state = "{NODE_RUN / 'state'}"
         }
         path = self.dir / "kube-proxy-config.yaml"
         path.write_text(json.dumps(config, indent=1))
-        self.cluster._spawn("kube-proxy", [str(b.kube_proxy), f"--config={path}", "--v=1"])
+        self._spawn("kube-proxy", [str(b.kube_proxy), f"--config={path}", "--v=1"])
+        return int(config["healthzBindAddress"].rsplit(":", 1)[1])
 
-    def _spawn_coredns(self, b: NodeBinaries, kubeconfig: Path) -> None:
+    def _spawn_coredns(self, b: NodeBinaries, kubeconfig: Path) -> int:
         from .cluster import free_port
 
+        ready = free_port()
         corefile = self.dir / "Corefile"
         corefile.write_text(f"""\
 .:53 {{
     bind {GATEWAY}
     errors
-    health 127.0.0.1:{free_port()}
+    ready 127.0.0.1:{ready}
     kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
         kubeconfig {kubeconfig} rftjob-local
         pods insecure
@@ -460,7 +507,8 @@ state = "{NODE_RUN / 'state'}"
     cache 5
 }}
 """)
-        self.cluster._spawn("coredns", [str(b.coredns), "-conf", str(corefile)])
+        self._spawn("coredns", [str(b.coredns), "-conf", str(corefile)])
+        return ready
 
     def _ctr(self, b: NodeBinaries, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([b.ctr, "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", *args],
@@ -498,7 +546,12 @@ state = "{NODE_RUN / 'state'}"
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pods = api.get(f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE_NAME}")["items"]
+            try:
+                pods = api.get(f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE_NAME}")["items"]
+            except Exception as e:  # noqa: BLE001 - a slow API server: retry until the deadline
+                log.debug("listing the node's pods: %s", e)
+                time.sleep(0.5)
+                continue
             for pod in pods:
                 meta = pod["metadata"]
                 if not meta.get("deletionTimestamp"):
@@ -555,30 +608,36 @@ def restore_host() -> None:
     except (OSError, ValueError):
         before = None
     kill_shims()
-    # Mounts under the node's dirs and the network namespaces of its pods, deepest first.
+    # Mounts under the node's dirs and the network namespaces of its pods, deepest first;
+    # only what appeared since the snapshot (never another runtime's).
     before_mounts = set(before["mounts"]) if before else set()
     ours = [m for m in mountpoints() if m not in before_mounts and (
-        m.startswith((str(NODE_ROOT), str(NODE_RUN), str(containerd_root()), "/run/netns", "/var/run/netns",
-                      "/run/containerd/io.containerd")))]
+        m.startswith((str(NODE_ROOT), str(NODE_RUN), str(containerd_root())))
+        or m.startswith(("/run/netns/cni-", "/var/run/netns/cni-")) or m in ("/run/netns", "/var/run/netns"))]
     for point in sorted(set(ours), key=len, reverse=True):
         if subprocess.run(["umount", point], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", point], capture_output=True)
-    for netns in Path("/run/netns").glob("cni-*"):
-        netns.unlink(missing_ok=True)
+    for point in ours:
+        if point.startswith(("/run/netns/cni-", "/var/run/netns/cni-")):
+            try:
+                os.unlink(point)
+            except OSError:
+                pass
     # veths on the bridge, then the bridge.
     for port in _bridge_ports():
         subprocess.run(["ip", "link", "del", port], capture_output=True)
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
     if before:
-        _restore_iptables(before["iptables"])
-        _restore_sysctls(before["sysctls"])
+        if before.get("boot_id") == _boot_id():  # a reboot already reset these
+            _restore_iptables(before["iptables"])
+            _restore_sysctls(before["sysctls"])
         _remove_cgroups(before["cgroups"])
         paths = before["paths"]
     else:
         paths = {}
     _remove_container_log_links()
-    for p in ("/run/netns", "/var/log/containers", "/var/lib/cni"):
+    for p in HOST_PATHS:
         if paths.get(p) is False and os.path.isdir(p) and not os.path.ismount(p):
             shutil.rmtree(p, ignore_errors=True)
     for d in (NODE_RUN, NODE_ROOT):
@@ -597,23 +656,34 @@ def _remove_container_log_links() -> None:
             link.unlink()
 
 
+def _ours(line: str) -> bool:
+    """A chain of ours (`:KUBE-...`), a rule in one, or a rule jumping to one."""
+    if line.startswith(":"):
+        return line[1:].startswith(OUR_CHAINS)
+    args = shlex.split(line)
+    chain = args[1] if len(args) > 1 else ""
+    target = args[args.index("-j") + 1] if "-j" in args[:-1] else ""
+    return chain.startswith(OUR_CHAINS) or target.startswith(OUR_CHAINS)
+
+
 def _restore_iptables(before: dict[str, list[str]]) -> None:
+    """Removes the KUBE-*/CNI-* chains, and the rules in or jumping to them, that were not
+    there before; other programs' rules are never touched."""
     now = iptables_rules()
     for key, lines in now.items():
         binary, table = key.split()
         old = set(before.get(key, []))
-        # Rules first (in reverse, so jumps go before their targets), then new chains.
-        for line in reversed(lines):
-            if line.startswith("-A") and line not in old:
+        new = [line for line in lines if line not in old and _ours(line)]
+        # Rules first (in reverse, so jumps go before their targets), then the chains.
+        for line in reversed(new):
+            if line.startswith("-A"):
                 # iptables-save quotes comments in double quotes, as a shell would.
                 subprocess.run([binary, "-t", table, "-D", *shlex.split(line[3:])], capture_output=True)
-        for line in lines:
-            if line.startswith(":") and line not in old:
-                chain = line[1:]
-                subprocess.run([binary, "-t", table, "-F", chain], capture_output=True)
-        for line in lines:
-            if line.startswith(":") and line not in old:
-                subprocess.run([binary, "-t", table, "-X", line[1:]], capture_output=True)
+        chains = [line[1:] for line in new if line.startswith(":")]
+        for chain in chains:
+            subprocess.run([binary, "-t", table, "-F", chain], capture_output=True)
+        for chain in chains:
+            subprocess.run([binary, "-t", table, "-X", chain], capture_output=True)
 
 
 def _restore_sysctls(before: dict[str, str]) -> None:

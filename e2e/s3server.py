@@ -99,6 +99,9 @@ def build_command(binary: Path, data_dir: Path, ports: dict[str, int], host: str
         "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
         "-s3.port.iceberg=0", "-s3.port.lance=0",  # catalogs on fixed ports otherwise
         f"-s3.config={data_dir / CONFIG_FILE}",
+        # Its local sockets in data_dir, not /tmp/seaweedfs-<svc>-<port>.sock, which another
+        # server on another address could share by port.
+        f"-filer.localSocket={data_dir / 'filer.sock'}", f"-s3.localSocket={data_dir / 's3.sock'}",
         f"-master.volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}", "-master.volumePreallocate=false",
         f"-volume.max={MAX_VOLUMES}",
         "-volume.preStopSeconds=0",  # stops at once instead of 10 s after SIGTERM

@@ -51,7 +51,9 @@ class InClusterOperator:
         return demo.kubectl(self.cluster, *args, check=check)
 
     def install(self) -> None:
-        demo.install(self.cluster, self.image)
+        # Debug logging (the tests wait on reconcile lines) and a short resync, as the
+        # integration tests run it.
+        demo.install(self.cluster, self.image, extra_args=("--verbose",), env={"RFT_RESYNC_SECONDS": "10"})
         self.start(since="")
 
     def pods(self) -> list[dict]:
@@ -60,15 +62,23 @@ class InClusterOperator:
         return json.loads(out)["items"]
 
     def kill(self) -> None:
+        """Frozen first (SIGSTOP: it can neither act on the kubelet's SIGTERM nor hand
+        anything over), then scaled to 0 so nothing restarts it, then SIGKILLed."""
+        procs = [proc for pod in self.pods()
+                 for cs in pod.get("status", {}).get("containerStatuses") or []
+                 if cs.get("containerID") and "running" in cs.get("state", {})
+                 for proc in container_processes(cs["containerID"])]
+        for proc in procs:
+            try:
+                proc.suspend()
+            except psutil.Error:
+                pass
         self._kubectl("scale", "deployment", DEPLOYMENT, "-n", NAMESPACE, "--replicas=0")
-        for pod in self.pods():
-            for cs in pod.get("status", {}).get("containerStatuses") or []:
-                if cs.get("containerID") and "running" in cs.get("state", {}):
-                    for proc in container_processes(cs["containerID"]):
-                        try:
-                            proc.kill()
-                        except psutil.Error:
-                            pass
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
         wait_for(lambda: not self.pods(), 60, "the operator pod gone")
 
     def start(self, since: str | None = None) -> None:

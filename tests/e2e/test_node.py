@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -226,17 +227,23 @@ def test_exec_logs_and_graceful_delete_through_the_api_server(node, images, name
     assert out.stdout.strip() == "1000"
     container_id = kubectl_json("get", "pod", "trap", "-n", namespace)["status"]["containerStatuses"][0]["containerID"]
     assert container_id.startswith("containerd://")
-    # Follow the log while deleting: the handler's line shows SIGTERM came first.
+    # Follow the log while deleting (once the follow is attached): the handler's line shows
+    # SIGTERM came first.
     follow = subprocess.Popen(["kubectl", f"--kubeconfig={kubeconfig}", "logs", "-f",
                                "trap", "-n", namespace], stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True)
+    reader.start()
     try:
+        wait_for(lambda: "armed\n" in lines, 30, "the log followed")
         kubectl("delete", "pod", "trap", "-n", namespace, "--wait=true", "--timeout=60s")
-        assert "got SIGTERM" in follow.communicate(timeout=30)[0]
+        reader.join(30)
+        assert "got SIGTERM\n" in lines, lines
     finally:
         follow.kill()
 
 
-def test_stopping_the_node_leaves_the_host_as_it_was(cluster, registry_address, images, tmp_path):
+def test_stopping_the_node_leaves_the_host_as_it_was(cluster, registry_address, images):
     """Sysctls, iptables (every table, both families), mounts, links, cgroups and
     processes: compared before the node starts and after it stops, with a pod run between."""
     if getattr(cluster, "state_dir", None) is None:
@@ -294,13 +301,16 @@ def host_state() -> dict:
         rules[binary] = sorted(line.split(" [")[0] for line in out.splitlines()
                                if line.startswith((":", "-A", "*")))
     mounts = sorted(line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines())
-    cgroups = sorted(str(p) for top in ("kubepods", "k8s.io") for p in Path("/sys/fs/cgroup").glob(f"*/{top}"))
+    cgroups = sorted(str(p) for top in ("kubepods", "k8s.io")
+                     for p in (*Path("/sys/fs/cgroup").glob(f"*/{top}"), Path("/sys/fs/cgroup") / top)
+                     if p.exists())
     procs = sorted(p.name for p in Path("/proc").iterdir() if p.name.isdigit()
                    and _exe(p).startswith(("containerd", "kubelet", "kube-proxy", "coredns", "pause")))
     return {"sysctls": sysctls, "iptables": rules, "mounts": mounts, "links": sorted(os.listdir("/sys/class/net")),
             "cgroups": cgroups, "processes": procs,
             "paths": [p for p in ("/var/lib/rftjob-node", "/run/rftjob-node", "/var/log/containers",
-                                  "/run/netns", "/var/lib/cni") if os.path.lexists(p)]}
+                                  "/run/netns", "/var/lib/cni", "/var/lib/kubelet", "/run/containerd",
+                                  "/opt/containerd") if os.path.lexists(p)]}
 
 
 def _exe(proc_dir: Path) -> str:
