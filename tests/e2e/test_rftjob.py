@@ -30,7 +30,7 @@ from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
 from tests.e2e.incluster import InClusterOperator, pod_processes
 from tests.integration.operator_fixtures import (
-    events, gang_ranks, hold_pod, pod_deleting, refusing_trainer_pods, release_pod,
+    OperatorProcess, events, gang_ranks, hold_pod, pod_deleting, refusing_trainer_pods, release_pod,
 )
 from tests.trainer.faultproxy import FaultProxy
 
@@ -57,11 +57,18 @@ def s3(s3_server, node):
 def stack(cluster, kubectl, s3, node, images, tmp_path_factory):
     """manifests/ installed as a user would (CRD, RBAC, policies, the operator Deployment)."""
     d = tmp_path_factory.mktemp("e2e")
+    # The integration tests' host operators watch every namespace too: the tests stop "the"
+    # operator, so the Deployment's must be the only one while they run.
+    paused = [o for o in OperatorProcess.started if o.running()]
+    for other in paused:
+        other.stop()
     op = InClusterOperator(cluster, images["operator"])
     op.install()
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
     yield {"api": api, "operator": op, "dir": d, "s3": s3, "images": images}
     op.stop()
+    for other in paused:
+        other.start()
     for name, figures in RESULTS.items():
         print(f"[e2e] {name}: {json.dumps(figures)}")
 
