@@ -28,7 +28,7 @@ build_k8s() {
   local cmds="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy" missing="" c
   for c in $cmds; do have "$out/$c" || missing+=" $c"; done
   if [ -z "$missing" ]; then log "kubernetes $K8S_VERSION: cached in $out"; return; fi
-  log "kubernetes $K8S_VERSION:$missing: building (tens of minutes on 2 cores)"
+  log "kubernetes $K8S_VERSION:$missing: building (about 6 min on 2 cores)"
   local work=$RFT_CACHE/src/k8s-$K8S_VERSION
   rm -rf "$work"; mkdir -p "$work"; cd "$work"
   go mod init rftjob.local/k8s-build >/dev/null 2>&1
@@ -147,7 +147,7 @@ build_registry() {
 build_seaweedfs() {
   local out=$RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION
   if have "$out/weed"; then log "seaweedfs $SEAWEEDFS_VERSION: cached in $out"; return; fi
-  log "seaweedfs $SEAWEEDFS_VERSION: building (several minutes on 2 cores)"
+  log "seaweedfs $SEAWEEDFS_VERSION: building (about 6 min on 2 cores)"
   local work=$RFT_CACHE/src/seaweedfs-$SEAWEEDFS_VERSION
   rm -rf "$work"; mkdir -p "$work"; cd "$work"
   go mod init rftjob.local/seaweedfs-build >/dev/null 2>&1

@@ -82,6 +82,19 @@ class BuildahSession:
                  *(f"--ulimit={u}" for u in ULIMITS), source)
         return name
 
+    def from_local(self, name: str) -> str:
+        """A working container from an image in local storage (never pulled)."""
+        container = CONTAINER_PREFIX + uuid.uuid4().hex[:8]
+        self._containers.append(container)
+        _buildah("from", "--quiet", "--pull=never", "--name", container,
+                 *(f"--ulimit={u}" for u in ULIMITS), name)
+        return container
+
+    def remove_container(self, container: str) -> None:
+        """Removes a working container before the session ends (frees its disk)."""
+        _remove_container(container)
+        self._containers.remove(container)
+
     def mount(self, container: str) -> Path:
         return Path(_buildah("mount", container).strip())
 
@@ -100,7 +113,7 @@ class BuildahSession:
 
         For a container whose base layers came from the registry, buildah 1.28 exports
         and compresses them again (the registry then finds it has the blob); that is cheap
-        for the small base image only, so this is for the base and deps images.
+        for the small base image only, so this is for the base image.
         """
         run_logged(["buildah", "commit", "--disable-compression=false", "--tls-verify=false",
                     container, f"docker://{self.registry}/{repository_tag}"],
@@ -113,9 +126,9 @@ class BuildahSession:
         _buildah("commit", "--quiet", container, name)
         return json.loads(json.loads(_buildah("inspect", "--type", "image", name))["Manifest"])
 
-    def push(self, name: str, repository_tag: str) -> str:
-        """Pushes a local image, gzip-compressed; returns the manifest digest the registry
-        reports.
+    def push(self, name: str, repository_tag: str, compression: str = "gzip") -> str:
+        """Pushes a local image, its new layers compressed with `compression`; returns the
+        manifest digest the registry reports.
 
         Layers the registry already has (those pulled from it) are not uploaded again:
         containers/image's blob-info cache maps their uncompressed digests to the
@@ -123,7 +136,7 @@ class BuildahSession:
         """
         digest_file = self.log_file.parent / f".digest-{uuid.uuid4().hex[:8]}"
         try:
-            run_logged(["buildah", "push", "--tls-verify=false", "--compression-format=gzip",
+            run_logged(["buildah", "push", "--tls-verify=false", f"--compression-format={compression}",
                         f"--digestfile={digest_file}", name, f"docker://{self.registry}/{repository_tag}"],
                        self.log_file, what="buildah push")
             return digest_file.read_text().strip()

@@ -14,9 +14,11 @@ what it is built from (e2e/imagespec.py), and only rebuilt when that changes:
 
 A warm build only asks the registry for manifests (well under a second). When only
 sources changed, the deps image is pulled back from the registry, one small layer is
-added, and only that layer is uploaded. Local storage is emptied after every stage: the
-registry's compressed copy is the only one kept (the trainer's deps stage peaks at about
-12 GB of disk: pip's downloads, the installed tree, and the compressed layer). pip and
+added, and only that layer is uploaded. A deps image built in the same run is handed to
+the application stage in local storage (no pull). Local storage is emptied after every
+image: the registry's copy is the only one kept (the trainer's deps stage peaks at about
+12 GB of disk: the installed tree and its committed copy). Deps and
+application layers are zstd-compressed, the base image's gzip. pip and
 debootstrap work on mounted root filesystems from the host; only the smoke checks run
 containers (runc, no network).
 
@@ -53,7 +55,7 @@ from typing import Iterator, Sequence
 from .buildah import BuildahSession, BuildError, remove_leftovers, run_logged, unmount_below
 from .cluster import REPO_ROOT, cache_dir
 from .imagespec import (
-    BASE_RECIPE, DEBIAN_ARCH, IMAGES, PYPROJECT, SITE_PACKAGES, USER, ImageRef, ImageSpec, build_app_key,
+    BASE_RECIPE, DEBIAN_ARCH, IMAGES, LAYER_COMPRESSION, PYPROJECT, SITE_PACKAGES, USER, ImageRef, ImageSpec, build_app_key,
     build_dependency_list, build_deps_key, build_host_pins, build_images_json, build_pip_target_args,
     compute_hash, compute_sources_hash, format_size, iter_source_files, parse_apt_mirror, read_apt_sources,
     read_installed,
@@ -144,40 +146,50 @@ class ImageBuilder:
         pins = build_host_pins(requirements, self.installed)
         deps_tag = compute_hash(build_deps_key(requirements, pins, base.digest, self.pip_args))
         result = StageResult(spec.name, ImageRef(spec.repository, "", ""))
-        deps_digest = self.registry.manifest_digest(spec.deps_repository, deps_tag)
-        if deps_digest is None:
-            self._build_deps(spec, requirements, pins, base, deps_tag)
-            result.built.append("deps")
-            deps_digest = self._pushed_digest(spec.deps_repository, deps_tag)
-        tag = compute_hash(build_app_key(spec, compute_sources_hash(REPO_ROOT, spec.packages), deps_digest))
-        digest = self.registry.manifest_digest(spec.repository, tag)
-        if digest is None:
-            digest = self._build_app(spec, f"{spec.deps_repository}:{deps_tag}", tag, result)
-            result.built.append("app")
+        # A deps image built in this run stays in local storage for the application stage,
+        # which then starts from it instead of pulling it back and decompressing it (for
+        # the trainer, 6.2 GB); the session removes it at the end.
+        with BuildahSession(self.address, self.logs / f"{spec.name}-deps.log") as deps_session:
+            local_deps = None
+            deps_digest = self.registry.manifest_digest(spec.deps_repository, deps_tag)
+            if deps_digest is None:
+                local_deps = self._build_deps(deps_session, spec, requirements, pins, base, deps_tag)
+                result.built.append("deps")
+                deps_digest = self._pushed_digest(spec.deps_repository, deps_tag)
+            tag = compute_hash(build_app_key(spec, compute_sources_hash(REPO_ROOT, spec.packages), deps_digest))
+            digest = self.registry.manifest_digest(spec.repository, tag)
+            if digest is None:
+                digest = self._build_app(spec, f"{spec.deps_repository}:{deps_tag}", local_deps, tag, result)
+                result.built.append("app")
         result.ref = ImageRef(spec.repository, tag, digest)
         result.compressed = self._compressed_size(spec.repository, digest)
         result.seconds = time.monotonic() - started
         return result
 
-    def _build_deps(self, spec: ImageSpec, requirements: list[str], pins: dict[str, str],
-                    base: ImageRef, tag: str) -> None:
-        log_file = self.logs / f"{spec.name}-deps.log"
+    def _build_deps(self, b: BuildahSession, spec: ImageSpec, requirements: list[str],
+                    pins: dict[str, str], base: ImageRef, tag: str) -> str:
+        """Installs the requirements on the base image, commits the result to local storage
+        and pushes it; returns the local image's name."""
         log.info("%s: installing %d requirements with pip, %d pinned to the host's versions (log: %s)",
-                 spec.name, len(requirements), len(pins), log_file)
-        with BuildahSession(self.address, log_file) as b:
-            container = b.from_image(f"{base.repository}:{base.tag}")
-            rootfs = b.mount(container)
-            install_requirements(requirements, pins, rootfs, self.pip_args, log_file)
-            b.config(container, f"--created-by=pip install --target {SITE_PACKAGES} "
-                                f"{' '.join(requirements)}")
-            log.info("%s: committing the deps layer to the registry", spec.name)
-            b.commit_to_registry(container, f"{spec.deps_repository}:{tag}")
+                 spec.name, len(requirements), len(pins), b.log_file)
+        container = b.from_image(f"{base.repository}:{base.tag}")
+        rootfs = b.mount(container)
+        install_requirements(requirements, pins, rootfs, self.pip_args, b.log_file)
+        b.config(container, f"--created-by=pip install --target {SITE_PACKAGES} "
+                            f"{' '.join(requirements)}")
+        local = f"localhost/{spec.deps_repository}:{tag}"
+        log.info("%s: committing the deps layer, pushing it to the registry (%s)", spec.name, LAYER_COMPRESSION)
+        b.commit(container, local)
+        b.remove_container(container)
+        b.push(local, f"{spec.deps_repository}:{tag}", compression=LAYER_COMPRESSION)
+        return local
 
-    def _build_app(self, spec: ImageSpec, deps: str, tag: str, result: StageResult) -> str:
+    def _build_app(self, spec: ImageSpec, deps: str, local_deps: str | None, tag: str,
+                   result: StageResult) -> str:
         log_file = self.logs / f"{spec.name}.log"
         log.info("%s: adding the application layer to %s", spec.name, deps)
         with BuildahSession(self.address, log_file) as b:
-            container = b.from_image(deps)
+            container = b.from_local(local_deps) if local_deps else b.from_image(deps)
             copy_packages(REPO_ROOT, spec.packages, b.mount(container) / SITE_PACKAGES.lstrip("/"))
             config = spec.config()
             b.config(container, f"--user={config['user']}", f"--workingdir={config['workdir']}",
@@ -191,7 +203,7 @@ class ImageBuilder:
             manifest = b.commit(container, local)
             result.uncompressed = sum(layer["size"] for layer in manifest["layers"])
             before = self.registry.blob_sizes()
-            digest = b.push(local, f"{spec.repository}:{tag}")
+            digest = b.push(local, f"{spec.repository}:{tag}", compression=LAYER_COMPRESSION)
             after = self.registry.blob_sizes()
             result.uploaded = sum(size for blob, size in after.items() if blob not in before)
             return digest

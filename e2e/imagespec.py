@@ -49,9 +49,14 @@ BASE_RECIPE: dict[str, Any] = {
     "env": {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
 }
 # Bump to rebuild every deps / application image (a change to how they are built).
-DEPS_FORMAT = 1
+# Deps format 2: zstd-compressed layers (LAYER_COMPRESSION).
+DEPS_FORMAT = 2
 APP_FORMAT = 1
 TAG_LENGTH = 20
+# The deps and application layers: zstd compresses the trainer's 6.2 GB on all cores and
+# decompresses several times faster than gzip when containerd pulls it (containerd >= 1.5,
+# CRI-O and Docker >= 23 read it). The base image keeps gzip.
+LAYER_COMPRESSION = "zstd"
 
 
 @dataclass(frozen=True)
