@@ -79,6 +79,8 @@ STOP_TIERS = (("coredns", "kube-proxy"), ("kubelet",), ("containerd",),
 # Admin-token identity; the other components get their own (see _write_credentials).
 ADMIN_USER = "rft-admin"
 COREDNS_USER = "rft-coredns"
+# The API server's client certificate towards kubelets (kubeadm's name for it).
+KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"
 
 
 class ClusterError(RuntimeError):
@@ -505,8 +507,9 @@ class Cluster(_KubeconfigAccess):
         etcd_peer = f"http://127.0.0.1:{free_port()}"
         server = f"https://127.0.0.1:{free_port()}"
         kubeconfigs = self._write_credentials(server)
-        cert, key = write_client_cert(pki, "apiserver-kubelet-client",
-                                      "kube-apiserver-kubelet-client", "system:masters")
+        # The API server's identity towards kubelets (logs, exec, port-forward): no group,
+        # only what start_node binds to it (system:kubelet-api-admin), not system:masters.
+        cert, key = write_client_cert(pki, "apiserver-kubelet-client", KUBELET_CLIENT_USER, "")
 
         self._spawn("etcd", [
             str(b.etcd), "--name=rft", f"--data-dir={self.state_dir / 'etcd-data'}",
@@ -642,6 +645,14 @@ class Cluster(_KubeconfigAccess):
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                         "name": "rftjob-local:coredns"},
             "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": COREDNS_USER}]})
+        # The kubelet authorizes the API server's calls by SubjectAccessReview (webhook mode).
+        _create(api, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "rftjob-local:apiserver-kubelet-client"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:kubelet-api-admin"},
+            "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
+                          "name": KUBELET_CLIENT_USER}]})
         kubeconfigs = self.state_dir / "kubeconfigs"
         try:
             node.start(advertise_address(), {name: kubeconfigs / f"{name}.kubeconfig"

@@ -44,10 +44,11 @@ def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=(
                  client_org: str | None = None) -> x509.Certificate:
     """Signs a certificate valid for a year with the extensions strict verifiers require.
 
-    With `client_org` it is a client certificate (Kubernetes reads O as the group)."""
+    With `client_org` it is a client certificate (Kubernetes reads O as the group; an
+    empty one means no group)."""
     now = dt.datetime.now(dt.timezone.utc)
     attrs = [x509.NameAttribute(NameOID.COMMON_NAME, subject)]
-    if client_org is not None:
+    if client_org:
         attrs.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, client_org))
     name = x509.Name(attrs)
     issuer_name = issuer_cert.subject if issuer_cert is not None else name
@@ -114,7 +115,7 @@ def write_pki(pki: Path, advertise_ip: str) -> None:
 
 
 def write_client_cert(pki: Path, name: str, user: str, group: str) -> tuple[Path, Path]:
-    """Signs a client certificate for `user` in `group` with the cluster CA; returns the
+    """Signs a client certificate for `user` in `group` ("": none) with the cluster CA; returns the
     (cert, key) paths `pki/<name>.crt` and `pki/<name>.key`."""
     ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
     ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)

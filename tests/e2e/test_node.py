@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from e2e import node as real_node
 from tests.conftest import wait_for
@@ -218,11 +220,15 @@ TRAP = """
 """
 
 
-def test_exec_logs_and_graceful_delete_through_the_api_server(node, images, namespace, kubectl, kubectl_json,
-                                                             kubeconfig):
+def test_exec_logs_and_graceful_delete_through_the_api_server(cluster, node, images, namespace, kubectl,
+                                                             kubectl_json, kubeconfig):
     create(kubectl, namespace, pod_manifest("trap", images["sidecar"], TRAP))
     wait_for(lambda: "armed" in logs(kubectl, namespace, "trap"), 90, "the handler installed")
-    # exec goes API server -> kubelet (client certificate) -> containerd.
+    # exec goes API server -> kubelet (client certificate) -> containerd. The certificate
+    # names no group (not system:masters): the kubelet lets it in through the binding to
+    # system:kubelet-api-admin alone.
+    cert = x509.load_pem_x509_certificate((cluster.state_dir / "pki" / "apiserver-kubelet-client.crt").read_bytes())
+    assert not cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME), cert.subject
     out = kubectl("exec", "trap", "-n", namespace, "--", "python3", "-c", "import os; print(os.getuid())")
     assert out.stdout.strip() == "1000"
     container_id = kubectl_json("get", "pod", "trap", "-n", namespace)["status"]["containerStatuses"][0]["containerID"]
