@@ -8,6 +8,9 @@
 #   $RFT_CACHE/bin/coredns-$COREDNS_VERSION/coredns                (cluster DNS)
 #   $RFT_CACHE/bin/registry-$REGISTRY_VERSION/registry             (CNCF distribution)
 #   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
+#   $RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION/{training-operator,crds/}
+#                                   (Kubeflow's, the peer of bench/reconcile.py --peer; not
+#                                    built by default)
 # A warm cache skips every build. `go install` refuses k8s.io/kubernetes and etcd's
 # server module (their go.mod files use replace directives), so each is built through a
 # small wrapper module that pins the staging modules instead.
@@ -161,6 +164,35 @@ build_seaweedfs() {
   go mod tidy >/dev/null
   mkdir -p "$out.tmp"
   go build -trimpath -ldflags "-s -w" -o "$out.tmp/weed" github.com/seaweedfs/seaweedfs/weed
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+# Kubeflow's training-operator, the peer that `bench/reconcile.py --peer` measures ours
+# against: only on request (`bash e2e/build-binaries.sh training_operator`). Its go.mod
+# has no replace directives, so a wrapper module that requires it and builds with
+# -mod=mod (missing requirements resolved from the Go module proxy) is enough. The
+# PyTorchJob CRD comes from the same module's manifests.
+: "${TRAINING_OPERATOR_VERSION:=v1.9.3}"
+
+build_training_operator() {
+  local out=$RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION
+  local mod=github.com/kubeflow/training-operator
+  if have "$out/training-operator" && [ -f "$out/crds/kubeflow.org_pytorchjobs.yaml" ]; then
+    log "training-operator $TRAINING_OPERATOR_VERSION: cached in $out"; return
+  fi
+  log "training-operator $TRAINING_OPERATOR_VERSION: building (a few minutes on 2 cores)"
+  local work=$RFT_CACHE/src/training-operator-$TRAINING_OPERATOR_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/training-operator-build >/dev/null 2>&1
+  echo "require $mod $TRAINING_OPERATOR_VERSION" >>go.mod
+  printf '//go:build tools\n\npackage tools\n\nimport _ "%s/cmd/training-operator.v1"\n' "$mod" >tools.go
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp/crds"
+  GOFLAGS="$GOFLAGS -mod=mod" go build -trimpath -ldflags "-s -w" -o "$out.tmp/training-operator" \
+    "$mod/cmd/training-operator.v1"
+  local dir
+  dir=$(GOFLAGS="$GOFLAGS -mod=mod" go list -m -f '{{.Dir}}' "$mod")
+  cp "$dir/manifests/base/crds/"kubeflow.org_*.yaml "$out.tmp/crds/"
+  chmod -R u+w "$out.tmp"
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
