@@ -37,7 +37,8 @@ from .children import build_static_children
 from .model import ChildView, Event, Obj, PodView, Refusal, managed_fields
 from .objects import JobRef, spec_hash
 
-__all__ = ["OPERATOR_STATUS_KEYS", "ChildView", "Event", "Observed", "Plan", "PodView", "Refusal", "reconcile"]
+__all__ = ["OPERATOR_STATUS_KEYS", "ChildView", "Event", "Observed", "Plan", "PodView", "Refusal", "Rendered",
+           "forget", "reconcile", "render"]
 
 OPERATOR_STATUS_KEYS = (
     "phase", "message", "observedGeneration", "attempt", "restarts", "disruptions", "startTime",
@@ -100,11 +101,12 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     # go yet). Conditions summarise all of it. Static children come first in the plan:
     # pods mount the ConfigMap and resolve the Services; a job that ends in this pass
     # needs none.
-    spec, spec_error = _parse(body)
+    rendered = render(ref, body.get("spec") or {})
+    spec, spec_error = rendered.spec, rendered.error
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
     progress = gang.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
     g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes)
-    static = compute_static_children(ref, spec, g.phase, observed.children, observed.live)
+    static = compute_static_children(ref, spec, g.phase, observed.children, observed.live, rendered.static)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
@@ -140,10 +142,51 @@ def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:
     return gang.stuck_nodes([x for x in observed.pods if x.role == c.ROLE_TRAINER], now)
 
 
-def _parse(body: Obj) -> tuple[RFTJobSpec | None, str]:
+class Rendered(NamedTuple):
+    """What a job's stored spec alone decides: the parsed spec (None and why when it is
+    invalid) and its static children as rendered, each with its managed fields."""
+
+    spec: RFTJobSpec | None
+    error: str
+    static: tuple[tuple[Obj, Obj], ...]
+
+
+# Renders by job: (namespace, name) -> (uid, the spec dict it was rendered from, Rendered).
+# A pass reuses the last render while the stored spec is equal (a dict comparison) and
+# the uid is the same, so validating the spec and rendering and hashing the children, which
+# were most of a pass's CPU, happen once per spec rather than once per pod event. The
+# result is the same function of (job identity, spec) as without it: reconcile stays pure.
+_RENDERED: dict[tuple[str, str], tuple[str, Obj, Rendered]] = {}
+MAX_RENDERED = 20000  # a bound for memory; the controller forgets deleted jobs (`forget`)
+
+
+def render(ref: JobRef, spec: Obj) -> Rendered:
+    """`Rendered` for this job and stored spec, from the cache when the spec is unchanged."""
+    key = (ref.namespace, ref.name)
+    hit = _RENDERED.get(key)
+    if hit is not None and hit[0] == ref.uid and hit[1] == spec:
+        return hit[2]
+    parsed, error = _parse(spec)
+    static: tuple[tuple[Obj, Obj], ...] = ()
+    if parsed is not None:
+        children = (with_spec_hash(with_managed_keys(x)) for x in build_static_children(ref, parsed))
+        static = tuple((x, managed_fields(x)) for x in children)
+    out = Rendered(parsed, error, static)
+    if key not in _RENDERED and len(_RENDERED) >= MAX_RENDERED:
+        del _RENDERED[next(iter(_RENDERED))]
+    _RENDERED[key] = (ref.uid, copy.deepcopy(spec), out)
+    return out
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop the cached render of a job that is gone."""
+    _RENDERED.pop((namespace, name), None)
+
+
+def _parse(spec: Obj) -> tuple[RFTJobSpec | None, str]:
     """The spec, or None and why not (a stored spec the CRD schema let through)."""
     try:
-        return parse_spec(body.get("spec") or {}), ""
+        return parse_spec(spec), ""
     except ValueError as e:
         return None, f"invalid spec: {e}"
 
@@ -157,7 +200,7 @@ class StaticChildren(NamedTuple):
 
 def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | None,
                             present: dict[tuple[str, str], str], live: dict[tuple[str, str], Obj] | None = None,
-                            ) -> StaticChildren:
+                            rendered: tuple[tuple[Obj, Obj], ...] | None = None) -> StaticChildren:
     """The missing children, the ones that drifted (patched back, or recreated when an
     immutable field changed) and the ones this spec no longer renders (an explorer's
     ServiceAccount and Role once spec.explorer is gone). Nothing for an invalid spec or a
@@ -166,26 +209,31 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
 
     A child drifted when its spec hash annotation is not the rendered one (the spec
     changed; a child without one predates the hashes and is judged by its fields), or when
-    its live fields no longer hold the rendered ones (a hand edit: `policy.covers`)."""
+    its live fields no longer hold the rendered ones (a hand edit: `policy.covers`).
+
+    `rendered`: the children of `spec` with their managed fields (`render`), when the
+    caller has them already; they are only read, and what goes into the result is a copy."""
     out = StaticChildren([], [], [], [])
     if spec is None or phase in c.TERMINAL_PHASES:
         return out
-    rendered = set()
-    for obj in build_static_children(ref, spec):
-        obj = with_spec_hash(with_managed_keys(obj))
+    if rendered is None:
+        children = (with_spec_hash(with_managed_keys(x)) for x in build_static_children(ref, spec))
+        rendered = tuple((x, managed_fields(x)) for x in children)
+    names = set()
+    for obj, fields in rendered:
         key = (obj["kind"], obj["metadata"]["name"])
-        rendered.add(key)
+        names.add(key)
         if key not in present:
-            out.create.append(obj)
+            out.create.append(copy.deepcopy(obj))
             continue
         have = (live or {}).get(key)
         hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
         if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
-            out.recreate.append(obj)
-        elif hash_drift or (have is not None and not policy.covers(have, managed_fields(obj))):
+            out.recreate.append(copy.deepcopy(obj))
+        elif hash_drift or (have is not None and not policy.covers(have, fields)):
             out.replace.append(policy.compute_patch(obj, have))
     out.delete.extend({"kind": kind, "metadata": {"name": name, "namespace": ref.namespace}}
-                      for kind, name in sorted(present) if (kind, name) not in rendered)
+                      for kind, name in sorted(present) if (kind, name) not in names)
     return out
 
 

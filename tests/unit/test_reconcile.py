@@ -209,3 +209,42 @@ def test_checkpointed_condition_follows_the_trainers_report():
     assert checkpointed["status"] == "True" and checkpointed["reason"] == c.REASON_CHECKPOINT_SAVED
     assert "step 5" in checkpointed["message"]
     assert "trainer" not in plan.status  # the operator never writes the trainer's subtree
+
+
+# ---------------------------------------------------------------- the render cache
+
+
+def test_the_spec_is_validated_once_while_it_stays_the_same(monkeypatch):
+    from rft_operator import reconcile as rc
+
+    calls = []
+    monkeypatch.setattr(rc, "parse_spec", lambda spec: calls.append(1) or parse_spec(spec))
+    job = make_job(spec={**SPEC, "trainer": {**SPEC["trainer"], "totalSteps": 123}})
+    for _ in range(3):  # e.g. three pod events
+        plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
+    assert len(calls) == 1
+    assert plan.status["trainer"]["totalSteps"] == 123
+
+
+def test_a_spec_changed_in_place_is_rendered_again():
+    job = make_job(status=status(c.RUNNING))
+    assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW).replace
+    job["spec"]["trainer"]["totalSteps"] = 7  # same dict, same generation: content decides
+    plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
+    assert [o["kind"] for o in plan.replace] == ["ConfigMap"]
+    assert plan.status["trainer"] == {"totalSteps": 7, "progress": "0/7"}
+
+
+def test_a_new_job_of_the_same_name_gets_children_owned_by_its_uid():
+    reconcile(make_job(), observed(cm_hash=None), NOW)
+    job = make_job()
+    job["metadata"]["uid"] = "2222-3333"
+    plan = reconcile(job, Observed(), NOW)
+    assert {r["uid"] for o in plan.create for r in o["metadata"]["ownerReferences"]} == {"2222-3333"}
+
+
+def test_children_handed_out_are_copies_of_the_cached_render():
+    first = reconcile(make_job(), Observed(), NOW)
+    first.create[0]["metadata"]["labels"]["edited"] = "by a caller"
+    again = reconcile(make_job(), Observed(), NOW)
+    assert "edited" not in again.create[0]["metadata"]["labels"]
