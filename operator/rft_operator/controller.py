@@ -20,6 +20,7 @@ their Nodes (no node watch), so the gang can tell whether a force delete is safe
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -42,20 +43,40 @@ Key = tuple[str, str]  # (namespace, name)
 
 class WorkQueue:
     """client-go semantics: a key is queued at most once, and never processed by two
-    workers at the same time; a key added while being processed is re-queued after."""
+    workers at the same time; a key added while being processed is re-queued after.
+
+    Two lanes, like controller-runtime's priority queue: `add(key, later=True)` (a job seen
+    for the first time, a periodic resync) waits behind every plain `add` (a change to a
+    job or its children). A burst of new jobs then no longer holds up the jobs already in
+    flight: a gang whose last pod runs gets its status pass before the next new job gets its
+    first. A key added plainly while it waits in the later lane moves up. Order within a
+    lane is first come, first served."""
+
+    NOW, LATER = 0, 1
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[Hashable] = asyncio.Queue()
-        self._dirty: set[Hashable] = set()
+        self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+        self._dirty: dict[Hashable, int] = {}  # key -> the lane it waits in
         self._processing: set[Hashable] = set()
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
 
-    def add(self, key: Hashable) -> None:
-        if key in self._dirty:
+    def add(self, key: Hashable, later: bool = False) -> None:
+        lane = self.LATER if later else self.NOW
+        queued = self._dirty.get(key)
+        if queued is not None and queued <= lane:
             return
-        self._dirty.add(key)
+        self._dirty[key] = lane  # new, or moving up from the later lane
         if key not in self._processing:
-            self._queue.put_nowait(key)
+            self._put(key, lane)
+
+    def _put(self, key: Hashable, lane: int) -> None:
+        self._lanes[lane].append(key)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def add_after(self, key: Hashable, delay: float) -> None:
         """Schedule `key`; an earlier pending schedule for the same key wins."""
@@ -72,19 +93,31 @@ class WorkQueue:
         self._timers.pop(key, None)
         self.add(key)
 
+    def _pop(self) -> Hashable | None:
+        for lane, queue in enumerate(self._lanes):
+            while queue:
+                key = queue.popleft()
+                # Skip what moved up to the other lane, or went to a worker from there.
+                if self._dirty.get(key) == lane and key not in self._processing:
+                    return key
+        return None
+
     async def get(self) -> Hashable:
-        key = await self._queue.get()
-        self._dirty.discard(key)
+        while (key := self._pop()) is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+        del self._dirty[key]
         self._processing.add(key)
         return key
 
     def done(self, key: Hashable) -> None:
         self._processing.discard(key)
         if key in self._dirty:
-            self._queue.put_nowait(key)
+            self._put(key, self._dirty[key])
 
     def __len__(self) -> int:
-        return self._queue.qsize()
+        return sum(1 for k in self._dirty if k not in self._processing)
 
 
 class Refused(Exception):
@@ -170,6 +203,7 @@ class Controller:
         if body is None:  # deleted: children go with the garbage collector
             self._stale_rv.pop(key, None)
             self._refusals.pop(key, None)
+            rc.forget(*key)
             return
         rv = body["metadata"].get("resourceVersion")
         if self._stale_rv.get(key) == rv:

@@ -85,9 +85,11 @@ def _remember_indexes(kwargs: dict[str, Any]) -> None:
 
 
 @kopf.on.event(*JOB)
-async def on_rftjob_event(namespace: str, name: str, **kwargs: Any) -> None:
+async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
     _remember_indexes(kwargs)
-    _state["controller"].queue.add((namespace, name))
+    # A job the operator has not written a status for yet waits behind the jobs in flight
+    # (`WorkQueue`): creating its children must not delay their status passes.
+    _state["controller"].queue.add((namespace, name), later=not (body.get("status") or {}).get("phase"))
 
 
 @kopf.on.event("pods", labels=OURS)
@@ -161,8 +163,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     for plural in ["pods", *CHILD_KINDS]:
         settings.watching.label_selectors[plural] = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
     load_config()
-    ctl = Controller(Kube(), _get_job, _get_pods, _get_children,
-                     workers=int(os.environ.get("RFT_WORKERS", "16")))
+    workers = int(os.environ.get("RFT_WORKERS", "16"))
+    ctl = Controller(Kube(connections=workers), _get_job, _get_pods, _get_children, workers=workers)
     _state["controller"] = ctl
     ctl.start()
     _state["resync"] = asyncio.create_task(_resync(ctl))
@@ -175,7 +177,7 @@ async def _resync(ctl: Controller) -> None:
         await asyncio.sleep(RESYNC_SECONDS)
         jobs = _state.get("indexes", {}).get("rftjobs_by_key")
         for key in list(jobs or []):
-            ctl.queue.add(key)
+            ctl.queue.add(key, later=True)
 
 
 @kopf.on.cleanup()

@@ -63,8 +63,15 @@ class Kube:
     """Writes go out as plain dicts with `_preload_content=False`: decoding every response
     into the client's typed models cost more CPU than the rest of the operator together."""
 
-    def __init__(self, api_client: kubernetes.client.ApiClient | None = None):
-        self.client = api_client or kubernetes.client.ApiClient()
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None, connections: int = 32):
+        if api_client is None:
+            # One kept-alive connection per concurrent writer. The client's default pool
+            # holds 5 per CPU; past that urllib3 opens a connection per request and throws
+            # it away after: a TLS handshake per write on both ends.
+            config = kubernetes.client.Configuration.get_default_copy()
+            config.connection_pool_maxsize = max(config.connection_pool_maxsize or 0, connections)
+            api_client = kubernetes.client.ApiClient(config)
+        self.client = api_client
         self.core = kubernetes.client.CoreV1Api(self.client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)

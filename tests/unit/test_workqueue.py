@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from rft_operator.controller import WorkQueue
 
 
@@ -40,4 +42,53 @@ def test_add_after_keeps_the_earliest_schedule():
         q.add_after("a", 10)  # later schedule does not postpone the earlier one
         got = await asyncio.wait_for(q.get(), timeout=2)
         assert got == "a"
+    run(go())
+
+
+def test_later_keys_wait_behind_plain_adds():
+    async def go():
+        q = WorkQueue()
+        q.add("new-1", later=True)
+        q.add("new-2", later=True)
+        q.add("running")  # e.g. a pod of a job in flight changed
+        assert [await q.get() for _ in range(3)] == ["running", "new-1", "new-2"]
+    run(go())
+
+
+def test_a_plain_add_moves_a_waiting_key_up_once():
+    async def go():
+        q = WorkQueue()
+        q.add("a", later=True)
+        q.add("b", later=True)
+        q.add("b")
+        q.add("b", later=True)  # does not move it back down
+        assert len(q) == 2
+        assert await q.get() == "b"
+        assert await q.get() == "a"
+        assert len(q) == 0
+        with pytest.raises(asyncio.TimeoutError):  # no stale copy of "b" is handed out
+            await asyncio.wait_for(q.get(), timeout=0.05)
+    run(go())
+
+
+def test_a_key_added_later_while_processing_keeps_its_lane():
+    async def go():
+        q = WorkQueue()
+        q.add("a")
+        key = await q.get()
+        q.add("a", later=True)
+        q.add("b")
+        q.done(key)
+        assert [await q.get() for _ in range(2)] == ["b", "a"]
+    run(go())
+
+
+def test_a_waiting_worker_is_woken_by_an_add():
+    async def go():
+        q = WorkQueue()
+        worker = asyncio.create_task(q.get())
+        await asyncio.sleep(0)  # let the worker block on the empty queue
+        assert not worker.done()
+        q.add("a", later=True)
+        assert await asyncio.wait_for(worker, timeout=2) == "a"
     run(go())
