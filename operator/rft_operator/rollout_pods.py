@@ -15,6 +15,13 @@ from rft_contract.spec import RFTJobSpec
 from .objects import (JobRef, Obj, build_container_security_context, build_pod,
                       build_pod_security_context, build_resources, build_s3_env, labels, spec_hash)
 
+# Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
+# children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
+# about once whatever the replica count. Fanout 2 keeps a parent's upload at twice a
+# download while the tree stays log2(replicas) deep (streamed: depth costs little).
+WEIGHTS_PEER_PORT = 8471
+WEIGHTS_FANOUT = 2
+
 
 def inference_endpoints(ref: JobRef, spec: RFTJobSpec) -> list[str]:
     """Stable per-replica URLs (headless Service DNS); explorers balance over them."""
@@ -87,20 +94,33 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     }
 
 
+def weights_peer_port(spec: RFTJobSpec) -> int:
+    """The sync agent's relay port: a fixed one, unless the engine took it."""
+    return WEIGHTS_PEER_PORT + (spec.inference.port == WEIGHTS_PEER_PORT)
+
+
 def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[str]) -> Obj:
     """The sync agent (sidecar), or with `--fetch-only` the init container that fetches
-    the initial weights for engines that cannot start empty."""
+    the initial weights for engines that cannot start empty. Both read from the parent
+    replica first (`--fanout`); the sidecar also serves its children (`--peer-port`)."""
     inf = spec.inference
     return {
         "name": name,
         "image": spec.trainer.image,
         "command": ["python", "-m", "rft_serving.sync_agent"],
         "args": ["--engine", inf.engine, "--engine-port", str(inf.port),
-                 "--dest", c.WEIGHTS_MOUNT, *extra_args],
+                 "--dest", c.WEIGHTS_MOUNT, "--fanout", str(WEIGHTS_FANOUT), *extra_args],
         "env": _identity_env(ref) + build_s3_env(spec),
         "securityContext": build_container_security_context(spec),
         "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
     }
+
+
+def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
+    port = weights_peer_port(spec)
+    agent = _agent_container(ref, spec, "sync-agent", ["--peer-port", str(port)])
+    agent["ports"] = [{"name": "weights", "containerPort": port}]
+    return agent
 
 
 def _with_hash(pod: Obj) -> Obj:
@@ -120,7 +140,7 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         "restartPolicy": "Always",
         "serviceAccountName": c.service_account_name(ref.name, c.ROLE_INFERENCE),
         "securityContext": build_pod_security_context(spec),
-        "containers": [_engine_container(ref, spec), _agent_container(ref, spec, "sync-agent", [])],
+        "containers": [_engine_container(ref, spec), _sync_agent_container(ref, spec)],
         "volumes": [{"name": "weights", "emptyDir": {}}],
     }
     if spec.inference.engine != "reference":

@@ -10,7 +10,7 @@ from rft_operator import rollout
 from rft_operator.model import PodView
 from rft_operator.objects import JobRef
 from rft_operator.policy import Cond
-from rft_operator.rollout_pods import build_rollout_pods
+from rft_operator.rollout_pods import WEIGHTS_FANOUT, WEIGHTS_PEER_PORT, build_inference_pod, build_rollout_pods
 
 from .conftest import NOW, SPEC
 
@@ -98,3 +98,46 @@ def test_compute_final_sync_wait(cond, done, after, want):
 def test_should_replace(phase, h, wanted, want):
     want_obj = {"metadata": {"annotations": {c.ANNOTATION_SPEC_HASH: "h"}}} if wanted else None
     assert rollout.should_replace(PodView("p", -1, -1, phase, spec_hash=h), want_obj) is want
+
+
+# ------------------------------------------------------------------ the weight relay
+
+
+def _agents(spec_overrides=None, engine="reference"):
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": engine,
+                                             **({"image": f"{engine}:1"} if engine != "reference" else {}),
+                                             **(spec_overrides or {})}})
+    pod = build_inference_pod(REF, spec, 1)
+    agent = next(x for x in pod["spec"]["containers"] if x["name"] == "sync-agent")
+    return pod, agent
+
+
+def _arg(container, flag):
+    args = container["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_the_sync_agent_serves_its_children_on_a_named_port_and_reads_its_parent():
+    pod, agent = _agents()
+    assert _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT) and _arg(agent, "--fanout") == str(WEIGHTS_FANOUT)
+    assert agent["ports"] == [{"name": "weights", "containerPort": WEIGHTS_PEER_PORT}]
+    env = {e["name"]: e for e in agent["env"]}
+    # The agent advertises http://$RFT_POD_IP:<port> in its status entry.
+    assert env[c.ENV_POD_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    engine_ports = {p["containerPort"] for ct in pod["spec"]["containers"] if ct["name"] != "sync-agent"
+                    for p in ct.get("ports", [])}
+    assert WEIGHTS_PEER_PORT not in engine_ports
+
+
+def test_the_relay_port_moves_aside_for_an_engine_on_it():
+    pod, agent = _agents({"port": WEIGHTS_PEER_PORT})
+    ports = [p["containerPort"] for ct in pod["spec"]["containers"] for p in ct.get("ports", [])]
+    assert len(ports) == len(set(ports)) == 2 and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT + 1)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_init_container_reads_from_the_parent_but_serves_nothing(engine):
+    pod, agent = _agents(engine=engine)
+    (fetch,) = pod["spec"]["initContainers"]
+    assert _arg(fetch, "--fanout") == str(WEIGHTS_FANOUT) and "--peer-port" not in fetch["args"]
+    assert "ports" not in fetch and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT)
