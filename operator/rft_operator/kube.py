@@ -4,12 +4,14 @@ pod stuck terminating). Everything else takes and returns plain dicts."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import kubernetes
 from kubernetes.client.rest import ApiException
@@ -60,8 +62,11 @@ def _timed(fn):
 
 
 class Kube:
-    """Writes go out as plain dicts with `_preload_content=False`: decoding every response
-    into the client's typed models cost more CPU than the rest of the operator together."""
+    """Requests go out through the client's REST layer (its connection pool, TLS and
+    credentials, a refreshed token included) with plain JSON bodies, and come back as plain
+    dicts. Not through the typed API methods: since kubernetes 32 they validate every body
+    into the client's pydantic models and serialize it back, about 0.5 ms of CPU for a pod,
+    and decoding responses into them cost more again."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient | None = None, connections: int = 32):
         if api_client is None:
@@ -72,34 +77,61 @@ class Kube:
             config.connection_pool_maxsize = max(config.connection_pool_maxsize or 0, connections)
             api_client = kubernetes.client.ApiClient(config)
         self.client = api_client
-        self.core = kubernetes.client.CoreV1Api(self.client)
-        self.rbac = kubernetes.client.RbacAuthorizationV1Api(self.client)
-        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self._watch_client: kubernetes.client.ApiClient | None = None
         self.requests = 0  # API calls made, for the benchmark
         self.seconds = 0.0  # time spent waiting on them
 
+    def _send(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+              query: dict[str, Any] | None = None) -> bytes:
+        """One request; the response body, or ApiException for any status but 2xx."""
+        headers = {**self.client.default_headers, "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        queries = list((query or {}).items())
+        self.client.update_params_for_auth(headers, queries, ["BearerToken"], path, method, body)
+        url = self.client.configuration.host + path + (f"?{urlencode(queries)}" if queries else "")
+        resp = self.client.rest_client.request(method, url, headers=headers, body=body)
+        data = resp.read()
+        if not 200 <= resp.status <= 299:
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return data
+
     # ---------------------------------------------------------------- children
 
-    def _call(self, verb: str, kind: str):
-        """The client method for `verb` (create, read, patch, delete) on a child kind. Every
+    _KINDS = {  # kind -> (API path prefix, resource, noun in the typed client's list methods)
+        "Pod": ("/api/v1", "pods", "pod"),
+        "Service": ("/api/v1", "services", "service"),
+        "ConfigMap": ("/api/v1", "configmaps", "config_map"),
+        "ServiceAccount": ("/api/v1", "serviceaccounts", "service_account"),
+        "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", "role"),
+        "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "role_binding"),
+    }
+
+    def _path(self, kind: str, namespace: str, name: str | None = None) -> str:
+        """The REST path of a child kind in a namespace (of one object with `name`). Every
         kind the operator creates is listed here once; handlers.CHILD_KINDS watches them."""
-        api, noun = {
-            "Pod": (self.core, "pod"),
-            "Service": (self.core, "service"),
-            "ConfigMap": (self.core, "config_map"),
-            "ServiceAccount": (self.core, "service_account"),
-            "Role": (self.rbac, "role"),
-            "RoleBinding": (self.rbac, "role_binding"),
-        }[kind]
-        return getattr(api, f"{verb}_namespaced_{noun}")
+        prefix, resource, _ = self._KINDS[kind]
+        return f"{prefix}/namespaces/{quote(namespace)}/{resource}" + (f"/{quote(name)}" if name else "")
+
+    def list_method(self, kind: str, namespace: str | None):
+        """The list (and, with watch=True, watch) method of a child kind, in one namespace
+        or all, for `informer.Informer`. On a client of its own: each watch holds a
+        connection for minutes, which the writers' pool should not lend out."""
+        if self._watch_client is None:
+            self._watch_client = kubernetes.client.ApiClient(self.client.configuration)
+        prefix, _, noun = self._KINDS[kind]
+        api = (kubernetes.client.CoreV1Api if prefix == "/api/v1" else kubernetes.client.RbacAuthorizationV1Api)(
+            self._watch_client)
+        if namespace is None:
+            return getattr(api, f"list_{noun}_for_all_namespaces")
+        return functools.partial(getattr(api, f"list_namespaced_{noun}"), namespace)
 
     @_timed
     def create(self, obj: Obj) -> bool:
         """Create by name. False when the name is taken (409): whether that is success
         depends on whose object holds it (`read` it and check its controller)."""
-        meta = obj["metadata"]
         try:
-            self._call("create", obj["kind"])(meta["namespace"], obj, _preload_content=False)
+            self._send("POST", self._path(obj["kind"], obj["metadata"]["namespace"]), obj)
             return True
         except ApiException as e:
             if e.status == 409:
@@ -108,8 +140,7 @@ class Kube:
 
     @_timed
     def read(self, kind: str, namespace: str, name: str) -> Obj:
-        resp = self._call("read", kind)(name, namespace, _preload_content=False)
-        return json.loads(resp.data)
+        return json.loads(self._send("GET", self._path(kind, namespace, name)))
 
     @_timed
     def replace(self, obj: Obj) -> None:
@@ -117,10 +148,10 @@ class Kube:
         lists (ports, subjects, rules) are replaced whole, keys set to null go (labels and
         annotations we no longer render: `policy.compute_patch`), what the server added is kept."""
         meta = obj["metadata"]
-        # Not the client's default strategic merge: it merges a Service's ports by port
-        # number, so a hand-edited port would stay beside ours (and clash on the name).
-        self._call("patch", obj["kind"])(meta["name"], meta["namespace"], obj, _preload_content=False,
-                                         _content_type="application/merge-patch+json")
+        # Not a strategic merge: it merges a Service's ports by port number, so a
+        # hand-edited port would stay beside ours (and clash on the name).
+        self._send("PATCH", self._path(obj["kind"], meta["namespace"], meta["name"]), obj,
+                   "application/merge-patch+json")
 
     @_timed
     def delete(self, obj: Obj) -> None:
@@ -128,7 +159,7 @@ class Kube:
         create again with a field the API server does not let change (a RoleBinding's roleRef)."""
         meta = obj["metadata"]
         try:
-            self._call("delete", obj["kind"])(meta["name"], meta["namespace"], _preload_content=False)
+            self._send("DELETE", self._path(obj["kind"], meta["namespace"], meta["name"]))
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -137,9 +168,9 @@ class Kube:
     def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
         """Delete a pod (404 = gone); `grace_period_seconds=0` force-deletes one whose node
         will never confirm (the object goes at once, whatever its kubelet still runs)."""
-        kwargs = {} if grace_period_seconds is None else {"grace_period_seconds": grace_period_seconds}
+        query = {} if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
         try:
-            self.core.delete_namespaced_pod(name, namespace, _preload_content=False, **kwargs)
+            self._send("DELETE", self._path("Pod", namespace, name), query=query)
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -149,7 +180,7 @@ class Kube:
         """The Node object; None when it does not exist (404). Other errors, e.g. 403 where
         the operator may not read nodes, are raised."""
         try:
-            return json.loads(self.core.read_node(name, _preload_content=False).data)
+            return json.loads(self._send("GET", f"/api/v1/nodes/{quote(name)}"))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -162,12 +193,9 @@ class Kube:
         """Merge-patch the operator's status fields, only if the job is still at
         `resource_version` (else Conflict). Returns the new resourceVersion."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{quote(namespace)}/{c.PLURAL}/{quote(name)}/status"
         try:
-            resp = self.custom.patch_namespaced_custom_object_status(
-                c.GROUP, c.VERSION, namespace, c.PLURAL, name, body,
-                _content_type="application/merge-patch+json", _preload_content=False,
-            )
-            out = json.loads(resp.data)
+            out = json.loads(self._send("PATCH", path, body, "application/merge-patch+json"))
         except ApiException as e:
             if e.status in (404, 409):
                 raise Conflict(f"{namespace}/{name}: {e.reason}") from None
@@ -207,6 +235,6 @@ class Kube:
             "reportingInstance": c.MANAGED_BY,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], event, _preload_content=False)
+            self._send("POST", f"/api/v1/namespaces/{quote(meta['namespace'])}/events", event)
         except ApiException as e:  # events are best effort; never fail a reconcile
             log.warning("could not post event %s on %s: %s", reason, meta["name"], e.reason)
