@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not args.verbose:  # one line per handled event is noise at hundreds of pods
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    handlers.serve_namespaces(args.namespace)
     if args.metrics_port:
         metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))
     asyncio.run(kopf.operator(

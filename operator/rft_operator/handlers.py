@@ -1,4 +1,5 @@
-"""kopf wiring: watch-fed indexes (the read cache) and event handlers that only enqueue.
+"""kopf wiring: the RFTJobs' watch-fed index and the event handler that only enqueues,
+the children's informers (`informer.py`), startup and cleanup.
 
 Nothing here decides anything: `reconcile.py` does, `controller.py` schedules it.
 No change handlers, daemons or timers, so kopf adds no finalizers or annotations to
@@ -17,6 +18,7 @@ import kopf
 
 from rft_contract import names as c
 from .controller import Controller, Key
+from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
 
@@ -30,10 +32,19 @@ CHILD_KINDS = {  # plural -> (group/version, kind)
     "rolebindings": ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 }
 JOB = (c.GROUP, c.VERSION, c.PLURAL)
-OURS = {c.LABEL_JOB: kopf.PRESENT, c.LABEL_MANAGED_BY: c.MANAGED_BY}
+# Server-side filtering: only our children travel over the watch streams.
+CHILD_SELECTOR = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
 RESYNC_SECONDS = float(os.environ.get("RFT_RESYNC_SECONDS", "60"))
+SYNC_WAIT_LOG_SECONDS = 10.0  # how often startup says it still waits for a first listing
 
-_state: dict[str, Any] = {}  # the controller and the index views, set once at startup
+# The controller, the RFTJob index view, the children's stores and informers, set at
+# startup; `namespaces` (empty: all) before it, by __main__.
+_state: dict[str, Any] = {"namespaces": []}
+
+
+def serve_namespaces(namespaces: list[str]) -> None:
+    """The namespaces the operator serves (empty: all); the children's informers watch the same."""
+    _state["namespaces"] = list(namespaces)
 
 
 def _one(index: kopf.Index, key: Key) -> Any:
@@ -41,97 +52,64 @@ def _one(index: kopf.Index, key: Key) -> Any:
     return next(iter(store), None) if store else None
 
 
-# ---------------------------------------------------------------- indexes
+# ---------------------------------------------------------------- the jobs
 
 
-# Indexers are `async def` although they do no I/O: kopf runs plain functions in the
-# default thread pool, where each pod event would queue behind our API writes.
+# An `async def` indexer although it does no I/O: kopf runs plain functions in the default
+# thread pool, where each event would queue behind our API writes.
 @kopf.index(*JOB)
 async def rftjobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): copy.deepcopy(dict(body))}
 
 
-@kopf.index("pods", labels=OURS)
-async def pods_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, labels[c.LABEL_JOB]): PodView.from_pod(dict(body))}
-
-
-def _child_indexer(plural: str):
-    kind = CHILD_KINDS[plural][1]
-
-    # The view carries the controller's uid (the label alone does not make a child ours)
-    # and the live fields the operator manages (to see hand edits).
-    async def index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
-        return {(namespace, labels[c.LABEL_JOB]): ChildView.from_object(kind, dict(body))}
-
-    index.__name__ = f"{plural}_by_job"
-    return index
-
-
-for _plural in CHILD_KINDS:
-    _group_version = CHILD_KINDS[_plural][0]
-    _group = _group_version.split("/")[0] if "/" in _group_version else ""
-    _version = _group_version.split("/")[-1]
-    kopf.index(_group, _version, _plural, labels=OURS, id=f"{_plural}_by_job")(_child_indexer(_plural))
-
-
-# ---------------------------------------------------------------- events -> queue
-
-
-def _remember_indexes(kwargs: dict[str, Any]) -> None:
-    """Index views arrive as handler kwargs; keep live references for the workers."""
-    if "indexes" not in _state:
-        _state["indexes"] = {k: v for k, v in kwargs.items() if k.endswith("_by_job") or k == "rftjobs_by_key"}
-
-
 @kopf.on.event(*JOB)
 async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
-    _remember_indexes(kwargs)
+    if "jobs" not in _state:  # index views arrive as handler kwargs; keep a live reference
+        _state["jobs"] = kwargs["rftjobs_by_key"]
     # A job the operator has not written a status for yet waits behind the jobs in flight
     # (`WorkQueue`): creating its children must not delay their status passes.
     _state["controller"].queue.add((namespace, name), later=not (body.get("status") or {}).get("phase"))
 
 
-@kopf.on.event("pods", labels=OURS)
-async def on_pod_event(namespace: str, labels: kopf.Labels, **kwargs: Any) -> None:
-    _remember_indexes(kwargs)
-    _state["controller"].queue.add((namespace, labels[c.LABEL_JOB]))
+# ---------------------------------------------------------------- the children
 
 
-def _child_event(plural: str):
-    async def handler(namespace: str, labels: kopf.Labels, type: str | None, **kwargs: Any) -> None:
-        _remember_indexes(kwargs)
-        if type == "DELETED" or type == "MODIFIED":  # repair deleted or edited children
-            _state["controller"].queue.add((namespace, labels[c.LABEL_JOB]))
+def _on_child_event(ctl: Controller, is_pod: bool):
+    def on_change(key: Key, type_: str | None) -> None:
+        # Every pod event counts (its phase is the gang's state); a static child's ADDED is
+        # our own create coming back, MODIFIED or DELETED one to repair.
+        if is_pod or type_ != "ADDED":
+            ctl.queue.add(key)
+    return on_change
 
-    handler.__name__ = f"on_{plural}_event"
-    return handler
 
-
-for _plural, (_gv, _kind) in CHILD_KINDS.items():
-    _group = _gv.split("/")[0] if "/" in _gv else ""
-    kopf.on.event(_group, _gv.split("/")[-1], _plural, labels=OURS, id=f"on_{_plural}_event")(_child_event(_plural))
+def build_informers(kube: Kube, ctl: Controller, namespaces: list[str]) -> list[Informer]:
+    """One informer per child kind and namespace (one for all namespaces when none)."""
+    out = []
+    for kind in ["Pod", *(k for _, k in CHILD_KINDS.values())]:
+        is_pod = kind == "Pod"
+        view = PodView.from_pod if is_pod else (lambda obj, k=kind: ChildView.from_object(k, obj))
+        store = _state["stores"][kind] = Store(c.LABEL_JOB, view)
+        for ns in namespaces or [None]:
+            out.append(Informer(f"{kind.lower()}s" + (f"/{ns}" if ns else ""), kube.list_method(kind, ns),
+                                CHILD_SELECTOR, store, _on_child_event(ctl, is_pod)))
+    return out
 
 
 # ---------------------------------------------------------------- lifecycle
 
 
 def _get_job(key: Key) -> dict | None:
-    idx = _state.get("indexes", {})
-    return _one(idx["rftjobs_by_key"], key) if idx else None
+    jobs = _state.get("jobs")
+    return _one(jobs, key) if jobs is not None else None
 
 
 def _get_pods(key: Key) -> list[PodView]:
-    idx = _state.get("indexes", {})
-    return list(idx["pods_by_job"].get(key, [])) if idx else []
+    return _state["stores"]["Pod"].get(key)
 
 
 def _get_children(key: Key) -> list[ChildView]:
-    idx = _state.get("indexes", {})
-    out: list[ChildView] = []
-    for plural in CHILD_KINDS:
-        out += list(idx.get(f"{plural}_by_job", {}).get(key, []))
-    return out
+    return [x for kind, store in _state["stores"].items() if kind != "Pod" for x in store.get(key)]
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -159,13 +137,23 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # resources it serves exist before it starts (the CRD is installed first).
     settings.scanning.disabled = True
     settings.watching.server_timeout = 300
-    # Server-side filtering: only our children travel over the watch streams.
-    for plural in ["pods", *CHILD_KINDS]:
-        settings.watching.label_selectors[plural] = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
     load_config()
     workers = int(os.environ.get("RFT_WORKERS", "16"))
-    ctl = Controller(Kube(connections=workers), _get_job, _get_pods, _get_children, workers=workers)
+    kube = Kube(connections=workers)
+    _state["stores"] = {}
+    ctl = Controller(kube, _get_job, _get_pods, _get_children, workers=workers)
     _state["controller"] = ctl
+    informers = _state["informers"] = build_informers(kube, ctl, _state["namespaces"])
+    for informer in informers:
+        informer.start()
+    # A pass before the children are listed would take a running gang's pods for lost ones.
+    while True:
+        try:
+            await asyncio.wait_for(wait_synced(informers), SYNC_WAIT_LOG_SECONDS)
+            break
+        except asyncio.TimeoutError:
+            log.warning("still waiting for the first listing of %s",
+                        ", ".join(i.name for i in informers if not i.synced.is_set()))
     ctl.start()
     _state["resync"] = asyncio.create_task(_resync(ctl))
     log.info("rftjob-operator started")
@@ -175,8 +163,7 @@ async def _resync(ctl: Controller) -> None:
     """Level-triggered safety net: revisit every job periodically even without events."""
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
-        jobs = _state.get("indexes", {}).get("rftjobs_by_key")
-        for key in list(jobs or []):
+        for key in list(_state.get("jobs") or []):
             ctl.queue.add(key, later=True)
 
 
@@ -184,6 +171,8 @@ async def _resync(ctl: Controller) -> None:
 async def cleanup(**_: Any) -> None:
     if "resync" in _state:
         _state["resync"].cancel()
+    for informer in _state.get("informers", []):
+        informer.stop()
     ctl = _state.get("controller")
     if ctl:
         await ctl.stop()
