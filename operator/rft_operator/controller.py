@@ -24,6 +24,7 @@ import collections
 import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from datetime import datetime, timezone
 from typing import Any, Callable, Hashable, Iterable
 
@@ -136,6 +137,8 @@ class Retry(Exception):
         self.delay = delay
 
 
+# Writes in flight per worker at most (`Controller._apply`: a step's writes side by side).
+WRITES_PER_WORKER = 4
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
 PREVIOUS_OWNER_RETRY_SECONDS = 2.0
 WRITE_FAILED = {"creating": "CreateFailed", "patching": "PatchFailed"}  # event reasons
@@ -161,8 +164,9 @@ class Controller:
         self.queue = WorkQueue()
         self.num_workers = workers
         self._tasks: list[asyncio.Task] = []
-        # API writes get threads of their own, apart from kopf's default executor.
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rft-apply")
+        # API writes get threads of their own, apart from kopf's default executor: a few
+        # per worker, since a pass writes a step's children side by side.
+        self._pool = ThreadPoolExecutor(max_workers=WRITES_PER_WORKER * workers, thread_name_prefix="rft-apply")
         # Status writes not yet seen by our watch: key -> resourceVersion we wrote over.
         # A reconcile that still sees that version would act on stale state, so it waits.
         self._stale_rv: dict[Key, str] = {}
@@ -225,7 +229,7 @@ class Controller:
                   len(observed.pods), (body.get("status") or {}).get("phase"),
                   plan.status.get("phase"), len(plan.create), len(plan.delete_pods))
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._apply, key, body, plan)
+            await self._apply(key, body, plan)
         except Refused as e:  # the next pass fails the job with it
             log.warning("%s/%s: %s", *key, e.refusal.message)
             meta = body["metadata"]
@@ -267,35 +271,63 @@ class Controller:
                         "node %s: %s; its stuck pods are not force-deleted", name, _describe(e))
         return out
 
-    def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
+    async def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
+        """The status first (its precondition is the state the pass read); then, step by
+        step, each step's writes side by side on the write pool: events with the static
+        children (create, patch, recreate), then the pods, which mount and resolve them and
+        run as their ServiceAccount, then deletions. A step that fails ends the pass; what
+        it wrote stays (every write is idempotent) and the retry finds the rest missing."""
         ns, name = key
-        if plan.status_changed:
-            old_rv = body["metadata"]["resourceVersion"]
-            try:
-                new_rv = self.kube.patch_status(ns, name, plan.status, old_rv)
-            except Conflict:
-                log.info("status of %s/%s changed meanwhile; will reconcile again", ns, name)
-                return  # the watch event of that change requeues the key
-            if new_rv != old_rv:  # a no-op patch makes no watch event: nothing to wait for
-                self._stale_rv[key] = old_rv
-            if plan.status.get("phase") != (body.get("status") or {}).get("phase"):
-                log.info("%s/%s: %s (%s)", ns, name, plan.status.get("phase"), plan.status.get("message"))
-        for ev in plan.events:
-            self.kube.post_event(body, ev.type, ev.reason, ev.message)
-        for obj in plan.create:
-            self._create(body, obj)
-        for obj in plan.replace:
-            self._write(body, obj, "patching", self.kube.replace)
-        for obj in plan.recreate:
-            self.kube.delete(obj)
-            self._create(body, obj)
-        for pod in plan.delete_pods:
-            self.kube.delete_pod(ns, pod)
-        for pod in plan.force_delete_pods:
-            self.kube.delete_pod(ns, pod, grace_period_seconds=0)
-        for obj in plan.delete:
-            log.info("%s/%s: deleting %s, which the spec no longer renders", ns, name, _what(obj))
-            self.kube.delete(obj)
+        if plan.status_changed and not await self._together(partial(self._write_status, key, body, plan)):
+            return  # the watch event of the competing change requeues the key
+        await self._together(
+            *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message) for ev in plan.events),
+            *(partial(self._create, body, obj) for obj in plan.create if obj["kind"] != "Pod"),
+            *(partial(self._write, body, obj, "patching", self.kube.replace) for obj in plan.replace),
+            *(partial(self._recreate, body, obj) for obj in plan.recreate))
+        await self._together(*(partial(self._create, body, obj) for obj in plan.create if obj["kind"] == "Pod"))
+        await self._together(
+            *(partial(self.kube.delete_pod, ns, pod) for pod in plan.delete_pods),
+            *(partial(self.kube.delete_pod, ns, pod, grace_period_seconds=0) for pod in plan.force_delete_pods),
+            *(partial(self._delete_leftover, key, obj) for obj in plan.delete))
+
+    async def _together(self, *writes: Callable[[], Any]) -> Any:
+        """Run the writes on the pool at once and wait for all; raise the first refusal,
+        else the first retry, else the first error. The result of a single write."""
+        loop = asyncio.get_running_loop()
+        if len(writes) == 1:
+            return await loop.run_in_executor(self._pool, writes[0])
+        results = await asyncio.gather(*(loop.run_in_executor(self._pool, w) for w in writes),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for kind in (Refused, Retry, BaseException):
+            for e in errors:
+                if isinstance(e, kind):
+                    raise e
+        return None
+
+    def _write_status(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> bool:
+        """The status patch; False when the job changed since the pass read it."""
+        ns, name = key
+        old_rv = body["metadata"]["resourceVersion"]
+        try:
+            new_rv = self.kube.patch_status(ns, name, plan.status, old_rv)
+        except Conflict:
+            log.info("status of %s/%s changed meanwhile; will reconcile again", ns, name)
+            return False
+        if new_rv != old_rv:  # a no-op patch makes no watch event: nothing to wait for
+            self._stale_rv[key] = old_rv
+        if plan.status.get("phase") != (body.get("status") or {}).get("phase"):
+            log.info("%s/%s: %s (%s)", ns, name, plan.status.get("phase"), plan.status.get("message"))
+        return True
+
+    def _recreate(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
+        self.kube.delete(obj)
+        self._create(body, obj)
+
+    def _delete_leftover(self, key: Key, obj: dict[str, Any]) -> None:
+        log.info("%s/%s: deleting %s, which the spec no longer renders", *key, _what(obj))
+        self.kube.delete(obj)
 
     def _create(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
         """Create by name; a name already taken is fine only when this job controls the

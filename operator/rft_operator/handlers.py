@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from rft_contract import names as c
-from .controller import Controller, Key
+from .controller import WRITES_PER_WORKER, Controller, Key
 from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
@@ -139,7 +139,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     load_config()
     workers = int(os.environ.get("RFT_WORKERS", "16"))
-    kube = Kube(connections=workers)
+    kube = Kube(connections=WRITES_PER_WORKER * workers)
     _state["stores"] = {}
     ctl = Controller(kube, _get_job, _get_pods, _get_children, workers=workers)
     _state["controller"] = ctl

@@ -6,6 +6,7 @@ stands in for `Kube`."""
 import asyncio
 import copy
 import json
+import threading
 
 from datetime import timedelta
 
@@ -144,7 +145,14 @@ def test_422_fails_the_job_with_the_field_named():
                'Invalid value: "9": must be less than or equal to cpu limit')
     kube.refuse[("Pod", "demo-trainer-1-1")] = api_error(422, message)
     ctl = controller(kube)
-    passes(ctl)
+    first: list[int] = []
+
+    async def go():
+        await ctl.sync(KEY)  # writes the status, creates the children, the pod is refused
+        first.append(len(kube.calls))
+        await ctl.sync(KEY)  # fails the job with it
+        await ctl.stop()
+    asyncio.run(go())
     status = kube.job["status"]
     want = f"creating Pod team-a/demo-trainer-1-1: {message}"
     assert (status["phase"], status["message"]) == (c.FAILED, want)
@@ -153,8 +161,7 @@ def test_422_fails_the_job_with_the_field_named():
             f"{message}") in kube.events
     assert ("Warning", c.REASON_INVALID_SPEC, want) in kube.events
     assert ctl.errors == 0
-    # The failing pass creates nothing more.
-    assert [x for x in kube.calls if x[0] == "create"][-1] == ("create", "Pod", "demo-trainer-1-1")
+    assert not [x for x in kube.calls[first[0]:] if x[0] == "create"]  # the failed job creates nothing more
 
 
 def test_a_refusal_is_forgotten_for_a_new_generation():
@@ -200,8 +207,8 @@ def test_recreate_and_force_deletions_are_applied():
                "subjects": []}
     passes(controller(kube, [stuck], [ChildView.from_object("RoleBinding", binding)]), 1)
     assert ("delete_pod", "demo-trainer-1-0", 0) in kube.calls
-    i = kube.calls.index(("delete", "RoleBinding", "demo-status-writer"))
-    assert kube.calls[i + 1] == ("create", "RoleBinding", "demo-status-writer")
+    # The other children's writes go side by side; this one's delete comes before its create.
+    assert [x[0] for x in kube.calls if x[1:] == ("RoleBinding", "demo-status-writer")] == ["delete", "create"]
 
 
 @pytest.mark.parametrize("error, want", [
@@ -299,3 +306,25 @@ def test_children_the_spec_no_longer_renders_are_deleted():
                                 "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]}}
     passes(controller(kube, [], [ChildView.from_object("ServiceAccount", explorer_sa)]), 1)
     assert ("delete", "ServiceAccount", "demo-rft-explorer") in kube.calls
+
+
+def test_a_steps_writes_go_side_by_side_and_pods_wait_for_the_static_children():
+    kube = FakeKube(make_job())
+    static_kinds = {"ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    together = threading.Barrier(len(static_kinds), timeout=10)  # breaks unless all are in flight at once
+    created: list[str] = []
+    create = kube.create
+
+    def create_together(obj):
+        if obj["kind"] == "Pod":
+            assert static_kinds <= set(created)  # a pod's ServiceAccount and ConfigMap exist first
+        else:
+            together.wait()
+        created.append(obj["kind"])
+        return create(obj)
+
+    kube.create = create_together
+    ctl = Controller(kube, lambda key: kube.job, lambda key: [], lambda key: [], workers=2, clock=lambda: NOW)
+    passes(ctl, 1)
+    assert sorted(created) == sorted([*static_kinds, "Pod", "Pod"])
+    assert ctl.errors == 0
