@@ -4,7 +4,8 @@ Unlike the trainer gang they live across trainer attempts, under stable names
 (`<job>-inference-<i>`, `<job>-explorer-<i>`), and carry a hash of their rendered spec so
 the reconcile can replace one whose spec drifted (`rollout.py`). An inference pod pairs
 the engine with a sync agent on a shared weights volume; the agent loads whatever
-`status.weightSync.target` names (docs/design.md, "Weight sync").
+`status.weightSync.target` names (docs/design.md, "Weight sync"), reading it from its
+parent replica's agent (port `weights`) rather than S3 where it can (rft_serving.relay).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 It watches its RFTJob and converges the engine to `status.weightSync.target`:
 
-    target != served  ->  download the weights to local disk (once per version)
-                      ->  verify every file against the export's manifest.json
+    target != served  ->  fetch the weights to local disk (once per version): from the
+                          parent replica when it advertises a server, else from S3
+                      ->  verify every file against the export's manifest.json (read
+                          from S3), in the pass that writes it
                       ->  merge-patch status.weightSync.replicas[<pod>] = {version: null,
                           id: null}, and go no further unless that patch was written
                       ->  ask the engine to reload from that directory (hot: no restart)
@@ -19,6 +21,13 @@ none of ours (vLLM and SGLang restart labelled "default"), is reloaded even if t
 believes it loaded the target, and its entry first says what the engine reports now.
 Target version 0 is the base model (`spec.model.path`), which may have no manifest: it is
 then loaded unverified.
+
+The relay (relay.py): with `peer_server` the agent serves the versions it has, and the one
+it is fetching as the bytes arrive, to its children in a tree by replica index (replica i
+reads replica (i - 1) // fanout), and advertises the server's URL in its entry (`peer`).
+So S3 serves a version about once, whatever the number of replicas; a parent that is
+unreachable, slow or corrupt costs its child an S3 read, never a wrong load. The entry's
+`source` says where the last fetch came from.
 
 vLLM and SGLang start from `<dest>/initial`, a link the init container points at the
 weights it fetched; after each load the agent points it at the weights just loaded (and
@@ -56,9 +65,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rft_contract import names as c
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
+from rft_contract.storage import get_storage
 
 from .engines import ENGINES, Engine, SyncError
+from .relay import Peer, PeerServer, parent_index
 from .weights import fetch, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
@@ -71,10 +83,18 @@ INITIAL_LINK = "initial"
 
 
 class SyncAgent:
+    """`peer_server`/`peer_url`: serve this replica's weights to its children in the tree
+    (relay.py) and advertise where, in its status entry (`peer`); `fanout`: children per
+    replica, which also decides this replica's parent (0: always read S3)."""
+
     def __init__(self, job: str, namespace: str, pod: str, engine: Engine, dest: str | Path,
-                 api=None, resync_seconds: float = 10.0, max_backoff: float = 30.0, storage=None):
+                 api=None, resync_seconds: float = 10.0, max_backoff: float = 30.0, storage=None,
+                 peer_server: PeerServer | None = None, peer_url: str | None = None, fanout: int = 0,
+                 peer_timeout: float = 30.0):
         self.job, self.namespace, self.pod = job, namespace, pod
         self.engine, self.dest, self.storage = engine, Path(dest), storage
+        self.peer_server, self.peer_url, self.fanout = peer_server, peer_url, fanout
+        self.peer_timeout = peer_timeout
         self.api = api if api is not None else job_api()
         self.resync_seconds, self.max_backoff = resync_seconds, max_backoff
         self.dest.mkdir(parents=True, exist_ok=True)
@@ -110,6 +130,8 @@ class SyncAgent:
     # --- converging
     def run(self) -> None:
         threading.Thread(target=self._watch, name="rftjob-watch", daemon=True).start()
+        if self.peer_url:
+            self._patch({"peer": self.peer_url})  # children find this replica's server here
         backoff = 1.0
         while not self._stop.is_set():
             delay = self.resync_seconds  # also catches an engine that restarted empty
@@ -154,7 +176,10 @@ class SyncAgent:
             self.served = dict(target)
             return False
         start = time.perf_counter()
-        path, times = fetch(target, self.dest, self.storage)
+        if self.storage is None and str(target.get("uri", "")).startswith("s3://"):
+            self.storage = get_storage(target["uri"])  # one client for the agent's life
+        got = fetch(target, self.dest, self.storage, self.parent(), self.peer_server, self.peer_timeout)
+        path, times = got.path, got.times
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
         # Before the weights change: say the replica serves no known version (see the module
@@ -179,7 +204,7 @@ class SyncAgent:
         self.served = dict(target)
         self.syncs += 1
         log.info("serving version %s (%s) after %.2fs", target["version"], path, times["loadSeconds"])
-        self.report_ok(target, times)
+        self.report_ok(target, times, got.source)
         self._link_initial(path)
         self._cleanup(target)
         return True
@@ -189,6 +214,19 @@ class SyncAgent:
             self.engine_version = self.engine.served()
         except SyncError:
             self.engine_version = None
+
+    def parent(self) -> Peer | None:
+        """The replica to read weights from (relay.py's tree), if it advertises a server."""
+        prefix = c.inference_pod_name(self.job, 0)[:-1]
+        index = self.pod[len(prefix):]
+        if self.fanout < 1 or not self.pod.startswith(prefix) or not index.isdigit():
+            return None
+        p = parent_index(int(index), self.fanout)
+        if p is None:
+            return None
+        pod = c.inference_pod_name(self.job, p)
+        url = (((self._status.get("weightSync") or {}).get("replicas") or {}).get(pod) or {}).get("peer")
+        return Peer(pod, url) if url else None
 
     def _entry(self) -> dict:
         return ((self._status.get("weightSync") or {}).get("replicas") or {}).get(self.pod) or {}
@@ -219,12 +257,18 @@ class SyncAgent:
             if d.is_dir() and not d.is_symlink() and d.name.startswith("v") \
                     and d != version_dir(self.dest, keep) and d.resolve() != start_up:
                 shutil.rmtree(d, ignore_errors=True)
+                if self.peer_server is not None:
+                    self.peer_server.forget(d.name)
 
     # --- reporting
-    def report_ok(self, target: dict, times: dict | None) -> None:
+    def report_ok(self, target: dict, times: dict | None, source: str | None = None) -> None:
         entry = {"version": target["version"], "id": target.get("id"), "time": now(),
                  "error": None, "errorTime": None, "attempts": None}
         entry.update({k: round(v, 3) for k, v in (times or {}).items()})
+        if source is not None:
+            entry["source"] = source  # "s3", "peer <pod>", "peer <pod>, then s3", "local"
+        if self.peer_url:
+            entry["peer"] = self.peer_url
         self.attempts = 0
         self._patch(entry)
 
@@ -258,13 +302,17 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
     if target is None:
         log.error("no status.weightSync.target after %.0fs", timeout)
         return 1
-    path, _ = fetch(target, agent.dest, agent.storage)
+    path = fetch(target, agent.dest, agent.storage, agent.parent(), None, agent.peer_timeout).path
     if out.exists() or out.is_symlink():
         out.unlink() if out.is_symlink() else shutil.rmtree(out)
     out.symlink_to(path.resolve())
     agent.served = dict(target)
     log.info("fetched version %s to %s", target["version"], out)
     return 0
+
+
+def _url_host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip  # IPv6 pod IPs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,13 +325,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", default=os.environ.get("RFT_JOB_NAME"))
     ap.add_argument("--namespace", default=os.environ.get("RFT_JOB_NAMESPACE"))
     ap.add_argument("--pod", default=os.environ.get("RFT_POD_NAME"))
+    ap.add_argument("--peer-port", type=int, default=0,
+                    help="serve this replica's weights to its children on this port (0: don't)")
+    ap.add_argument("--fanout", type=int, default=0,
+                    help="children per replica in the relay tree (0: every replica reads S3)")
+    ap.add_argument("--peer-timeout", type=float, default=30.0,
+                    help="seconds without bytes from the parent before reading S3 instead")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (args.job and args.namespace and args.pod):
         log.error("need --job/--namespace/--pod (or RFT_JOB_NAME/RFT_JOB_NAMESPACE/RFT_POD_NAME)")
         return 78
-    url = args.engine_url or f"http://{os.environ.get('RFT_POD_IP') or '127.0.0.1'}:{args.engine_port}"
-    agent = SyncAgent(args.job, args.namespace, args.pod, ENGINES[args.engine](url), args.dest)
+    pod_ip = os.environ.get("RFT_POD_IP")
+    url = args.engine_url or f"http://{pod_ip or '127.0.0.1'}:{args.engine_port}"
+    server = peer_url = None
+    if args.peer_port and not args.fetch_only:
+        server = PeerServer(Path(args.dest), port=args.peer_port).start()
+        peer_url = f"http://{_url_host(pod_ip)}:{server.port}" if pod_ip else None
+    agent = SyncAgent(args.job, args.namespace, args.pod, ENGINES[args.engine](url), args.dest,
+                      peer_server=server, peer_url=peer_url, fanout=args.fanout, peer_timeout=args.peer_timeout)
     if args.fetch_only:
         return fetch_only(agent, Path(args.fetch_only))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())

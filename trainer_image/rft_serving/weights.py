@@ -1,19 +1,30 @@
-"""Weights on the inference pod's local disk: download a target export once per (version,
-id), verify every file against its manifest, and hand the engine a local directory.
+"""Weights on the inference pod's local disk: fetch a target export once per (version, id),
+every file checked against the export's manifest in the pass that writes it, and hand the
+engine a local directory.
+
+The manifest is always read from S3 (it is the export's commit); the files come from the
+parent replica when there is one (`relay.py`: streamed while the parent still receives
+them) and from S3 otherwise, or as soon as the parent fails one file (unreachable, 404,
+stalled, cut short, or bytes that do not match the manifest). While it fetches, the agent
+publishes the growing directory to its own `PeerServer`, so its children stream from it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rft_contract.manifest import MANIFEST, read_manifest, verify_local
-from rft_contract.storage import download_to, get_storage, join
+from rft_contract.storage import download_to, get_storage, join, mismatch, read_parts
 
 from .engines import SyncError
+from .relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerError, PeerServer, Transfer, \
+    is_safe_file_name, read_from_peer, write_all
 
 log = logging.getLogger("rft_serving.weights")
 
@@ -22,63 +33,193 @@ def version_dir(dest: Path, target: dict) -> Path:
     return dest / f"v{target['version']:08d}-{target.get('id') or 'base'}"
 
 
-def fetch(target: dict, dest: Path, storage=None) -> tuple[Path, dict[str, float]]:
-    """Download (unless already here) and verify the target's weights; returns the local
-    directory and timings. Local targets (a path in the image) are used in place."""
+@dataclass
+class Fetched:
+    """A local copy of the target's weights and how it got there."""
+
+    path: Path
+    times: dict[str, float] = field(default_factory=lambda: {"downloadSeconds": 0.0, "verifySeconds": 0.0})
+    source: str = "local"  # "s3", "peer <pod>", "peer <pod>, then s3", or "local" (on disk already)
+    s3_bytes: int = 0
+    peer_bytes: int = 0
+
+
+def fetch(target: dict, dest: Path, storage=None, peer: Peer | None = None,
+          server: PeerServer | None = None, peer_timeout: float = 30.0) -> Fetched:
+    """Download (unless already here) and verify the target's weights. `peer`: the parent
+    to read the files from (S3 when None or when it fails); `server`: where to publish the
+    download for children. Local targets (a path in the image) are used in place."""
     uri = target["uri"]
     out = version_dir(dest, target)
-    times = {"downloadSeconds": 0.0, "verifySeconds": 0.0}
     if not uri.startswith("s3://"):
-        path = Path(uri.removeprefix("file://"))
-        if (path / MANIFEST).exists():
+        got = Fetched(Path(uri.removeprefix("file://")))
+        if (got.path / MANIFEST).exists():
             start = time.perf_counter()
-            verify_dir(path, json.loads((path / MANIFEST).read_text()), target)
-            times["verifySeconds"] = time.perf_counter() - start
-        return path, times
-    if (out / ".verified").exists():
-        return out, times
+            verify_dir(got.path, json.loads((got.path / MANIFEST).read_text()), target)
+            got.times["verifySeconds"] = time.perf_counter() - start
+        return got
+    if (out / VERIFIED).exists():
+        return Fetched(out)
     storage = storage or get_storage(uri)
     tmp = dest / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     start = time.perf_counter()
+    job: _Fetch | None = None
     try:
-        manifest = _download(storage, uri, tmp)
-        times["downloadSeconds"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if manifest is not None:
-            verify_dir(tmp, manifest, target)
+        try:
+            manifest = read_manifest(storage, uri)
+        except FileNotFoundError:
+            manifest = None
+        if manifest is None:
+            got = _download_unverified(storage, uri, target, tmp)
         else:
-            log.warning("version %s at %s has no manifest.json: loading it unverified", target["version"], uri)
-        times["verifySeconds"] = time.perf_counter() - start
-        (tmp / ".verified").write_text(json.dumps(target))
+            check_manifest(manifest, target)
+            job = _Fetch(storage, uri, manifest, out.name, tmp, peer, server, peer_timeout)
+            got = job.run()
+        got.times["downloadSeconds"] = time.perf_counter() - start - got.times["verifySeconds"]
+        (tmp / VERIFIED).write_text(json.dumps(target))
         shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except SyncError:
+        if job is not None:
+            job.transfer.moved(out, lambda: tmp.rename(out))
+        else:
+            tmp.rename(out)
+    except Exception as e:
+        if job is not None:
+            job.transfer.fail()  # children's streams end short: they read S3
+            if server is not None:
+                server.forget(out.name, job.transfer)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except Exception as e:  # storage errors: name the type and a short reason only
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SyncError):
+            raise
+        # Storage errors: name the type and a short reason only.
         raise SyncError(f"download of {uri} failed: {_short(e)}") from None
-    return out, times
+    return replace(got, path=out)
 
 
-def _download(storage, uri: str, to: Path) -> dict | None:
-    """Files listed in the manifest (or, without one, every object under the prefix)."""
-    try:
-        manifest = read_manifest(storage, uri)
-    except FileNotFoundError:
-        manifest = None
-    if manifest is None:
-        base = uri.rstrip("/") + "/"
-        names = [o[len(base):] for o in storage.list(base)]
-        if not names:
-            raise SyncError(f"{uri}: no such weights (nothing under the prefix)")
-    else:
-        names = list(manifest["files"])
+class _Fetch:
+    """One verified download of a manifest's files into `tmp`, published while it runs."""
+
+    def __init__(self, storage, uri: str, manifest: dict, name: str, tmp: Path,
+                 peer: Peer | None, server: PeerServer | None, peer_timeout: float):
+        self.storage, self.uri, self.manifest, self.tmp = storage, uri, manifest, tmp
+        self.peer, self.peer_timeout = peer, peer_timeout
+        self.peer_name = peer.pod if peer is not None else None
+        self.transfer = Transfer(name, manifest, tmp)
+        self.server = server
+        self.hash_seconds = 0.0
+        self.s3_bytes = self.peer_bytes = 0
+        self.used_peer = self.fell_back = False
+
+    def run(self) -> Fetched:
+        (self.tmp / MANIFEST_COPY).write_text(json.dumps(self.manifest))
+        if self.server is not None:
+            self.server.publish(self.transfer)
+        for name, meta in sorted(self.manifest["files"].items()):
+            if self.peer is not None and self._from_peer(name, meta):
+                continue
+            self._from_s3(name, meta)
+        source = "s3"
+        if self.used_peer:
+            source = f"peer {self.peer_name}" + (", then s3" if self.fell_back else "")
+        return Fetched(self.tmp, {"verifySeconds": self.hash_seconds}, source, self.s3_bytes, self.peer_bytes)
+
+    def _from_peer(self, name: str, meta: dict) -> bool:
+        """The file from the parent, checked; False (and no peer from here on) if it failed.
+        A stream cut mid-body is asked for once more: the parent may have restarted the
+        file from S3 (its own parent failed), and its children should not all follow."""
+        self.used_peer = True
+        for attempt in (1, 2):
+            try:
+                with self._writing(name, meta) as sink:
+                    read_from_peer(self.peer, self.transfer.name, name, meta["size"], sink.f, sink.add,
+                                   self.peer_timeout)
+                self.peer_bytes += meta["size"]
+                return True
+            except PeerError as e:
+                self.transfer.restart(name)  # our own children's streams of it end too
+                if e.retry and attempt == 1:
+                    log.info("%s from peer %s: %s; asking again", name, self.peer.pod, e)
+                    continue
+                error = e
+            except SyncError as e:  # bytes that do not match the manifest
+                self.transfer.restart(name)
+                error = e
+            break
+        log.warning("%s from peer %s failed (%s): reading it and the rest from S3", name, self.peer.pod, error)
+        self.peer, self.fell_back = None, True
+        return False
+
+    def _from_s3(self, name: str, meta: dict) -> None:
+        uri = join(self.uri, name)
+        try:
+            with self._writing(name, meta) as sink:
+                for part in read_parts(self.storage, uri, meta.get("size")):
+                    part = memoryview(part)
+                    for i in range(0, len(part), CHUNK):  # children see progress per MiB
+                        piece = part[i:i + CHUNK]
+                        write_all(sink.f, piece)
+                        sink.add(piece)
+        except FileNotFoundError:
+            raise SyncError(f"{uri}: listed in {MANIFEST} but missing") from None
+        self.s3_bytes += meta["size"]
+
+    def _writing(self, name: str, meta: dict) -> "_Sink":
+        if not is_safe_file_name(name):  # checked with the manifest; never write outside tmp
+            raise SyncError(f"{MANIFEST} lists {name!r}: not a plain file name")
+        return _Sink(self, name, meta)
+
+
+class _Sink:
+    """One file being written: hashes each piece, publishes progress, and on exit checks
+    size and sha256 against the manifest (the file is then `verified` for children)."""
+
+    def __init__(self, fetch: _Fetch, name: str, meta: dict):
+        self.fetch, self.name, self.meta = fetch, name, meta
+        self.h, self.size = hashlib.sha256(), 0
+
+    def __enter__(self) -> "_Sink":
+        self.f = open(self.fetch.tmp / self.name, "wb", buffering=0)
+        self.fetch.transfer.wrote(self.name, 0)
+        return self
+
+    def add(self, piece: memoryview) -> None:
+        t = time.perf_counter()
+        self.h.update(piece)
+        self.fetch.hash_seconds += time.perf_counter() - t
+        self.size += len(piece)
+        self.fetch.transfer.wrote(self.name, self.size)
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.f.close()
+        if kind is not None:
+            return
+        if reason := mismatch(self.size, self.h.hexdigest(), self.meta):
+            raise SyncError(f"{self.name}: {reason}")
+        self.fetch.transfer.verified(self.name)
+
+
+def _download_unverified(storage, uri: str, target: dict, to: Path) -> Fetched:
+    """No manifest (a base model as the user uploaded it): every object under the prefix,
+    from S3, loaded unverified. Nothing to check a peer's bytes against, so no relay."""
+    log.warning("version %s at %s has no manifest.json: loading it unverified", target["version"], uri)
+    base = uri.rstrip("/") + "/"
+    names = [o[len(base):] for o in storage.list(base)]
+    if not names:
+        raise SyncError(f"{uri}: no such weights (nothing under the prefix)")
+    total = 0
     for name in names:
-        download_to(storage, join(uri, name), to / name)  # streamed, multipart on S3
-    return manifest
+        total += download_to(storage, join(uri, name), to / name).size  # streamed, multipart on S3
+    return Fetched(to, {"verifySeconds": 0.0}, "s3", total)
+
+
+def check_manifest(manifest: dict, target: dict) -> None:
+    if target.get("id") and manifest.get("id") and manifest["id"] != target["id"]:
+        raise SyncError(f"manifest id {manifest['id']} is not the target's {target['id']} "
+                        "(version re-exported meanwhile)")
+    bad = [n for n in manifest.get("files", {}) if not is_safe_file_name(n)]
+    if bad:
+        raise SyncError(f"{MANIFEST} lists {bad[0]!r}: not a plain file name")
 
 
 def verify_dir(path: Path, manifest: dict, target: dict) -> None:
@@ -95,5 +236,3 @@ def _short(e: Exception) -> str:
     response = getattr(e, "response", None)
     code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
     return f"{type(e).__name__}" + (f" ({code})" if code else "")
-
-
