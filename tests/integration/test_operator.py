@@ -185,8 +185,9 @@ def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one
         with refusing_trainer_pods(api, namespace, attempt=2, ranks_from=1):
             release_pod(api, namespace, "crash-trainer-1-0")
             wait_for(lambda: "CreateFailed" in events(api, namespace, "crash"), 60, "rank 1 of attempt 2 refused")
+            # The ranks are created side by side: rank 0's create may end after rank 1's refusal.
+            wait_for(lambda: gang_ranks(api, namespace, "crash") == {1: [1], 2: [0]}, 60, "rank 0 of attempt 2")
             operator.kill()
-            assert gang_ranks(api, namespace, "crash") == {1: [1], 2: [0]}
         operator.start()
     finally:
         release_pod(api, namespace, "crash-trainer-1-0")
