@@ -2,20 +2,24 @@
 inference replica serving them, for 1, 2, 4 and 8 replicas.
 
     python bench/weightsync.py [--replicas 1,2,4,8] [--versions 3] [--hidden 512 --layers 8]
-                               [--dtype fp32|bf16] [--out .local/bench/weightsync.json]
+                               [--dtype fp32|bf16] [--fanout 2] [--out .local/bench/weightsync.json]
 
 Runs the whole protocol as tests/integration/test_weightsync.py does: a local control
 plane (KWOK inference pods), the operator as a subprocess under its ServiceAccount, a
 SeaweedFS S3 server (e2e/s3server.py, the tests' server), and per pod a `ReferenceServer`
-plus a `SyncAgent` in threads, as the inference ServiceAccount with a token bound to its
-pod. Versions are exported once with the real exporter (untimed) and announced with
+plus a `SyncAgent` with its relay server (rft_serving.relay, `--fanout` children per
+replica as the pods run it; `--fanout 0`: every replica reads S3, the design before the
+relay) in threads, as the inference ServiceAccount with a token bound to its pod. Versions are exported once with the real exporter (untimed) and announced with
 `StatusReporter.report_weights`, as the trainer's ServiceAccount.
 For each replica count a fresh RFTJob is created, the replicas converge to the base model
 (version 0), then for each version t0 is taken just before report_weights and the end is
 the first watch event with `status.weightSync.synced == "N/N"` at that version.
 
-Columns (medians over the versions, seconds):
+Columns (medians over the versions; seconds unless said):
   e2e       t0 -> all N replicas counted as serving the version
+  S3 MiB    bytes S3 sent (every GetObject's body, counted by a botocore hook on every
+            client in this process) between t0 and the end, i.e. the agents' reads of
+            that version (manifests included); `x model` divides by the version's size
   x base    e2e / baseline. The baseline, measured in the same run against the same S3
             server, is the raw cost of one replica's work: boto3 `download_file` of every
             object of a version into a temp dir, then `AutoModelForCausalLM.from_pretrained`
@@ -72,7 +76,9 @@ from rft_contract.s3 import S3Storage, split_uri  # noqa: E402
 from rft_serving.serve import ReferenceServer  # noqa: E402
 from rft_serving.engines import ReferenceEngine  # noqa: E402
 from rft_serving.sync_agent import SyncAgent  # noqa: E402
+from rft_serving.relay import PeerServer  # noqa: E402
 from tests.fixtures.models import save_tiny_model  # noqa: E402
+from tests.fixtures.s3bytes import S3ReadCounter  # noqa: E402
 
 NS = "bench-ws"
 PHASES = ("promote", "notice", "download", "verify", "reload", "report", "count")
@@ -204,7 +210,8 @@ def job_manifest(name: str, bucket: str, n: int) -> dict:
         "inference": {"replicas": n, "gpusPerReplica": 0}}}
 
 
-def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: Path, timeout: float) -> list[dict]:
+def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: Path, timeout: float,
+                 fanout: int, s3_reads: S3ReadCounter) -> list[dict]:
     """A fresh RFTJob with n replicas: converge to the base model, then time each version."""
     job = f"wsync-{n}"
     custom, core = kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
@@ -236,8 +243,11 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
             server.start()
             stack.callback(server.stop)
             engines[pod] = TimedEngine(server.url)
+            relay = PeerServer(tmp / job / pod, host="127.0.0.1").start()
+            stack.callback(relay.stop)
             agent = SyncAgent(job, NS, pod, engines[pod], tmp / job / pod, api=as_role(c.ROLE_INFERENCE, pod),
-                              resync_seconds=2, max_backoff=2)
+                              resync_seconds=2, max_backoff=2, peer_server=relay,
+                              peer_url=f"http://127.0.0.1:{relay.port}", fanout=fanout)
             thread = threading.Thread(target=agent.run, daemon=True)
             thread.start()
             stack.callback(thread.join, 10)
@@ -247,11 +257,16 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
         print(f"  {n} replica(s): base model (version 0) served by all after {time.monotonic() - t:.1f}s")
         rows = []
         for k, w in enumerate(versions):
+            read_before = s3_reads.bytes
             t0 = time.monotonic()
             reporter.report_weights(w["version"], w["uri"], w["id"], [x["version"] for x in versions[:k + 1]])
             t_done = watch.wait_synced(w["version"], timeout)
             rows.append(breakdown(w["version"], t0, t_done, watch, engines))
-            print(f"  {n} replica(s): version {w['version']} e2e {rows[-1]['e2e']:.2f}s")
+            rows[-1]["s3_bytes"] = s3_reads.bytes - read_before
+            rows[-1]["s3_x_model"] = rows[-1]["s3_bytes"] / w["bytes"]
+            print(f"  {n} replica(s): version {w['version']} e2e {rows[-1]['e2e']:.2f}s, "
+                  f"S3 read {rows[-1]['s3_bytes'] / 2**20:.1f} MiB ({rows[-1]['s3_x_model']:.2f}x the model), "
+                  f"sources {sorted(set(r['source'] for r in rows[-1]['replicas'].values()))}")
     return rows
 
 
@@ -269,6 +284,7 @@ def breakdown(v: int, t0: float, t_done: float, watch: JobWatch, engines: dict) 
         replicas[pod] = {"visible": t_entry - t0, "notice": fetch_began - t_target,
                          "download": e["downloadSeconds"], "verify": e["verifySeconds"],
                          "reload": e["reloadSeconds"], "loadSeconds": e["loadSeconds"],
+                         "source": e.get("source"),
                          "report": t_entry - (eng.load_began[v] + e["reloadSeconds"])}
     last = max(replicas, key=lambda p: replicas[p]["visible"])
     crit = replicas[last]
@@ -288,6 +304,8 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=0, help="default 3 x hidden")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="export dtype")
     ap.add_argument("--timeout", type=float, default=180, help="per sync, seconds")
+    ap.add_argument("--fanout", type=int, default=2,
+                    help="relay children per replica, as the pods run it (0: every replica reads S3)")
     ap.add_argument("--out", default=str(ROOT / ".local" / "bench" / "weightsync.json"))
     args = ap.parse_args()
     counts = [int(x) for x in args.replicas.split(",")]
@@ -298,6 +316,7 @@ def main() -> None:
     # The base model (version 0) has no manifest by design: one warning per replica is noise.
     logging.getLogger("rft_serving.sync_agent").addFilter(lambda r: "has no manifest.json" not in r.getMessage())
 
+    s3_reads = S3ReadCounter().install()  # before any client exists: every one is counted
     tmp = Path(tempfile.mkdtemp(prefix="rft-bench-ws-"))
     ok = False
     with contextlib.ExitStack() as stack:
@@ -327,22 +346,27 @@ def main() -> None:
         stack.callback(op.wait, 30)
         stack.callback(op.terminate)
         api = kubernetes.config.new_client_from_config(kc)
-        results = {n: run_replicas(n, versions, cluster, api, bucket, tmp, args.timeout) for n in counts}
+        results = {n: run_replicas(n, versions, cluster, api, bucket, tmp, args.timeout, args.fanout, s3_reads)
+                   for n in counts}
         ok = True
 
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     print(f"\nweight sync of {mib:.1f} MiB ({args.dtype}, hidden {args.hidden} x {args.layers} layers), "
+          f"relay fanout {args.fanout}{' (off: every replica reads S3)' if not args.fanout else ''}, "
           f"median of {args.versions} versions, seconds")
     print(f"baseline (boto3 download_file with 64 MiB parts + from_pretrained): {base_total:.2f} "
           f"(download {statistics.median(b['download'] for b in base):.2f}, "
           f"load {statistics.median(b['load'] for b in base):.2f}); "
           f"with boto3's default 8 MiB parts: {statistics.median(b['total'] for b in base_8mib):.2f}")
     print("breakdown along the critical path (the replica whose entry was visible last)")
-    head = f"{'replicas':>8} {'e2e':>6} {'x base':>6} " + " ".join(f"{p:>8}" for p in PHASES) + f" {'dl mean':>8}"
+    head = (f"{'replicas':>8} {'e2e':>6} {'x base':>6} {'S3 MiB':>7} {'x model':>7} "
+            + " ".join(f"{p:>8}" for p in PHASES) + f" {'dl mean':>8}")
     print(head)
     for n, rows in results.items():
-        print(f"{n:>8} {med(rows, 'e2e'):6.2f} {med(rows, 'e2e') / base_total:6.1f} "
+        print(f"{n:>8} {med(rows, 'e2e'):6.2f} {med(rows, 'e2e') / base_total:6.2f} "
+              f"{max(r['s3_bytes'] for r in rows) / 2**20:7.1f} {max(r['s3_x_model'] for r in rows):7.2f} "
               + " ".join(f"{med(rows, p):8.2f}" for p in PHASES) + f" {med(rows, 'download_mean'):8.2f}")
+    print("S3 MiB and x model: the largest of the versions (the goal is <= 1.1x at every count)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "mib": mib, "baseline": base, "baseline_total": base_total,

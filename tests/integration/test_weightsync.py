@@ -3,7 +3,8 @@ server: the trainer's exporter writes versions, its reporter (as the job's own
 ServiceAccount) announces them, the operator promotes them, and two sync agents (each
 with a real reference inference server, as the job's ServiceAccount) load them and
 report back. Inference pods are KWOK pods; the agents stand in for their containers by
-using the pods' names."""
+using the pods' names. Replica 1 reads the weights from replica 0's relay server (found
+through replica 0's status entry), and S3 only when replica 0 cannot deliver."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from rft_contract.s3 import S3Storage
 from rft_serving.serve import ReferenceServer
 from rft_serving.engines import ReferenceEngine
 from rft_serving.sync_agent import SyncAgent
+from rft_serving.relay import PeerServer
 from tests.fixtures.models import save_tiny_model
+from tests.fixtures.s3bytes import S3ReadCounter
 from tests.trainer.faultproxy import FaultProxy
 
 from .conftest import wait_for
@@ -45,12 +48,16 @@ class Replica:
         self.pod, self.as_job, self.tmp, self.storage = pod, as_job, tmp, storage
         self.server = ReferenceServer(max_concurrency=1)
         self.server.start()
+        # The agent's relay server, as the pod's sidecar runs it (--peer-port, --fanout 1 here:
+        # replica 1 reads replica 0). A short wait for a parent that has not started a version.
+        self.relay = PeerServer(tmp / pod, host="127.0.0.1", wait_seconds=2).start()
         self.start_agent()
 
     def start_agent(self) -> None:
         self.agent = SyncAgent(JOB, self.as_job.namespace, self.pod, ReferenceEngine(self.server.url),
                                self.tmp / self.pod, api=self.as_job.api, resync_seconds=2,
-                               max_backoff=2, storage=self.storage)
+                               max_backoff=2, storage=self.storage, peer_server=self.relay,
+                               peer_url=f"http://127.0.0.1:{self.relay.port}", fanout=1, peer_timeout=10)
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
         self.thread.start()
 
@@ -63,6 +70,7 @@ class Replica:
 
     def close(self) -> None:
         self.stop_agent()
+        self.relay.stop()
         self.server.stop()
 
 
@@ -97,11 +105,14 @@ def setup(operator, api, namespace, cluster, bucket, s3_env, tmp_path):
     # Replica 0 reaches S3 through the fault proxy, with few retries, so faults show.
     flaky = S3Storage(client=boto3.client("s3", endpoint_url=proxy.url,
                                           config=Config(retries={"max_attempts": 2, "mode": "standard"})))
+    direct = S3Storage()
+    s3_reads_1 = S3ReadCounter().watch(direct.client)  # what replica 1 reads from S3
     replicas = [Replica(PODS[0], JobClient(as_agents[0], namespace), tmp_path, flaky),
-                Replica(PODS[1], JobClient(as_agents[1], namespace), tmp_path)]
+                Replica(PODS[1], JobClient(as_agents[1], namespace), tmp_path, direct)]
     reporter = StatusReporter(JOB, namespace, as_trainer, min_interval=0)
     ctx = {"api": api, "ns": namespace, "root": f"s3://{bucket}/run", "replicas": replicas,
-           "reporter": reporter, "proxy": proxy, "tmp": tmp_path, "versions": []}
+           "reporter": reporter, "proxy": proxy, "tmp": tmp_path, "versions": [], "s3_reads_1": s3_reads_1,
+           "bytes": {}}
     yield ctx
     for r in replicas:
         r.close()
@@ -119,6 +130,7 @@ def export(ctx, version: int) -> None:
     manifest = export_hf(model, rt, S3Storage(), weights_uri(ctx["root"], version), str(model_dir),
                          version, dtype="fp32")
     ctx["versions"].append(version)
+    ctx["bytes"][version] = manifest["bytes"]
     ctx["reporter"].report_weights(version, weights_uri(ctx["root"], version), manifest["id"],
                                    list(ctx["versions"]))
 
@@ -141,11 +153,18 @@ def test_versions_pins_faults_and_restarts(setup, kubectl):
     assert status["weightSync"]["target"]["uri"].endswith("/models/tiny")
 
     for v in (1, 2, 3):
+        read_before = ctx["s3_reads_1"].bytes
         export(ctx, v)
         status = wait_synced(ctx, v)
-        entry = status["weightSync"]["replicas"][PODS[1]]
+        entries = status["weightSync"]["replicas"]
+        entry = entries[PODS[1]]
         assert entry["id"] == status["weightSync"]["target"]["id"] and entry.get("error") is None
         assert entry["loadSeconds"] >= entry["downloadSeconds"] > 0 and entry["reloadSeconds"] > 0
+        # Replica 1 got the files from replica 0 (checked against the manifest) and read
+        # only the manifest from S3; replica 0 read S3.
+        assert (entries[PODS[0]]["source"], entry["source"]) == ("s3", f"peer {PODS[0]}")
+        assert entry["peer"].startswith("http://127.0.0.1:") and entries[PODS[0]]["peer"] != entry["peer"]
+        assert 0 < ctx["s3_reads_1"].bytes - read_before < ctx["bytes"][v] / 20
     assert sync_condition(status)["status"] == "True"
     row = kubectl("get", "rftjob", JOB, "-n", ctx["ns"]).stdout.splitlines()[1].split()
     assert row[-3:-1] == ["3", "2/2"], row  # Weights and Synced columns (no checkpoint yet)
@@ -182,3 +201,12 @@ def test_versions_pins_faults_and_restarts(setup, kubectl):
                 and s["weightSync"]["target"]["version"] == 5, 60, "1/2 while an agent is down")
     ctx["replicas"][1].start_agent()
     wait_synced(ctx, 5)
+
+    # Replica 0's relay server is gone (its advertised address refuses connections):
+    # replica 1 reads the whole version from S3 instead.
+    ctx["replicas"][0].relay.stop()
+    read_before = ctx["s3_reads_1"].bytes
+    export(ctx, 6)
+    status = wait_synced(ctx, 6)
+    assert status["weightSync"]["replicas"][PODS[1]]["source"] == f"peer {PODS[0]}, then s3"
+    assert ctx["s3_reads_1"].bytes - read_before >= ctx["bytes"][6]
