@@ -137,6 +137,11 @@ class Retry(Exception):
         self.delay = delay
 
 
+# The steps of a pass's writes by kind (any other kind: 0). A RoleBinding waits for its
+# Role: the API server reads the Role to check that the operator holds what it grants. A pod
+# waits for its ServiceAccount (admission refuses a pod whose account does not exist), the
+# ConfigMap it mounts and the Service that names it.
+WRITE_STEPS = {"RoleBinding": 1, "Pod": 2}
 # Writes in flight per worker at most (`Controller._apply`: a step's writes side by side).
 WRITES_PER_WORKER = 4
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
@@ -273,19 +278,22 @@ class Controller:
 
     async def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
         """The status first (its precondition is the state the pass read); then, step by
-        step, each step's writes side by side on the write pool: events with the static
-        children (create, patch, recreate), then the pods, which mount and resolve them and
-        run as their ServiceAccount, then deletions. A step that fails ends the pass; what
-        it wrote stays (every write is idempotent) and the retry finds the rest missing."""
+        step (`WRITE_STEPS`), each step's writes side by side on the write pool: events with
+        the static children but RoleBindings (create, patch, recreate), the RoleBindings,
+        the pods, then deletions. A step that fails ends the pass; what it wrote stays
+        (every write is idempotent) and the retry finds the rest missing."""
         ns, name = key
         if plan.status_changed and not await self._together(partial(self._write_status, key, body, plan)):
             return  # the watch event of the competing change requeues the key
-        await self._together(
-            *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message) for ev in plan.events),
-            *(partial(self._create, body, obj) for obj in plan.create if obj["kind"] != "Pod"),
-            *(partial(self._write, body, obj, "patching", self.kube.replace) for obj in plan.replace),
-            *(partial(self._recreate, body, obj) for obj in plan.recreate))
-        await self._together(*(partial(self._create, body, obj) for obj in plan.create if obj["kind"] == "Pod"))
+        for step in range(max(WRITE_STEPS.values()) + 1):
+            def now(obj: dict[str, Any]) -> bool:
+                return WRITE_STEPS.get(obj["kind"], 0) == step
+            await self._together(
+                *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message)
+                  for ev in (plan.events if step == 0 else ())),
+                *(partial(self._create, body, obj) for obj in plan.create if now(obj)),
+                *(partial(self._write, body, obj, "patching", self.kube.replace) for obj in plan.replace if now(obj)),
+                *(partial(self._recreate, body, obj) for obj in plan.recreate if now(obj)))
         await self._together(
             *(partial(self.kube.delete_pod, ns, pod) for pod in plan.delete_pods),
             *(partial(self.kube.delete_pod, ns, pod, grace_period_seconds=0) for pod in plan.force_delete_pods),
@@ -295,6 +303,8 @@ class Controller:
         """Run the writes on the pool at once and wait for all; raise the first refusal,
         else the first retry, else the first error. The result of a single write."""
         loop = asyncio.get_running_loop()
+        if not writes:
+            return None
         if len(writes) == 1:
             return await loop.run_in_executor(self._pool, writes[0])
         results = await asyncio.gather(*(loop.run_in_executor(self._pool, w) for w in writes),

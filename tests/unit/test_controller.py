@@ -308,16 +308,18 @@ def test_children_the_spec_no_longer_renders_are_deleted():
     assert ("delete", "ServiceAccount", "demo-rft-explorer") in kube.calls
 
 
-def test_a_steps_writes_go_side_by_side_and_pods_wait_for_the_static_children():
+def test_a_steps_writes_go_side_by_side_bindings_wait_for_roles_and_pods_for_all():
     kube = FakeKube(make_job())
-    static_kinds = {"ConfigMap", "Service", "ServiceAccount", "Role", "RoleBinding"}
-    together = threading.Barrier(len(static_kinds), timeout=10)  # breaks unless all are in flight at once
+    first = {"ConfigMap", "Service", "ServiceAccount", "Role"}
+    together = threading.Barrier(len(first), timeout=10)  # breaks unless all are in flight at once
     created: list[str] = []
     create = kube.create
 
     def create_together(obj):
         if obj["kind"] == "Pod":
-            assert static_kinds <= set(created)  # a pod's ServiceAccount and ConfigMap exist first
+            assert first | {"RoleBinding"} <= set(created)  # its account, config, name, rights exist
+        elif obj["kind"] == "RoleBinding":
+            assert "Role" in created  # the API server reads the Role it binds
         else:
             together.wait()
         created.append(obj["kind"])
@@ -326,5 +328,5 @@ def test_a_steps_writes_go_side_by_side_and_pods_wait_for_the_static_children():
     kube.create = create_together
     ctl = Controller(kube, lambda key: kube.job, lambda key: [], lambda key: [], workers=2, clock=lambda: NOW)
     passes(ctl, 1)
-    assert sorted(created) == sorted([*static_kinds, "Pod", "Pod"])
+    assert sorted(created) == sorted([*first, "RoleBinding", "Pod", "Pod"])
     assert ctl.errors == 0
