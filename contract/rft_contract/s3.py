@@ -7,7 +7,10 @@ nothing here is specific to one server. Retries: botocore's standard mode backs 
 jitter on 5xx and SlowDown, 10 attempts (its adaptive mode adds a client-side rate limiter
 that made a 33%-SlowDown test 2.5x slower without saving a request). Large objects go
 through the TransferManager with 64 MiB parts (the 8 MiB default makes thousands of
-requests per multi-GB shard) and CRC32 checksums that the server verifies.
+requests per multi-GB shard) and CRC32 checksums that the server verifies. Local files
+(`upload_file`: checkpoint and export shards) stream from disk through the same manager,
+sha256-hashed as it reads them: at most `upload_window` parts in memory, one read of the
+file.
 
 Verified downloads (`read_parts`, used by `storage.download_to`) fetch 16 MiB ranges,
 up to 8 in parallel, and hand them over in order so the caller hashes while it writes:
@@ -22,6 +25,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
+
+from .storage import Fetched, HashingReader
 
 MiB = 1 << 20
 
@@ -41,7 +46,7 @@ def _is_missing(error) -> bool:
 
 class S3Storage:
     def __init__(self, client=None, part_size: int = 64 * MiB, concurrency: int = 16,
-                 read_part_size: int = 16 * MiB, read_window: int = 8):
+                 read_part_size: int = 16 * MiB, read_window: int = 8, upload_window: int = 6):
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -51,6 +56,9 @@ class S3Storage:
                                 s3={"addressing_style": os.environ.get("RFT_S3_ADDRESSING", "auto")}))
         self.transfer = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
                                        max_concurrency=concurrency, use_threads=True)
+        # s3transfer's own setting (boto3's constructor does not take it): parts read ahead
+        # from a file object and held in memory, 10 by default.
+        self.transfer.max_in_memory_upload_chunks = max(1, upload_window)
         self.read_part_size, self.read_window = read_part_size, max(1, read_window)
 
     def list(self, prefix: str) -> list[str]:
@@ -175,6 +183,18 @@ class S3Storage:
         bucket, key = split_uri(uri)
         self.client.upload_fileobj(io.BytesIO(data), bucket, key, Config=self.transfer,
                                    ExtraArgs={"ChecksumAlgorithm": "CRC32"})
+
+    def upload_file(self, path: str | os.PathLike, uri: str) -> Fetched:
+        """Stream a local file to `uri` (multipart above `part_size`); returns its size and
+        sha256, computed from the reads that feed the upload. The manager reads the parts
+        in order and keeps at most `upload_window` of them in memory."""
+        bucket, key = split_uri(uri)
+        with open(path, "rb") as f:
+            reader = HashingReader(f)
+            self.client.upload_fileobj(reader, bucket, key, Config=self.transfer,
+                                       ExtraArgs={"ChecksumAlgorithm": "CRC32"})
+            size, digest = reader.sha256()
+        return Fetched(size, digest)
 
     def delete(self, uri: str) -> None:
         bucket, key = split_uri(uri)

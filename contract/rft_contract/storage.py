@@ -9,7 +9,9 @@ over object URIs, recursive.
 
 Large objects are read as a stream of parts (`read_parts`, optional: both backends here
 have it), so a multi-GB checkpoint shard is never whole in memory: `download_to` writes
-the parts to disk and hashes them in the same pass.
+the parts to disk and hashes them in the same pass. Local files go up the same way
+(`upload_file`, optional too): streamed from disk and hashed while they are read for the
+upload, so a checkpoint or export shard is read once and never whole in memory.
 """
 
 from __future__ import annotations
@@ -114,6 +116,27 @@ class LocalStorage:
     def delete(self, uri: str) -> None:
         self._path(uri).unlink(missing_ok=True)
 
+    def upload_file(self, path: str | os.PathLike, uri: str) -> "Fetched":
+        """Copy a local file to `uri` atomically (as `write_bytes`), 1 MiB at a time,
+        hashing what it copies."""
+        target = self._path(uri)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        h, size = hashlib.sha256(), 0
+        try:
+            with open(path, "rb") as src, os.fdopen(fd, "wb") as f:
+                for chunk in iter(lambda: src.read(_CHUNK), b""):
+                    f.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return Fetched(size, h.hexdigest())
+
 
 class IntegrityError(Exception):
     """A downloaded object is not what its manifest entry says (size or sha256)."""
@@ -132,6 +155,64 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+class HashingReader:
+    """A read-only view of an open binary file that sha256-hashes its bytes as they are
+    read, so an uploader's own reads give the checksum (one pass over the file).
+
+    Uploaders seek: boto3 measures the size with seek/tell and rewinds a request body to
+    retry it or to compute its CRC32 first. Bytes are hashed only the first time the
+    reads reach them in order, so a rewind and re-read does not count them twice; a read
+    that skips ahead leaves a gap, and `sha256()` then reads the file again."""
+
+    def __init__(self, f):
+        self._f, self._h, self._hashed, self._gap = f, hashlib.sha256(), 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def close(self) -> None:
+        """A no-op: uploaders close their body when sent; the file belongs to the caller."""
+
+    def read(self, n: int | None = -1) -> bytes:
+        start = self._f.tell()
+        data = self._f.read(n)
+        end = start + len(data)
+        if start <= self._hashed < end:
+            self._h.update(memoryview(data)[self._hashed - start:])
+            self._hashed = end
+        elif start > self._hashed:
+            self._gap = True
+        return data
+
+    def sha256(self) -> tuple[int, str]:
+        """(size, sha256) of the whole file; hashes what the reads did not reach."""
+        size = os.fstat(self._f.fileno()).st_size
+        if self._gap or self._hashed != size:
+            return size, sha256_file(self._f.name)
+        return size, self._h.hexdigest()
+
+
+def upload_file(storage: Storage, path: str | os.PathLike, uri: str) -> Fetched:
+    """Copy a local file to the object `uri`; returns the size and sha256 of the bytes
+    sent (a manifest entry). Streamed and hashed in the same pass where the backend
+    streams (both here do); otherwise the file is read whole and written."""
+    upload = getattr(storage, "upload_file", None)
+    if upload is not None:
+        return upload(path, uri)
+    data = Path(path).read_bytes()
+    storage.write_bytes(uri, data)
+    return Fetched(len(data), hashlib.sha256(data).hexdigest())
 
 
 def read_parts(storage: Storage, uri: str, size: int | None = None) -> Iterator[bytes]:

@@ -1,17 +1,21 @@
 """The trainer's S3 inputs against a real S3-compatible server over HTTP: the storage
 interface, experience shards read from an S3 prefix, and the model fetched from S3."""
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import textwrap
 
+import pytest
 import torch
 
 from rft_trainer.experience import BufferReader, write_shard
 from rft_trainer.parallelize import Runtime, fetch_model
 from rft_contract.s3 import S3Storage
-from rft_contract.storage import get_storage
+from rft_contract import storage as storage_mod
+from rft_contract.storage import HashingReader, LocalStorage, get_storage, upload_file
 from tests.fixtures.models import save_tiny_model
 from tests.fixtures.batches import synthetic_batch
 
@@ -40,6 +44,77 @@ def test_multipart_upload_round_trips(bucket):
     blob = os.urandom(11 * 2**20)
     s.write_bytes(f"s3://{bucket}/big.bin", blob)
     assert s.read_bytes(f"s3://{bucket}/big.bin") == blob
+
+
+@pytest.mark.parametrize("size", [3 << 20, 12 << 20], ids=["one-put", "multipart"])
+def test_upload_file_hashes_the_bytes_it_streams_in_one_pass(bucket, tmp_path, monkeypatch, size):
+    """The manifest entry comes from the reads that fed the upload: with a second read of
+    the file made impossible, the sha256 is still right, on the single-PUT path (where
+    botocore rewinds the body after computing its CRC32) and on the multipart path."""
+    blob = os.urandom(size)
+    path = tmp_path / "shard.distcp"
+    path.write_bytes(blob)
+
+    def no_second_pass(_):
+        raise AssertionError("the file was read again to hash it")
+
+    monkeypatch.setattr(storage_mod, "sha256_file", no_second_pass)
+    s = S3Storage(part_size=5 << 20, upload_window=2)
+    got = upload_file(s, path, f"s3://{bucket}/up/shard.distcp")
+    assert (got.size, got.sha256) == (size, hashlib.sha256(blob).hexdigest())
+    assert s.read_bytes(f"s3://{bucket}/up/shard.distcp") == blob
+    local = upload_file(LocalStorage(), path, str(tmp_path / "copy" / "shard.distcp"))
+    assert local == got and (tmp_path / "copy" / "shard.distcp").read_bytes() == blob
+
+
+def test_hashing_reader_counts_rewound_bytes_once_and_rehashes_after_a_skip(tmp_path):
+    blob = os.urandom(10_000)
+    (tmp_path / "f").write_bytes(blob)
+    want = (len(blob), hashlib.sha256(blob).hexdigest())
+    with open(tmp_path / "f", "rb") as f:
+        r = HashingReader(f)
+        r.read(4000)
+        r.seek(1000)  # a retried request body, re-read from an earlier offset
+        r.read(5000)
+        r.read()
+        assert r.sha256() == want
+    with open(tmp_path / "f", "rb") as f:
+        r = HashingReader(f)
+        r.seek(2000)  # a reader that skips ahead: the reads miss bytes, the file is hashed again
+        r.read()
+        assert r.sha256() == want
+
+
+UPLOAD_RSS_CHILD = textwrap.dedent("""
+    import json, re, sys
+    from pathlib import Path
+    from rft_contract.s3 import S3Storage
+    from rft_contract.storage import upload_file
+
+    path, small, uri = sys.argv[1:4]
+    s = S3Storage(part_size=8 << 20, concurrency=2, upload_window=2)
+    upload_file(s, small, uri + ".warm")  # warm: client, pools, threads
+    peak = lambda: int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+    base = peak()
+    got = upload_file(s, path, uri)
+    print(json.dumps({"rss": peak() - base, "sha256": got.sha256}))
+""")
+
+
+def test_upload_file_keeps_memory_to_the_parts_in_flight(bucket, tmp_path, s3_env):
+    """A 200 MB file uploads with peak RSS grown by a few 8 MiB parts (2 in memory), not
+    by the file (the checkpoint commit used to read each file whole and hash it)."""
+    blob = os.urandom(1 << 20) * 200
+    (tmp_path / "big").write_bytes(blob)
+    (tmp_path / "small").write_bytes(b"warm")
+    digest = hashlib.sha256(blob).hexdigest()
+    del blob
+    res = subprocess.run([sys.executable, "-c", UPLOAD_RSS_CHILD, str(tmp_path / "big"), str(tmp_path / "small"),
+                          f"s3://{bucket}/rss/big"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["sha256"] == digest
+    assert got["rss"] < 64 << 20, got
 
 
 def test_buffer_reader_over_an_s3_prefix(bucket):
