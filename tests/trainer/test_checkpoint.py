@@ -6,6 +6,7 @@ shards), so resumed states are compared for equality; a resumed run continued on
 same world size replays the uninterrupted one exactly.
 """
 
+import copy
 import hashlib
 import logging
 import os
@@ -13,12 +14,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from rft_contract.manifest import MANIFEST, IntegrityError, download_verified, read_manifest
 from rft_trainer.checkpoint import (CheckpointError, CheckpointManager, CorruptCheckpoint, apply_retention,
@@ -209,6 +212,11 @@ class FailingStorage(LocalStorage):
             raise OSError("disk quota exceeded")
         super().write_bytes(uri, data)
 
+    def upload_file(self, path, uri: str):
+        if uri.endswith(".distcp"):
+            raise OSError("disk quota exceeded")
+        return super().upload_file(path, uri)
+
 
 def one_rank_manager(storage, uri, tmp_path, role, **kw) -> CheckpointManager:
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -241,6 +249,35 @@ def test_async_save_then_resume_in_one_process(tmp_path):
     assert_same(role.model.state_dict(), fresh.model.state_dict())
     assert_same(role.optimizer.state_dict(), fresh.optimizer.state_dict())
     assert fresh.scheduler.state_dict() == role.scheduler.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_async_save_returns_before_the_write_and_saves_the_state_of_the_call(tmp_path, monkeypatch):
+    """save(block=False) copies the state and returns; the local write happens after it (here
+    held until the loop has trained on), and still holds the state of the save() call."""
+    gate = threading.Event()
+    write_data = dcp.FileSystemWriter.write_data
+
+    def held(self, plan, planner):
+        assert gate.wait(60), "save() waited for the write"
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held)
+    uri = str(tmp_path / "store")
+    role = TinyRole()
+    role.train()
+    saved = copy.deepcopy((role.model.state_dict(), role.optimizer.state_dict()))
+    mgr = one_rank_manager(LocalStorage(), uri, tmp_path, role)
+    mgr.save(1, {"buffer": {"offset": 1}}, block=False)
+    role.train()  # the loop goes on while the save is in flight
+    gate.set()
+    mgr.wait()
+    fresh = TinyRole(seed=1)
+    assert one_rank_manager(LocalStorage(), uri, tmp_path, fresh).resume() == 1
+    assert_same(saved[0], fresh.model.state_dict())
+    assert_same(saved[1], fresh.optimizer.state_dict())
+    with pytest.raises(AssertionError):
+        assert_same(role.model.state_dict(), fresh.model.state_dict())
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,13 +8,15 @@ manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our m
   dir (`$RFT_CKPT_STAGING`, default `$TMPDIR/rft-ckpt`; no shared filesystem needed), then
   uploads the files it wrote. Sizes and sha256 are gathered to rank 0, which writes
   `manifest.json` *last*: S3 has no rename, so the manifest is the commit.
-- **Async.** `save(step, block=False)` returns once the local DCP write is done (a
-  synchronous `dcp.save` to local disk); upload and commit run in a background thread,
-  whose collectives use a dedicated gloo group so they never interleave with training
-  collectives. We do not use `dcp.async_save`: its writer would still need a second,
-  ordered commit phase across ranks, and local disk is fast enough to stage to.
-  Rule: **at most one save in flight**; `save`, `load`, `resume` and `wait` first wait
-  for the previous one, and re-raise its error.
+- **Async.** `save(step, block=False)` returns once the state is copied in host memory
+  (`dcp.async_save`: the training loop stalls for a memory copy, not for a disk write or
+  an upload); the local DCP write, the upload and the commit run in the background, and
+  their collectives use a dedicated gloo group so they never interleave with training
+  collectives. The commit stays ours, after the DCP write: every rank's files uploaded
+  (each streamed from disk and sha256-hashed in the same pass, `storage.upload_file`),
+  then the manifest. The copy doubles the host memory of the state while a save is in
+  flight. Rule: **at most one save in flight**; `save`, `load`, `resume` and `wait`
+  first wait for the previous one, and re-raise its error.
 - **Read.** A step counts only if `manifest.json` exists and every file it lists exists
   with the listed size and sha256 (`verify_step`, `latest_verified`, which logs one
   warning line per skipped step with the reason: a full remote check, streamed, for tools
@@ -55,11 +57,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rft_contract import layout
-from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, file_entry, read_manifest,
-                                   verify_objects, write_manifest)
+from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, read_manifest, verify_objects,
+                                   write_manifest)
 from rft_contract.manifest import apply_retention as manifest_retention
 from rft_contract.names import ENV_STAGING_DIR
-from rft_contract.storage import Storage, get_storage, join
+from rft_contract.storage import Storage, get_storage, join, upload_file
 
 from .parallelize import Runtime
 
@@ -212,7 +214,8 @@ class CheckpointManager:
         # from interleaving with the training loop's collectives on the default group.
         # Its timeout covers the slowest rank's upload and a node's resume download of a
         # large checkpoint (gloo's default, 30 min, does not for tens of GB).
-        self.group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT) if rt.world_size > 1 else None
+        # (Also on one rank: an async save needs a CPU group, and the default may be NCCL.)
+        self.group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT) if dist.is_initialized() else None
         self.app = AppState(roles or {}, rt.rank, self.group)
         self.last_saved: int | None = None  # staged (maybe still uploading)
         # Called on rank 0 as on_commit(step, prefix_uri) once a manifest is written,
@@ -237,27 +240,36 @@ class CheckpointManager:
         return True
 
     def save(self, step: int, extra: dict | None = None, *, block: bool = True) -> None:
-        """Write step `step`. With block=False, return after the local write and upload in
-        the background (at most one save in flight: this first waits for the previous)."""
+        """Write step `step`. With block=False, return once the state is copied in memory;
+        the local write and the upload run in the background (at most one save in
+        flight: this first waits for the previous)."""
         self.wait()
         self.app.step, self.app.extra = step, dict(extra or {})
         self.staging.mkdir(parents=True, exist_ok=True)
         local = Path(tempfile.mkdtemp(prefix=f"step-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
         start = time.perf_counter()
+        writer = dcp.FileSystemWriter(str(local))
         try:
-            dcp.save({"app": self.app}, storage_writer=dcp.FileSystemWriter(str(local)),
-                     no_dist=not dist.is_initialized())
+            if block:
+                written = None
+                dcp.save({"app": self.app}, storage_writer=writer, no_dist=not dist.is_initialized())
+            else:
+                # One rank alone writes without collectives: in this thread they would run
+                # on the default group, beside the training loop's.
+                written = dcp.async_save({"app": self.app}, storage_writer=writer, process_group=self.group,
+                                         no_dist=self.group is None)
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
             raise
         self.last_saved = step
         self._stage_seconds = time.perf_counter() - start
         if self.rt.is_main:
-            log.info("checkpoint step %d staged locally in %.2fs", step, time.perf_counter() - start)
+            log.info("checkpoint step %d %s in %.2fs", step, "written locally" if block else "copied for an async save",
+                     self._stage_seconds)
         if block:
             self._commit(step, local)
         else:
-            self._thread = threading.Thread(target=self._commit_in_background, args=(step, local),
+            self._thread = threading.Thread(target=self._commit_in_background, args=(step, local, written),
                                             name=f"ckpt-commit-{step}", daemon=True)
             self._thread.start()
 
@@ -272,21 +284,25 @@ class CheckpointManager:
 
     close = wait
 
-    def _commit_in_background(self, step: int, local: Path) -> None:
+    def _commit_in_background(self, step: int, local: Path, written) -> None:
         try:
-            self._commit(step, local)
+            self._commit(step, local, written)
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
-    def _commit(self, step: int, local: Path) -> None:
+    def _commit(self, step: int, local: Path, written=None) -> None:
+        """Upload this rank's files (after `written`, the async DCP write, completes),
+        then rank 0 writes the manifest; every rank learns the outcome."""
         prefix = step_uri(self.uri, step)
-        start = time.perf_counter()
+        start = upload_start = time.perf_counter()
         files, err = {}, None
         try:
+            if written is not None:
+                written.result()
+            upload_start = time.perf_counter()
             for path in sorted(local.iterdir()):
-                data = path.read_bytes()
-                self.storage.write_bytes(join(prefix, path.name), data)
-                files[path.name] = file_entry(data)
+                got = upload_file(self.storage, path, join(prefix, path.name))
+                files[path.name] = {"size": got.size, "sha256": got.sha256}
         except Exception as e:  # still join the gather, so no rank hangs
             err = f"rank {self.rt.rank}: {type(e).__name__}: {e}"
         finally:
@@ -306,6 +322,7 @@ class CheckpointManager:
         # For status reporting: bytes of every rank's files, staging + upload time.
         self.last_commit_bytes = sum(m["size"] for f, _ in reports for m in f.values())
         self.last_commit_seconds = getattr(self, "_stage_seconds", 0.0) + time.perf_counter() - start
+        self.last_upload_seconds = time.perf_counter() - upload_start  # this rank's files + the commit
         if self.rt.is_main:
             log.info("checkpoint step %d committed to %s in %.2fs", step, prefix, time.perf_counter() - start)
             if self.on_commit is not None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rft_contract import layout
-from rft_contract.manifest import apply_retention, committed, read_manifest, sha256_file, verify_objects, write_manifest
-from rft_contract.storage import Storage, join
+from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
+from rft_contract.storage import Storage, join, upload_file
 
 from .parallelize import Runtime, tied_parameters
 
@@ -82,8 +82,8 @@ class _Writer:
         self.bucket, self.bucket_bytes = {}, 0
 
     def upload(self, path: Path) -> None:
-        self.files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-        self.storage.write_bytes(join(self.dest, path.name), path.read_bytes())
+        got = upload_file(self.storage, path, join(self.dest, path.name))  # streamed, hashed as it goes
+        self.files[path.name] = {"size": got.size, "sha256": got.sha256}
 
 
 def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_dir: str | None,
