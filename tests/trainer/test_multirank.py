@@ -182,7 +182,11 @@ def test_sigterm_seconds_apart_on_two_pods_stops_both_at_one_step_with_one_check
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     for code, _, err in results:
-        assert code == 143, err[-3000:]  # terminated: the operator's gang semantics
+        # Terminated, the operator's gang semantics: the launcher exits 128 + 15, or, when the
+        # late SIGTERM lands after torchrun's agent has put the default handler back (the
+        # workers already stopped on the other pod's signal), dies of it: -15 here, exit code
+        # 143 in the container's status either way.
+        assert code in (143, -signal.SIGTERM), err[-3000:]
     steps = {r: [t["step"] for t in traces_of(trace, r)] for r in range(4)}
     last = steps[0][-1]
     assert all(s[-1] == last for s in steps.values()), steps
