@@ -20,11 +20,11 @@ import pytest
 
 from rft_contract.manifest import MANIFEST, file_entry
 from rft_serving.engines import SyncError
-from rft_serving.relay import MANIFEST_COPY, VERIFIED, Peer, PeerServer, Transfer, parent_index
+from rft_serving.relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerServer, Transfer, parent_index
 from rft_serving.sync_agent import SyncAgent
 from rft_serving.weights import fetch, version_dir
 
-MiB = 1 << 20
+PART = CHUNK  # what S3 hands out at a time here, and what a relay moves at a time
 URI = "s3://bucket/run/weights/step-00000003"
 BIG, SMALL = "model.safetensors", "config.json"
 TARGET = {"version": 3, "uri": URI, "id": "abc123"}
@@ -38,7 +38,7 @@ def wait_for(cond, timeout=20.0, what="condition"):
 
 
 class MemoryS3:
-    """The Storage interface over a dict of s3:// URIs, in 1 MiB parts. Counts the bytes
+    """The Storage interface over a dict of s3:// URIs, in parts of PART bytes. Counts the bytes
     it serves per URI. `hold[uri]`: an Event the stream waits on after its first part;
     `cut[uri]`: the stream raises there instead (once the hold is released)."""
 
@@ -67,13 +67,13 @@ class MemoryS3:
         if uri not in self.objects:
             raise FileNotFoundError(uri)
         data = self.objects[uri]
-        for i in range(0, len(data), MiB):
+        for i in range(0, len(data), PART):
             if i and uri in self.hold:
                 assert self.hold[uri].wait(30), "test never released the hold"
                 if uri in self.cut:
                     raise OSError("connection reset by S3")
-            self._count(uri, len(data[i:i + MiB]))
-            yield data[i:i + MiB]
+            self._count(uri, len(data[i:i + PART]))
+            yield data[i:i + PART]
 
     def write_bytes(self, uri, data):
         self.objects[uri] = bytes(data)
@@ -88,8 +88,8 @@ class MemoryS3:
 
 @pytest.fixture
 def export():
-    """One exported version: a 3 MiB shard and a small file, with its manifest."""
-    files = {BIG: os.urandom(3 * MiB + 123), SMALL: b'{"model_type": "qwen2"}'}
+    """One exported version: a shard of 3 parts and a bit, and a small file, with its manifest."""
+    files = {BIG: os.urandom(3 * PART + 123), SMALL: b'{"model_type": "qwen2"}'}
     manifest = {"id": "abc123", "files": {n: file_entry(d) for n, d in files.items()}}
     objects = {f"{URI}/{n}": d for n, d in files.items()}
     objects[f"{URI}/{MANIFEST}"] = json.dumps(manifest).encode()
@@ -140,7 +140,7 @@ def progress(server: PeerServer, name: str, file: str) -> int:
 def test_a_chain_streams_each_file_while_the_parent_still_receives_it(tmp_path, export, servers):
     files, _, objects = export
     s3 = MemoryS3(objects)
-    s3.hold[f"{URI}/{BIG}"] = threading.Event()  # replica 0's S3 stream pauses after 1 MiB
+    s3.hold[f"{URI}/{BIG}"] = threading.Event()  # replica 0's S3 stream pauses after one part
     name = version_dir(tmp_path, TARGET).name
     dests = [tmp_path / f"r{i}" for i in range(3)]
     srv = [servers(d) for d in dests]
@@ -149,9 +149,9 @@ def test_a_chain_streams_each_file_while_the_parent_still_receives_it(tmp_path, 
     mid, mid_out = in_thread(fetch, TARGET, dests[1], s3, peer(srv[0], "r0"), srv[1])
     root, root_out = in_thread(fetch, TARGET, dests[0], s3, None, srv[0])
 
-    # While replica 0 has 1 MiB of the shard, the shard is flowing down the chain.
-    wait_for(lambda: progress(srv[2], name, BIG) >= MiB - 1, what="the grandchild streaming the shard")
-    assert progress(srv[0], name, BIG) == MiB and root.is_alive()
+    # While replica 0 has one part of the shard, the shard is flowing down the chain.
+    wait_for(lambda: progress(srv[2], name, BIG) >= PART, what="the grandchild streaming the shard")
+    assert progress(srv[0], name, BIG) == PART and root.is_alive()
     assert progress(srv[1], name, BIG) < len(files[BIG])
     s3.hold[f"{URI}/{BIG}"].set()
     for t in (root, mid, leaf):
@@ -240,14 +240,14 @@ def test_a_parent_whose_own_download_breaks_ends_the_childs_stream_short(tmp_pat
     files, _, objects = export
     broken = MemoryS3(objects)
     broken.hold[f"{URI}/{BIG}"] = threading.Event()
-    broken.cut.add(f"{URI}/{BIG}")  # S3 resets replica 0's stream after 1 MiB
+    broken.cut.add(f"{URI}/{BIG}")  # S3 resets replica 0's stream after one part
     name = version_dir(tmp_path, TARGET).name
     # Replica 0 never retries here, so the child's second ask finds nothing after 2 s.
     srv = [servers(tmp_path / "r0", wait_seconds=2), servers(tmp_path / "r1")]
     root, root_out = in_thread(fetch, TARGET, tmp_path / "r0", broken, None, srv[0])
     healthy = MemoryS3(objects)
     child, child_out = in_thread(fetch, TARGET, tmp_path / "r1", healthy, peer(srv[0], "r0"), srv[1])
-    wait_for(lambda: progress(srv[1], name, BIG) >= MiB, what="the child streaming the shard")
+    wait_for(lambda: progress(srv[1], name, BIG) >= PART, what="the child streaming the shard")
     broken.hold[f"{URI}/{BIG}"].set()
     root.join(30)
     child.join(30)
@@ -274,14 +274,14 @@ def test_a_child_whose_parent_restarts_a_file_asks_again_instead_of_going_to_s3(
     bad.verified(SMALL)
     corrupt = b"X" + files[BIG][1:]
     with open(bad.path / BIG, "wb") as f:
-        f.write(corrupt[:MiB])
-    bad.wrote(BIG, MiB)
+        f.write(corrupt[:PART])
+    bad.wrote(BIG, PART)
     srv[0].publish(bad)
     r1, r1_out = in_thread(fetch, TARGET, tmp_path / "r1", s3, peer(srv[0], "r0"), srv[1])
     r2, r2_out = in_thread(fetch, TARGET, tmp_path / "r2", s3, peer(srv[1], "r1"), srv[2])
-    wait_for(lambda: progress(srv[2], name, BIG) >= MiB - 1, what="r2 streaming the shard from r1")
+    wait_for(lambda: progress(srv[2], name, BIG) >= PART, what="r2 streaming the shard from r1")
     with open(bad.path / BIG, "ab") as f:
-        f.write(corrupt[MiB:])
+        f.write(corrupt[PART:])
     bad.wrote(BIG, len(corrupt))
     bad.verified(BIG)  # r0 claims it checked the shard: r1 does not take its word
     r1.join(30)

@@ -23,10 +23,12 @@ the same time), then answers 404 and the child goes to S3.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
+import os
 import re
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ log = logging.getLogger("rft_serving.relay")
 MANIFEST_COPY = ".manifest.json"  # the S3 manifest, kept beside a verified local copy
 VERIFIED = ".verified"
 _DIR_NAME = re.compile(r"v\d{8,}-[A-Za-z0-9_-]+\Z")  # weights.version_dir's names
-CHUNK = 1 << 20
+CHUNK = 8 << 20  # bytes per read, write, hash and progress step of a relayed file
 
 
 class PeerError(Exception):
@@ -202,7 +204,25 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
                 return self._error(404, f"{name}: not here")
             if not is_safe_file_name(file) or file not in transfer.files:
                 return self._error(404, f"{file}: not listed in the manifest of {name}")
-            self._stream(transfer, file)
+            try:
+                self._stream(transfer, file)
+            except OSError as e:  # the child went away or stopped reading
+                log.info("%s/%s to %s: %s", name, file, self.client_address[0], type(e).__name__)
+
+        def _send(self, f, offset: int, count: int) -> int:
+            """`count` bytes of `f` from `offset`, in one blocking sendfile where the kernel
+            takes them (a send timeout bounds a child that stopped reading)."""
+            sock = self.connection
+            if sock.gettimeout() is not None:
+                sock.settimeout(None)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(server.stall_seconds))
+            done = 0
+            while done < count:
+                n = os.sendfile(sock.fileno(), f.fileno(), offset + done, count - done)
+                if n == 0:
+                    break  # the file is shorter than announced (restarted): the caller ends
+                done += n
+            return done
 
         def _error(self, code: int, message: str) -> None:
             body = message.encode()
@@ -244,7 +264,10 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
                         if t.failed or t.generation.get(file, 0) != gen:
                             return  # short body: the child reads this file from S3
                         upto = t.available(file)
-                    sent += self.connection.sendfile(f, sent, upto - sent)
+                    n = self._send(f, sent, upto - sent)
+                    if n < upto - sent:
+                        return  # short body: the file was restarted under us
+                    sent += n
 
     return Handler
 
@@ -264,35 +287,73 @@ def read_from_peer(peer: Peer, name: str, file: str, size: int, out: BinaryIO,
                    on_chunk: Callable[[memoryview], None], timeout: float) -> None:
     """Stream `<peer>/weights/<name>/<file>` into `out`, calling `on_chunk` with each piece
     written (the caller hashes and publishes progress). PeerError on anything but the whole
-    body; `timeout` bounds the connect and every wait for bytes."""
+    body; `timeout` bounds the connect and every wait for bytes.
+
+    A plain HTTP/1.0 GET on a blocking socket of our own (the kernel's receive timeout
+    bounds each wait): the body is gathered CHUNK by CHUNK, each then written, hashed and
+    published in one step, so children and the hash see few large pieces."""
     u = urlsplit(peer.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     try:
-        conn.request("GET", f"/weights/{name}/{file}")
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise PeerError(f"HTTP {resp.status} {resp.read(200).decode(errors='replace')}")
-        length = resp.getheader("Content-Length")
-        if length is None or int(length) != size:
+        sock = socket.create_connection((u.hostname, u.port or 80), timeout=timeout)
+    except OSError as e:
+        raise PeerError(f"{type(e).__name__}: {e}"[:200]) from None
+    with sock:
+        try:
+            sock.sendall(f"GET /weights/{name}/{file} HTTP/1.0\r\nHost: {u.netloc}\r\n\r\n".encode())
+            status, length, body = _read_head(sock)
+        except (OSError, ValueError) as e:
+            raise PeerError(f"{type(e).__name__}: {e}"[:200]) from None
+        if status != 200:
+            raise PeerError(f"HTTP {status} {bytes(body[:200]).decode(errors='replace')}")
+        if length != size:
             raise PeerError(f"Content-Length {length}, the manifest says {size}")
+        got = len(body)
+        if body:
+            write_all(out, memoryview(body))
+            on_chunk(memoryview(body))
+        sock.settimeout(None)  # blocking, with a kernel timeout per recv
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
         buf = memoryview(bytearray(CHUNK))
-        got = 0
         while got < size:
-            try:
-                n = resp.readinto(buf)
-            except TimeoutError:
-                raise PeerError(f"no bytes for {timeout:.0f}s after {got} of {size}") from None
-            except (OSError, http.client.HTTPException) as e:
-                raise PeerError(f"stream cut after {got} of {size} bytes ({type(e).__name__})", retry=True) from None
-            if not n:
-                raise PeerError(f"stream ended after {got} of {size} bytes", retry=True)
+            want = min(CHUNK - got % CHUNK, size - got)  # chunks aligned with the parent's steps
+            n = 0
+            while n < want:  # (MSG_WAITALL instead stalled loopback streams for seconds)
+                try:
+                    k = sock.recv_into(buf[n:want])
+                except BlockingIOError:  # SO_RCVTIMEO passed without a byte
+                    raise PeerError(f"no bytes for {timeout:.0f}s after {got + n} of {size}") from None
+                except OSError as e:
+                    raise PeerError(f"stream cut after {got + n} of {size} bytes ({type(e).__name__})",
+                                    retry=True) from None
+                if not k:
+                    raise PeerError(f"stream ended after {got + n} of {size} bytes", retry=True)
+                n += k
             write_all(out, buf[:n])
             got += n
             on_chunk(buf[:n])
-    except (OSError, http.client.HTTPException) as e:  # connecting, or the response head
-        raise PeerError(f"{type(e).__name__}: {e}"[:200]) from None
-    finally:
-        conn.close()
+
+
+def _read_head(sock: socket.socket) -> tuple[int, int | None, bytes]:
+    """(status, Content-Length, the body bytes read with the head)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk or len(data) > 65536:
+            raise ValueError("no HTTP response head")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = None
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        if key.strip().lower() == "content-length":
+            length = int(value.strip())
+    return status, length, body
+
+
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
 
 
 def write_all(out: BinaryIO, data: memoryview) -> None:
