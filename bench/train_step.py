@@ -1,8 +1,8 @@
 """Actor-update throughput: the FSDP2 engine against a plain PyTorch loop.
 
     python bench/train_step.py [--sizes tiny,medium] [--ranks 1,2] [--batch 4]
-                               [--seq 64+64] [--steps 3] [--micro 2] [--threads N]
-                               [--peak-tflops X]
+                               [--seq 64+64] [--steps 3] [--micro 2] [--repeat 3]
+                               [--threads N] [--peak-tflops X]
 
 For each model size it measures, in the same invocation:
   * plain: one process, the HF model from `AutoModelForCausalLM.from_pretrained` (fp32,
@@ -16,6 +16,10 @@ Old log-probs and advantages are computed once before timing, as train_step does
 warm-up update, then `--steps` timed updates (each a full optimiser step on the batch).
 tokens/s counts the attention-mask tokens of the global batch per second of update time
 (the median timed step; for several ranks, the slowest rank's time of each step).
+The whole comparison runs `--repeat` times, interleaved (plain, engine x1, engine x2,
+plain, ...), so a noisy minute hits every way alike: each row gives the median over the
+runs and their spread (min-max), and `x plain` is the median of the per-run ratios
+against the plain loop of the same run (goal for 1 rank: >= 0.95), with their spread.
 
 On CPU the ranks share the machine's cores (OMP_NUM_THREADS = threads / ranks, threads
 defaulting to all cores), so more ranks add communication, not compute: with gloo every
@@ -251,6 +255,7 @@ def main() -> None:
     p.add_argument("--seq", default="64+64", help="prompt+response lengths (or one total, split in half)")
     p.add_argument("--steps", type=int, default=3, help="timed updates after 1 warm-up")
     p.add_argument("--micro", type=int, default=2, help="micro-batch size (per rank)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of the whole comparison, interleaved")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device in fp32 (torch leaves TF32 off), for MFU")
     p.add_argument("--threads", type=int, default=None,
@@ -287,29 +292,36 @@ def main() -> None:
           f"torch {torch.__version__}; fp32; batch {args.batch} x seq {prompt}+{response}, "
           f"micro-batch {args.micro}, {args.steps} timed updates after 1 warm-up")
 
-    rows = []
+    rows = []  # (size, params, spec, ranks, [result per run])
     with tempfile.TemporaryDirectory(prefix="rft-train-step-") as tmp:
         for size in sizes:
             spec = {"hidden": 64, "layers": 2, **SIZES[size]}
             model_dir = str(save_tiny_model(Path(tmp) / size, **SIZES[size], with_tokenizer=False))
-            plain = run_plain(model_dir, args, device)
-            n = plain["params"]
-            print(f"\n[{size}] {n / 1e6:.2f}M params; plain ({plain['device']}, {plain['threads']} threads, "
-                  f"attn {plain['attn']}): steps {[round(t, 3) for t in plain['step_s']]} s, "
-                  f"first pg_loss {plain['pg_loss']:.6f} grad_norm {plain['grad_norm']:.6f}", flush=True)
-            rows.append((size, n, spec, plain))
-            for r in ranks_list:
-                if cuda and r > torch.cuda.device_count():
-                    print(f"[{size}] {r} ranks: skipped ({torch.cuda.device_count()} GPUs)")
-                    continue
-                res = run_engine(model_dir, r, args, threads)
-                if "error" in res:
-                    print(f"[{size}] engine, {r} ranks: FAILED\n{res['error']}", flush=True)
-                    continue
-                print(f"[{size}] engine {r} rank(s) ({res['device']}, {res['threads']} threads each, "
-                      f"attn {res['attn']}): steps {[round(t, 3) for t in res['step_s']]} s, "
-                      f"first pg_loss {res['pg_loss']:.6f} grad_norm {res['grad_norm']:.6f}", flush=True)
-                rows.append((size, n, spec, res))
+            runs: dict[int, list[dict]] = {0: [], **{r: [] for r in ranks_list}}
+            for rep in range(args.repeat):
+                plain = run_plain(model_dir, args, device)
+                n = plain["params"]
+                print(f"\n[{size} run {rep + 1}/{args.repeat}] {n / 1e6:.2f}M params; plain ({plain['device']}, "
+                      f"{plain['threads']} threads, attn {plain['attn']}): steps "
+                      f"{[round(t, 3) for t in plain['step_s']]} s, first pg_loss {plain['pg_loss']:.6f} "
+                      f"grad_norm {plain['grad_norm']:.6f}", flush=True)
+                runs[0].append(plain)
+                for r in ranks_list:
+                    if cuda and r > torch.cuda.device_count():
+                        print(f"[{size}] {r} ranks: skipped ({torch.cuda.device_count()} GPUs)")
+                        continue
+                    res = run_engine(model_dir, r, args, threads)
+                    if "error" in res:
+                        print(f"[{size}] engine, {r} ranks: FAILED\n{res['error']}", flush=True)
+                        res = None
+                    else:
+                        print(f"[{size} run {rep + 1}/{args.repeat}] engine {r} rank(s) ({res['device']}, "
+                              f"{res['threads']} threads each, attn {res['attn']}): steps "
+                              f"{[round(t, 3) for t in res['step_s']]} s, first pg_loss {res['pg_loss']:.6f} "
+                              f"grad_norm {res['grad_norm']:.6f}", flush=True)
+                    runs[r].append(res)
+            for r, results in runs.items():
+                rows.append((size, n, spec, r, results))
             shutil.rmtree(model_dir, ignore_errors=True)
 
     print("\nMFU formula: FLOPs per update = (6 * N + 12 * layers * hidden * seq) * tokens, i.e. "
@@ -319,25 +331,32 @@ def main() -> None:
           "the old-log-prob forward is outside the timed update.")
     if args.peak_tflops is None:
         print("MFU needs a device peak: pass --peak-tflops (one device, fp32). FLOP/s only below.")
-    print("tokens/s = tokens / median step time (robust to one slow step on a shared machine); "
+    print(f"tokens/s = tokens / median step time of a run; the row is the median over {args.repeat} runs "
+          "[min-max]; x plain = median [min-max] of each run's tokens/s over the plain loop's in the same run; "
           "x plain/dev divides by the devices used (GPUs; CPU ranks share one machine).")
-    hdr = (f"{'size':<7} {'params':>8} {'run':>9} {'tokens':>6} {'step s':>8} {'tokens/s':>10} "
-           f"{'x plain':>8} {'x plain/dev':>11} {'FLOP/s':>14} {'MFU':>6}")
+    hdr = (f"{'size':<7} {'params':>8} {'run':>9} {'tokens':>6} {'step s':>8} {'tokens/s [min-max]':>24} "
+           f"{'x plain [min-max]':>20} {'x plain/dev':>11} {'FLOP/s':>14} {'MFU':>6}")
     print("\n" + hdr + "\n" + "-" * len(hdr))
-    base: dict[str, float] = {}
-    for size, n, spec, res in rows:
-        r = res["ranks"]
-        step = statistics.median(res["step_s"])
-        rate = res["tokens"] / step
+    plain_rates: dict[str, list[float | None]] = {}
+    for size, n, spec, r, results in rows:
+        rates = [res["tokens"] / statistics.median(res["step_s"]) if res else None for res in results]
         if r == 0:
-            base[size] = rate
+            plain_rates[size] = rates
+        ok = [x for x in rates if x is not None]
+        if not ok:
+            continue
+        ratios = [x / b for x, b in zip(rates, plain_rates[size]) if x is not None and b]
+        rate, ratio = statistics.median(ok), statistics.median(ratios)
+        step = next(res for res in results if res)["tokens"] / rate
+        tokens = next(res for res in results if res)["tokens"]
         devices = r if (cuda and r) else 1
-        flops = model_flops(n, spec["layers"], spec["hidden"], seq, res["tokens"]) / step
-        ratio = rate / base[size]
+        flops = model_flops(n, spec["layers"], spec["hidden"], seq, tokens) / step
         mfu = f"{flops / (args.peak_tflops * 1e12 * devices):.1%}" if args.peak_tflops else "n/a"
         name = "plain" if r == 0 else f"fsdp x{r}"
-        print(f"{size:<7} {n / 1e6:>7.2f}M {name:>9} {res['tokens']:>6} {step:>8.3f} {rate:>10.1f} "
-              f"{ratio:>8.2f} {ratio / devices:>11.2f} {fmt_rate(flops) + 'FLOP/s':>14} {mfu:>6}")
+        spread = f"{rate:.1f} [{min(ok):.1f}-{max(ok):.1f}]"
+        rspread = f"{ratio:.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        print(f"{size:<7} {n / 1e6:>7.2f}M {name:>9} {tokens:>6} {step:>8.3f} {spread:>24} "
+              f"{rspread:>20} {ratio / devices:>11.2f} {fmt_rate(flops) + 'FLOP/s':>14} {mfu:>6}")
     load = f" (load average now {os.getloadavg()[0]:.1f})" if hasattr(os, "getloadavg") else ""
     print(f"\nwall time: {time.perf_counter() - t_start:.1f} s{load}")
 
