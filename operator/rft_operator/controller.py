@@ -23,6 +23,8 @@ import asyncio
 import collections
 import logging
 import random
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from datetime import datetime, timezone
@@ -142,6 +144,9 @@ class Retry(Exception):
 # waits for its ServiceAccount (admission refuses a pod whose account does not exist), the
 # ConfigMap it mounts and the Service that names it.
 WRITE_STEPS = {"RoleBinding": 1, "Pod": 2}
+# How long a pass waits for children it created to show in the informers before it
+# trusts what they show (`Controller._awaiting`).
+EXPECT_SECONDS = 10.0
 # Writes in flight per worker at most (`Controller._apply`: a step's writes side by side).
 WRITES_PER_WORKER = 4
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
@@ -178,6 +183,9 @@ class Controller:
         self._failures: dict[Key, int] = {}
         # Refusals by job: (uid, generation, refusal); a new generation or job forgets it.
         self._refusals: dict[Key, tuple[str, Any, Refusal]] = {}
+        # Children created and not shown by the informers yet: key -> (until, {(kind, name)}).
+        self._expected: dict[Key, tuple[float, set[tuple[str, str]]]] = {}
+        self._expected_lock = threading.Lock()  # creates run on the write pool
         self.reconciles = 0
         self.errors = 0
 
@@ -212,6 +220,7 @@ class Controller:
         if body is None:  # deleted: children go with the garbage collector
             self._stale_rv.pop(key, None)
             self._refusals.pop(key, None)
+            self._expected.pop(key, None)
             rc.forget(*key)
             return
         rv = body["metadata"].get("resourceVersion")
@@ -224,6 +233,8 @@ class Controller:
 
     async def _reconcile(self, key: Key, body: dict[str, Any]) -> None:
         observed, now = self.observe(key, body), self.clock()
+        if self._awaiting(key, observed):
+            return
         nodes = rc.nodes_to_read(body, observed, now)
         if nodes:
             observed.nodes = await asyncio.get_running_loop().run_in_executor(self._pool, self.read_nodes, nodes)
@@ -291,7 +302,7 @@ class Controller:
             await self._together(
                 *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message)
                   for ev in (plan.events if step == 0 else ())),
-                *(partial(self._create, body, obj) for obj in plan.create if now(obj)),
+                *(partial(self._create_expected, key, body, obj) for obj in plan.create if now(obj)),
                 *(partial(self._write, body, obj, "patching", self.kube.replace) for obj in plan.replace if now(obj)),
                 *(partial(self._recreate, body, obj) for obj in plan.recreate if now(obj)))
         await self._together(
@@ -331,6 +342,32 @@ class Controller:
             log.info("%s/%s: %s (%s)", ns, name, plan.status.get("phase"), plan.status.get("message"))
         return True
 
+    def _awaiting(self, key: Key, observed: rc.Observed) -> bool:
+        """Whether children this controller created are still missing from the informers'
+        caches (their watch events lag behind the create's answer): a pass now would create
+        them again, a 409 and a read each. It comes back when their events requeue the key,
+        or after `EXPECT_SECONDS` (an object deleted before it was ever seen sends none).
+        A refusal is acted on at once."""
+        with self._expected_lock:
+            entry = self._expected.get(key)
+            if entry is None:
+                return False
+            until, names = entry
+            names.difference_update({("Pod", p.name) for p in observed.pods}, observed.children)
+            left = until - time.monotonic()
+            if not names or left <= 0 or observed.refusal is not None:
+                del self._expected[key]
+                return False
+        log.debug("%s/%s: waiting for %d created children to reach the informers", *key, len(names))
+        self.queue.add_after(key, left)
+        return True
+
+    def _create_expected(self, key: Key, body: dict[str, Any], obj: dict[str, Any]) -> None:
+        if self._create(body, obj):
+            with self._expected_lock:
+                entry = self._expected.setdefault(key, (time.monotonic() + EXPECT_SECONDS, set()))
+                entry[1].add((obj["kind"], obj["metadata"]["name"]))
+
     def _recreate(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
         self.kube.delete(obj)
         self._create(body, obj)
@@ -339,11 +376,12 @@ class Controller:
         log.info("%s/%s: deleting %s, which the spec no longer renders", *key, _what(obj))
         self.kube.delete(obj)
 
-    def _create(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
-        """Create by name; a name already taken is fine only when this job controls the
-        object that holds it. Never adopt: anyone else's object is a ChildConflict."""
+    def _create(self, body: dict[str, Any], obj: dict[str, Any]) -> bool:
+        """Create by name (True: created now); a name already taken is fine only when this
+        job controls the object that holds it. Never adopt: anyone else's object is a
+        ChildConflict."""
         if self._write(body, obj, "creating", self.kube.create):
-            return
+            return True
         meta, what = body["metadata"], _what(obj)
         live = self.kube.read(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         owner = policy.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), c.KIND)
@@ -351,7 +389,7 @@ class Controller:
             # Ours, yet not in the index: someone took our labels off. Put them back.
             if obj["kind"] != "Pod" and not policy.covers(managed_fields(live), managed_fields(obj)):
                 self._write(body, policy.compute_patch(obj, live), "patching", self.kube.replace)
-            return
+            return False
         if owner == policy.PREVIOUS:
             raise Retry(f"{what} still belongs to a deleted {c.KIND} of the same name; waiting for the "
                         "garbage collector", PREVIOUS_OWNER_RETRY_SECONDS)

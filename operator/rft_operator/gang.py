@@ -291,10 +291,10 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
     if not stale:  # a new gang starts only once the previous one is gone
         missing = [build_trainer_pod(ref, spec, attempt, r) for r in range(nodes) if r not in gang]
         g = replace(g, create=g.create + tuple(missing))
-    ready = sum(1 for x in gang.values() if x.phase == "Running")
-    # No event: waiting for pods to schedule is not news.
+    # No event: waiting for pods to schedule is not news. No count of the running ones
+    # either: it would cost a status write per pod that starts (`kubectl get pods` has it).
     g = replace(g, status={**g.status, "phase": c.PENDING,
-                           "message": f"attempt {attempt}: {ready}/{nodes} trainer pods running"})
+                           "message": f"attempt {attempt}: waiting for all {nodes} trainer pods to run"})
     return _report_stuck(g, old.get("message"))
 
 

@@ -176,8 +176,9 @@ async def cleanup(**_: Any) -> None:
     ctl = _state.get("controller")
     if ctl:
         await ctl.stop()
-        log.info("rftjob-operator stopped: reconciles=%d api_writes=%d errors=%d write_seconds=%.1f",
-                 ctl.reconciles, ctl.kube.requests, ctl.errors, ctl.kube.seconds)
+        log.info("rftjob-operator stopped: reconciles=%d api_writes=%d errors=%d write_seconds=%.1f (%s)",
+                 ctl.reconciles, ctl.kube.requests, ctl.errors, ctl.kube.seconds,
+                 ", ".join(f"{k} {n}" for k, n in sorted(ctl.kube.counts.items())))
 
 
 @kopf.on.probe(id="queue")

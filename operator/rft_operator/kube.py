@@ -4,6 +4,7 @@ pod stuck terminating). Everything else takes and returns plain dicts."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -61,6 +62,13 @@ def _timed(fn):
     return wrapper
 
 
+def _resource(path: str, method: str) -> str:
+    """The resource a request path names: `pods` of .../pods (a create) and of .../pods/<name>,
+    `status` of .../<name>/status."""
+    parts = path.strip("/").split("/")
+    return parts[-1] if method == "POST" or parts[-1] == "status" else parts[-2]
+
+
 class Kube:
     """Requests go out through the client's REST layer (its connection pool, TLS and
     credentials, a refreshed token included) with plain JSON bodies, and come back as plain
@@ -78,6 +86,7 @@ class Kube:
             api_client = kubernetes.client.ApiClient(config)
         self.client = api_client
         self._watch_client: kubernetes.client.ApiClient | None = None
+        self.counts: collections.Counter[str] = collections.Counter()  # "<method> <resource>": calls
         self.requests = 0  # API calls made, for the benchmark
         self.seconds = 0.0  # time spent waiting on them
 
@@ -90,6 +99,7 @@ class Kube:
         queries = list((query or {}).items())
         self.client.update_params_for_auth(headers, queries, ["BearerToken"], path, method, body)
         url = self.client.configuration.host + path + (f"?{urlencode(queries)}" if queries else "")
+        self.counts[f"{method} {_resource(path, method)}"] += 1
         resp = self.client.rest_client.request(method, url, headers=headers, body=body)
         data = resp.read()
         if not 200 <= resp.status <= 299:

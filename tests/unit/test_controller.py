@@ -330,3 +330,34 @@ def test_a_steps_writes_go_side_by_side_bindings_wait_for_roles_and_pods_for_all
     passes(ctl, 1)
     assert sorted(created) == sorted([*first, "RoleBinding", "Pod", "Pod"])
     assert ctl.errors == 0
+
+
+def test_a_pass_waits_for_the_children_it_created_to_reach_the_informers(monkeypatch):
+    from rft_operator import controller as controller_module
+
+    kube = FakeKube(make_job())
+    sent: list[dict] = []
+    create = kube.create
+    kube.create = lambda obj: sent.append(obj) or create(obj)
+    shown: list = []  # what the informers show
+    pods = lambda key: [PodView.from_pod(o) for o in shown if o["kind"] == "Pod"]  # noqa: E731
+    children = lambda key: [ChildView.from_object(o["kind"], o) for o in shown if o["kind"] != "Pod"]  # noqa: E731
+
+    def creates():
+        return [x for x in kube.calls if x[0] == "create"]
+
+    async def go(expect_seconds):
+        monkeypatch.setattr(controller_module, "EXPECT_SECONDS", expect_seconds)
+        ctl = Controller(kube, lambda key: kube.job, pods, children, workers=1, clock=lambda: NOW)
+        await ctl.sync(KEY)  # the status, 5 static children and 2 pods
+        first = len(creates())
+        await ctl.sync(KEY)  # a pod event came first: nothing is created twice
+        second = len(creates())
+        shown.extend(sent)  # the informers catch up
+        await ctl.sync(KEY)
+        await ctl.stop()
+        return first, second, len(creates()), ctl.reconciles
+
+    assert asyncio.run(go(10.0)) == (7, 7, 7, 2)  # the waiting pass did not reconcile
+    kube.job, kube.calls, shown[:], sent[:] = make_job(), [], [], []
+    assert asyncio.run(go(0.0))[:2] == (7, 14)  # past the wait, it trusts what it sees

@@ -75,7 +75,15 @@ def test_partially_scheduled_gang_stays_pending_and_fills_gaps():
     plan = reconcile(make_job(status=status(c.PENDING)), observed([pod(1, 0)]), NOW)
     assert plan.status["phase"] == c.PENDING
     assert [o["metadata"]["name"] for o in plan.create if o["kind"] == "Pod"] == ["demo-trainer-1-1"]
-    assert "1/2" in plan.status["message"]
+    assert plan.status["message"] == "attempt 1: waiting for all 2 trainer pods to run"
+
+
+def test_a_pod_that_starts_while_the_gang_is_pending_costs_no_status_write():
+    job = make_job(status=status(c.PENDING))
+    first = reconcile(job, observed([pod(1, 0, "Pending"), pod(1, 1, "Pending")]), NOW)
+    job["status"] = first.status
+    plan = reconcile(job, observed([pod(1, 0), pod(1, 1, "Pending")]), NOW)
+    assert plan.status["phase"] == c.PENDING and not plan.status_changed
 
 
 def test_steady_state_is_a_no_op():
