@@ -139,11 +139,13 @@ class Retry(Exception):
         self.delay = delay
 
 
-# The steps of a pass's writes by kind (any other kind: 0). A RoleBinding waits for its
-# Role: the API server reads the Role to check that the operator holds what it grants. A pod
-# waits for its ServiceAccount (admission refuses a pod whose account does not exist), the
-# ConfigMap it mounts and the Service that names it.
-WRITE_STEPS = {"RoleBinding": 1, "Pod": 2}
+# The steps of a pass's writes by kind (any other kind: 0). A pod waits for its
+# ServiceAccount (admission refuses a pod whose account does not exist), the ConfigMap it
+# mounts and the Service that names it, not for its Role: creating a Role or RoleBinding is
+# the API server's slowest write (its escalation check; 0.5 s under load on 2 cores), and the
+# pod's programs retry their first status writes. A RoleBinding waits for its Role: the API
+# server reads the Role to check that the operator holds what it grants.
+WRITE_STEPS = {"Pod": 1, "Role": 1, "RoleBinding": 2}
 # How long a pass waits for children it created to show in the informers before it
 # trusts what they show (`Controller._awaiting`).
 EXPECT_SECONDS = 10.0
@@ -290,9 +292,9 @@ class Controller:
     async def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
         """The status first (its precondition is the state the pass read); then, step by
         step (`WRITE_STEPS`), each step's writes side by side on the write pool: events with
-        the static children but RoleBindings (create, patch, recreate), the RoleBindings,
-        the pods, then deletions. A step that fails ends the pass; what it wrote stays
-        (every write is idempotent) and the retry finds the rest missing."""
+        the ServiceAccounts, ConfigMap and Services (create, patch, recreate); the pods with
+        the Roles; the RoleBindings; then deletions. A step that fails ends the pass; what
+        it wrote stays (every write is idempotent) and the retry finds the rest missing."""
         ns, name = key
         if plan.status_changed and not await self._together(partial(self._write_status, key, body, plan)):
             return  # the watch event of the competing change requeues the key

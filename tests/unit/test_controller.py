@@ -308,16 +308,17 @@ def test_children_the_spec_no_longer_renders_are_deleted():
     assert ("delete", "ServiceAccount", "demo-rft-explorer") in kube.calls
 
 
-def test_a_steps_writes_go_side_by_side_bindings_wait_for_roles_and_pods_for_all():
+def test_a_steps_writes_go_side_by_side_pods_wait_for_what_they_use_bindings_for_roles():
     kube = FakeKube(make_job())
-    first = {"ConfigMap", "Service", "ServiceAccount", "Role"}
+    first = {"ConfigMap", "Service", "ServiceAccount"}
     together = threading.Barrier(len(first), timeout=10)  # breaks unless all are in flight at once
     created: list[str] = []
     create = kube.create
 
     def create_together(obj):
-        if obj["kind"] == "Pod":
-            assert first | {"RoleBinding"} <= set(created)  # its account, config, name, rights exist
+        if obj["kind"] in ("Pod", "Role"):
+            assert first <= set(created)  # a pod's account, config and name exist
+            assert "RoleBinding" not in created  # pods do not wait for the slow RBAC writes
         elif obj["kind"] == "RoleBinding":
             assert "Role" in created  # the API server reads the Role it binds
         else:
@@ -328,7 +329,7 @@ def test_a_steps_writes_go_side_by_side_bindings_wait_for_roles_and_pods_for_all
     kube.create = create_together
     ctl = Controller(kube, lambda key: kube.job, lambda key: [], lambda key: [], workers=2, clock=lambda: NOW)
     passes(ctl, 1)
-    assert sorted(created) == sorted([*first, "RoleBinding", "Pod", "Pod"])
+    assert sorted(created) == sorted([*first, "Role", "RoleBinding", "Pod", "Pod"])
     assert ctl.errors == 0
 
 
