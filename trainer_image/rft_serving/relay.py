@@ -287,7 +287,8 @@ def read_from_peer(peer: Peer, name: str, file: str, size: int, out: BinaryIO,
                    on_chunk: Callable[[memoryview], None], timeout: float) -> None:
     """Stream `<peer>/weights/<name>/<file>` into `out`, calling `on_chunk` with each piece
     written (the caller hashes and publishes progress). PeerError on anything but the whole
-    body; `timeout` bounds the connect and every wait for bytes.
+    body; `timeout` bounds the connect and every wait for bytes. Each piece is a buffer
+    of its own, never written again: the caller may hash it on another thread.
 
     A plain HTTP/1.0 GET on a blocking socket of our own (the kernel's receive timeout
     bounds each wait): the body is gathered CHUNK by CHUNK, each then written, hashed and
@@ -313,9 +314,9 @@ def read_from_peer(peer: Peer, name: str, file: str, size: int, out: BinaryIO,
             on_chunk(memoryview(body))
         sock.settimeout(None)  # blocking, with a kernel timeout per recv
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
-        buf = memoryview(bytearray(CHUNK))
         while got < size:
             want = min(CHUNK - got % CHUNK, size - got)  # chunks aligned with the parent's steps
+            buf = memoryview(bytearray(want))  # a fresh one: `on_chunk` may keep the last
             n = 0
             while n < want:  # (MSG_WAITALL instead stalled loopback streams for seconds)
                 try:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -171,27 +173,41 @@ class _Fetch:
 
 
 class _Sink:
-    """One file being written: hashes each piece, publishes progress, and on exit checks
-    size and sha256 against the manifest (the file is then `verified` for children)."""
+    """One file being written: publishes progress as pieces land, hashes them on a thread
+    of its own (sha256 releases the GIL, so hashing overlaps the next piece's download and
+    write), and on exit checks size and sha256 against the manifest; only then is the file
+    `verified` for children. Pieces handed to `add` must not be reused by the caller."""
+
+    _DONE = None
 
     def __init__(self, fetch: _Fetch, name: str, meta: dict):
         self.fetch, self.name, self.meta = fetch, name, meta
         self.h, self.size = hashlib.sha256(), 0
+        self._pieces: queue.Queue = queue.Queue(maxsize=4)  # at most 4 pieces in memory
+        self._hasher = threading.Thread(target=self._hash, name=f"sha256-{name}", daemon=True)
 
     def __enter__(self) -> "_Sink":
         self.f = open(self.fetch.tmp / self.name, "wb", buffering=0)
         self.fetch.transfer.wrote(self.name, 0)
+        self._hasher.start()
         return self
 
+    def _hash(self) -> None:
+        while (piece := self._pieces.get()) is not self._DONE:
+            self.h.update(piece)
+
     def add(self, piece: memoryview) -> None:
-        t = time.perf_counter()
-        self.h.update(piece)
-        self.fetch.hash_seconds += time.perf_counter() - t
+        self._pieces.put(piece)
         self.size += len(piece)
         self.fetch.transfer.wrote(self.name, self.size)
 
     def __exit__(self, kind, exc, tb) -> None:
         self.f.close()
+        t = time.perf_counter()
+        self._pieces.put(self._DONE)
+        self._hasher.join()
+        # Only the hashing that did not overlap the transfer: its cost on the way.
+        self.fetch.hash_seconds += time.perf_counter() - t
         if kind is not None:
             return
         if reason := mismatch(self.size, self.h.hexdigest(), self.meta):
