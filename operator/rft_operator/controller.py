@@ -364,6 +364,10 @@ class Controller:
         self.queue.add_after(key, left)
         return True
 
+    def awaits_children(self, key: Key) -> bool:
+        """Whether a pass of this job waits for children it created to reach the informers."""
+        return key in self._expected
+
     def _create_expected(self, key: Key, body: dict[str, Any], obj: dict[str, Any]) -> None:
         if self._create(body, obj):
             with self._expected_lock:

@@ -77,8 +77,9 @@ async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: 
 def _on_child_event(ctl: Controller, is_pod: bool):
     def on_change(key: Key, type_: str | None) -> None:
         # Every pod event counts (its phase is the gang's state); a static child's ADDED is
-        # our own create coming back, MODIFIED or DELETED one to repair.
-        if is_pod or type_ != "ADDED":
+        # our own create coming back (news only to a pass waiting for it), MODIFIED or
+        # DELETED one to repair.
+        if is_pod or type_ != "ADDED" or ctl.awaits_children(key):
             ctl.queue.add(key)
     return on_change
 

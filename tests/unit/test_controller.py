@@ -354,9 +354,12 @@ def test_a_pass_waits_for_the_children_it_created_to_reach_the_informers(monkeyp
         first = len(creates())
         await ctl.sync(KEY)  # a pod event came first: nothing is created twice
         second = len(creates())
+        waiting = ctl.awaits_children(KEY)  # a static child's ADDED event then requeues the job
         shown.extend(sent)  # the informers catch up
         await ctl.sync(KEY)
+        assert not ctl.awaits_children(KEY)
         await ctl.stop()
+        assert waiting or expect_seconds == 0
         return first, second, len(creates()), ctl.reconciles
 
     assert asyncio.run(go(10.0)) == (7, 7, 7, 2)  # the waiting pass did not reconcile

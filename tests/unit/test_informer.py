@@ -162,6 +162,9 @@ def test_every_pod_event_enqueues_its_job_a_static_childs_own_create_does_not():
     class Ctl:
         queue = WorkQueue()
 
+        def awaits_children(self, key):
+            return key == ("ns", "f")
+
     ctl = Ctl()
     pods, children = _on_child_event(ctl, is_pod=True), _on_child_event(ctl, is_pod=False)
     pods(("ns", "a"), "ADDED")
@@ -169,4 +172,5 @@ def test_every_pod_event_enqueues_its_job_a_static_childs_own_create_does_not():
     children(("ns", "c"), "MODIFIED")  # a hand edit to repair
     children(("ns", "d"), "DELETED")
     children(("ns", "e"), None)  # a listing
-    assert set(ctl.queue._dirty) == {("ns", "a"), ("ns", "c"), ("ns", "d"), ("ns", "e")}
+    children(("ns", "f"), "ADDED")  # a create a pass waits to see
+    assert set(ctl.queue._dirty) == {("ns", "a"), ("ns", "c"), ("ns", "d"), ("ns", "e"), ("ns", "f")}
