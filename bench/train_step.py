@@ -47,12 +47,14 @@ from pathlib import Path
 
 import torch
 
-from rft_trainer.algorithms import advantages as advs
-from rft_trainer.algorithms import losses
-from rft_contract.config import JobConfig as Config, load_config
-from rft_trainer.roles import token_logprobs
-from tests.fixtures.models import save_tiny_model, tiny_vocab
-from tests.fixtures.batches import synthetic_batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, run from anywhere
+
+from rft_trainer.algorithms import advantages as advs  # noqa: E402
+from rft_trainer.algorithms import losses  # noqa: E402
+from rft_contract.config import JobConfig as Config, load_config  # noqa: E402
+from rft_trainer.roles import token_logprobs  # noqa: E402
+from tests.fixtures.models import save_tiny_model, tiny_vocab  # noqa: E402
+from tests.fixtures.batches import synthetic_batch  # noqa: E402
 
 # Arguments of save_tiny_model. medium: ~99M parameters, almost all in the 12 blocks
 # (the tiny vocabulary is 24 tokens, so embeddings and lm_head are ~37K).
