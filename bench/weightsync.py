@@ -21,7 +21,8 @@ Columns (medians over the versions; seconds unless said):
             client in this process) between t0 and the end, i.e. the agents' reads of
             that version (manifests included); `x model` divides by the version's size
   x base    e2e / baseline. The baseline, measured in the same run against the same S3
-            server, is the raw cost of one replica's work: boto3 `download_file` of every
+            server (for each row: once before each of its versions, median), is the raw
+            cost of one replica's work: boto3 `download_file` of every
             object of a version into a temp dir, then `AutoModelForCausalLM.from_pretrained`
             of that dir (fp32, as the reference server loads on CPU). It uses the agents'
             transfer settings (S3Storage: 64 MiB parts); boto3's default 8 MiB parts are
@@ -256,15 +257,21 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
         watch.wait_synced(0, timeout)
         print(f"  {n} replica(s): base model (version 0) served by all after {time.monotonic() - t:.1f}s")
         rows = []
+        transfer = S3Storage().transfer
         for k, w in enumerate(versions):
+            # The raw baseline right before each timed sync, under the same load (this
+            # machine is shared: a baseline taken minutes earlier can be 2x off).
+            base = baseline(w["uri"], tmp, transfer)
             read_before = s3_reads.bytes
             t0 = time.monotonic()
             reporter.report_weights(w["version"], w["uri"], w["id"], [x["version"] for x in versions[:k + 1]])
             t_done = watch.wait_synced(w["version"], timeout)
             rows.append(breakdown(w["version"], t0, t_done, watch, engines))
+            rows[-1]["baseline"] = base
             rows[-1]["s3_bytes"] = s3_reads.bytes - read_before
             rows[-1]["s3_x_model"] = rows[-1]["s3_bytes"] / w["bytes"]
-            print(f"  {n} replica(s): version {w['version']} e2e {rows[-1]['e2e']:.2f}s, "
+            print(f"  {n} replica(s): version {w['version']} e2e {rows[-1]['e2e']:.2f}s "
+                  f"(raw download + load just before: {base['total']:.2f}s), "
                   f"S3 read {rows[-1]['s3_bytes'] / 2**20:.1f} MiB ({rows[-1]['s3_x_model']:.2f}x the model), "
                   f"sources {sorted(set(r['source'] for r in rows[-1]['replicas'].values()))}")
     return rows
@@ -354,16 +361,17 @@ def main() -> None:
     print(f"\nweight sync of {mib:.1f} MiB ({args.dtype}, hidden {args.hidden} x {args.layers} layers), "
           f"relay fanout {args.fanout}{' (off: every replica reads S3)' if not args.fanout else ''}, "
           f"median of {args.versions} versions, seconds")
-    print(f"baseline (boto3 download_file with 64 MiB parts + from_pretrained): {base_total:.2f} "
+    print(f"baseline before the cluster (boto3 download_file with 64 MiB parts + from_pretrained): {base_total:.2f} "
           f"(download {statistics.median(b['download'] for b in base):.2f}, "
           f"load {statistics.median(b['load'] for b in base):.2f}); "
           f"with boto3's default 8 MiB parts: {statistics.median(b['total'] for b in base_8mib):.2f}")
     print("breakdown along the critical path (the replica whose entry was visible last)")
-    head = (f"{'replicas':>8} {'e2e':>6} {'x base':>6} {'S3 MiB':>7} {'x model':>7} "
+    head = (f"{'replicas':>8} {'e2e':>6} {'base':>6} {'x base':>6} {'S3 MiB':>7} {'x model':>7} "
             + " ".join(f"{p:>8}" for p in PHASES) + f" {'dl mean':>8}")
     print(head)
     for n, rows in results.items():
-        print(f"{n:>8} {med(rows, 'e2e'):6.2f} {med(rows, 'e2e') / base_total:6.2f} "
+        row_base = statistics.median(r["baseline"]["total"] for r in rows)
+        print(f"{n:>8} {med(rows, 'e2e'):6.2f} {row_base:6.2f} {med(rows, 'e2e') / row_base:6.2f} "
               f"{max(r['s3_bytes'] for r in rows) / 2**20:7.1f} {max(r['s3_x_model'] for r in rows):7.2f} "
               + " ".join(f"{med(rows, p):8.2f}" for p in PHASES) + f" {med(rows, 'download_mean'):8.2f}")
     print("S3 MiB and x model: the largest of the versions (the goal is <= 1.1x at every count)")
