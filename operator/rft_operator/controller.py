@@ -123,6 +123,11 @@ class WorkQueue:
         return sum(1 for k in self._dirty if k not in self._processing)
 
 
+def write_threads(workers: int) -> int:
+    """Threads of the write pool (and API connections) for `workers` workers."""
+    return min(MAX_WRITES_IN_FLIGHT, WRITES_PER_WORKER * workers)
+
+
 class Refused(Exception):
     """A write the API server will never accept for this job as it stands."""
 
@@ -149,8 +154,10 @@ WRITE_STEPS = {"Pod": 1, "Role": 1, "RoleBinding": 2}
 # How long a pass waits for children it created to show in the informers before it
 # trusts what they show (`Controller._awaiting`).
 EXPECT_SECONDS = 10.0
-# Writes in flight per worker at most (`Controller._apply`: a step's writes side by side).
+# Writes in flight per worker (`Controller._apply`: a step's writes side by side), and at
+# most in all: what the API server is asked to do at once.
 WRITES_PER_WORKER = 4
+MAX_WRITES_IN_FLIGHT = 96
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
 PREVIOUS_OWNER_RETRY_SECONDS = 2.0
 WRITE_FAILED = {"creating": "CreateFailed", "patching": "PatchFailed"}  # event reasons
@@ -178,7 +185,7 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         # API writes get threads of their own, apart from kopf's default executor: a few
         # per worker, since a pass writes a step's children side by side.
-        self._pool = ThreadPoolExecutor(max_workers=WRITES_PER_WORKER * workers, thread_name_prefix="rft-apply")
+        self._pool = ThreadPoolExecutor(max_workers=write_threads(workers), thread_name_prefix="rft-apply")
         # Status writes not yet seen by our watch: key -> resourceVersion we wrote over.
         # A reconcile that still sees that version would act on stale state, so it waits.
         self._stale_rv: dict[Key, str] = {}

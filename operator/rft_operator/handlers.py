@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from rft_contract import names as c
-from .controller import WRITES_PER_WORKER, Controller, Key
+from .controller import Controller, Key, write_threads
 from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
@@ -139,8 +139,10 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     load_config()
-    workers = int(os.environ.get("RFT_WORKERS", "16"))
-    kube = Kube(connections=WRITES_PER_WORKER * workers)
+    # Passes mostly wait on the API server (a Role's create takes 0.3-0.5 s under load), so
+    # more of them than cores: 16 left new jobs queued behind the RBAC writes of others.
+    workers = int(os.environ.get("RFT_WORKERS", "48"))
+    kube = Kube(connections=write_threads(workers))
     _state["stores"] = {}
     ctl = Controller(kube, _get_job, _get_pods, _get_children, workers=workers)
     _state["controller"] = ctl
