@@ -1,138 +1,368 @@
-"""Reconcile benchmark: N RFTJobs x P trainer pods on KWOK GPU nodes.
+"""Reconcile benchmark: N jobs x P GPU pods on KWOK, our operator against Kubeflow's
+training-operator (the peer) and against bare pods (the floor).
 
-    python bench/reconcile.py [--jobs 100] [--pods 4] [--gpu-nodes 50]
+    python bench/reconcile.py [--jobs 100] [--pods 4] [--waves 3] [--peer] [--profile FILE]
 
 Starts its own local control plane (real kube-apiserver, etcd, scheduler,
-controller-manager, KWOK), runs the operator as a subprocess under its ServiceAccount,
-creates the jobs as fast as the API server takes them, and reports:
-  * create -> phase Running latency (p50/p99/max), measured from a watch on rftjobs
-    (a job is Running only once all its pods are Running);
-  * API write requests per job made by the operator (its own counter, logged at exit);
-  * the operator's peak RSS (sampled every 100 ms);
-  * as a baseline measured in the same run, the latency for a single job on the idle
-    cluster, so the ratio shows the cost of load rather than of this machine.
-No thresholds: it prints numbers.
+controller-manager, KWOK nodes with room for one wave). Each wave of each side gets a
+fresh namespace and a fresh operator; sides take turns wave by wave, so a load that
+comes and goes on the machine hits them alike. A wave: start the operator, run one job on
+the idle cluster (the baseline; it also proves the operator is up), then create the N jobs
+as fast as the API server takes them (8 client threads) and wait until every job is
+Running. Per side it prints:
+  * create -> all of the job's pods Running, p50/p99 (watch on pods);
+  * create -> the job's status says Running, p50/p99 (watch on the job objects; ours:
+    phase Running, once every pod runs; the peer: condition Running, which it sets once
+    its master pod runs), and the lag from the last pod Running to that status;
+  * API writes per job (the operator's own counter: ours `rftjob_api_writes`, the peer's
+    client-go `rest_client_requests_total` for POST/PUT/PATCH/DELETE), read before and
+    after the wave;
+  * operator CPU per pod over the wave (from the first create until the operator is idle
+    again; start-up, imports and the baseline job are printed apart), peak RSS, error lines
+    in its log;
+and the ratios of ours to the peer, with the goals of issue 15. No thresholds fail the run.
+
+The peer is built from the Go module proxy on first use (`bash e2e/build-binaries.sh
+training_operator`, cached under $RFT_CACHE) and run with 16 threads and no client QPS cap
+(`--controller-threads=16 --kube-api-qps=1000 --kube-api-burst=2000`).
+
+`--profile FILE`: py-spy samples our operator during an extra wave, left out of the figures
+(raw collapsed stacks to FILE), and the top functions by own and inclusive samples are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import kubernetes
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e.cluster import Cluster  # noqa: E402
-from e2e.demo import install_api as install  # noqa: E402
-from rft_contract import names as c  # noqa: E402
+from e2e.demo import kubectl  # noqa: E402
+from reconcile_sides import Bare, Ours, Peer, Side  # noqa: E402
+
+# ------------------------------------------------------------------ watching
 
 
-def manifest(name: str, pods: int) -> dict:
-    return {
-        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
-        "spec": {
-            "model": {"path": "s3://models/tiny"}, "algorithm": {"name": "grpo"},
-            "trainer": {"image": "trainer:bench", "nodes": pods, "gpusPerNode": 1,
-                        "totalSteps": 10, "batchSize": 4},
-            "checkpoint": {"uri": "s3://ckpt/bench"},
-        },
-    }
+class Watcher(threading.Thread):
+    """Records when each object first satisfies `pred`: a list, then a watch resumed from
+    the last resourceVersion seen (raw JSON lines: decoding into the typed client's models
+    would eat the GIL and delay the timestamps we are taking)."""
 
-
-class RunningWatcher(threading.Thread):
-    """Records when each object (RFTJob or pod) is first seen Running."""
-
-    def __init__(self, list_fn, *args, key=lambda o: o["metadata"]["name"]):
+    def __init__(self, list_fn: Callable[..., Any], pred: Callable[[dict], bool], label: str = ""):
         super().__init__(daemon=True)
-        self.list_fn, self.args, self.key = list_fn, args, key
-        self.running_at: dict[str, float] = {}
+        self.list_fn, self.pred, self.label = list_fn, pred, label
+        self.seen: dict[str, float] = {}
+        self.group: dict[str, str] = {}  # object name -> value of `label` (the job of a pod)
         self.stop = threading.Event()
+        self.listed = threading.Event()
+
+    def _see(self, obj: dict, now: float) -> None:
+        name = obj["metadata"]["name"]
+        if self.label:
+            self.group[name] = (obj["metadata"].get("labels") or {}).get(self.label, "")
+        if name not in self.seen and self.pred(obj):
+            self.seen[name] = now
 
     def run(self) -> None:
-        # Raw watch lines, decoded with json: the typed client's model decoding would eat
-        # the GIL and delay the timestamps we are trying to take.
+        rv = None
         while not self.stop.is_set():
-            resp = self.list_fn(*self.args, watch=True, timeout_seconds=5, _preload_content=False)
-            for line in resp:
-                obj = json.loads(line)["object"]
-                if (obj.get("status") or {}).get("phase") == c.RUNNING:
-                    self.running_at.setdefault(self.key(obj), time.monotonic())
-                if self.stop.is_set():
-                    break
+            try:
+                if rv is None:
+                    listing = json.loads(self.list_fn(_preload_content=False).data)
+                    now = time.monotonic()
+                    for obj in listing["items"]:
+                        self._see(obj, now)
+                    rv = listing["metadata"]["resourceVersion"]
+                    self.listed.set()
+                resp = self.list_fn(watch=True, resource_version=rv, timeout_seconds=10,
+                                    allow_watch_bookmarks=True, _preload_content=False)
+                for line in resp:
+                    event = json.loads(line)
+                    if event["type"] == "ERROR":  # 410 Gone: list again
+                        rv = None
+                        break
+                    rv = event["object"]["metadata"]["resourceVersion"]
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._see(event["object"], time.monotonic())
+                    if self.stop.is_set():
+                        break
+            except Exception as e:  # a dropped watch: resume from rv
+                print(f"  (watch restarted: {type(e).__name__})", file=sys.stderr)
 
 
-def sample_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
-    proc = psutil.Process(pid)
-    while not stop.is_set():
-        try:
-            out.append(proc.memory_info().rss)
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.1)  # sampling period, not synchronisation
+def pod_running(obj: dict) -> bool:
+    return (obj.get("status") or {}).get("phase") == "Running"
 
 
-def run_wave(api, namespace: str, names: list[str], pods: int, timeout: float):
-    """Creates the jobs; returns per job (create->all pods Running, create->job Running)."""
-    custom = kubernetes.client.CustomObjectsApi(api)
-    jobs = RunningWatcher(custom.list_namespaced_custom_object, c.GROUP, c.VERSION, namespace, c.PLURAL)
-    pod_watch = RunningWatcher(kubernetes.client.CoreV1Api(api).list_namespaced_pod, namespace,
-                               key=lambda o: o["metadata"]["name"])
-    jobs.start()
-    pod_watch.start()
+# ------------------------------------------------------------------ one wave
+
+
+@dataclass
+class Totals:
+    """One side's figures, summed over its waves."""
+
+    pods_lat: list[float] = field(default_factory=list)  # create -> all pods Running
+    status_lat: list[float] = field(default_factory=list)  # create -> job status Running
+    lag: list[float] = field(default_factory=list)  # last pod Running -> job status Running
+    baseline: list[float] = field(default_factory=list)
+    missing: int = 0
+    jobs: int = 0
+    pods: int = 0
+    writes: int = 0
+    cpu: float = 0.0  # seconds, over the waves
+    cpu_start: list[float] = field(default_factory=list)  # start-up + baseline job, per wave
+    rss: int = 0
+    errors: int = 0
+    reconciles: int = 0
+
+
+def run_jobs(side: Side, api, namespace: str, names: list[str], pods: int, timeout: float):
+    """Creates the jobs; returns per job (create -> all pods Running, create -> status
+    Running or None) and how many did not get there in time."""
+    core = kubernetes.client.CoreV1Api(api)
+    pod_watch = Watcher(lambda **kw: core.list_namespaced_pod(namespace, **kw), pod_running, side.job_label)
+    list_jobs = side.list_jobs(api, namespace)
+    job_watch = Watcher(list_jobs, side.job_running) if list_jobs else None
+    for w in (pod_watch, job_watch):
+        if w:
+            w.start()
+            w.listed.wait(30)
     created: dict[str, float] = {}
 
     def create(name: str) -> None:
-        custom.create_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, manifest(name, pods))
-        created[name] = time.monotonic()
+        t = time.monotonic()
+        side.create(api, namespace, name, pods)
+        created[name] = t
 
     with cf.ThreadPoolExecutor(8) as pool:
         list(pool.map(create, names))
+
+    def running_pods() -> collections.Counter:
+        return collections.Counter(pod_watch.group.get(p) for p in list(pod_watch.seen))
+
+    def done() -> bool:
+        counts = running_pods()
+        return (all(counts[n] >= pods for n in names)
+                and (job_watch is None or all(n in job_watch.seen for n in names)))
+
     deadline = time.monotonic() + timeout
-    while len(jobs.running_at) < len(names) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    jobs.stop.set()
-    pod_watch.stop.set()
-    missing = set(names) - set(jobs.running_at)
-    if missing:
-        print(f"WARNING: {len(missing)} jobs not Running after {timeout}s, e.g. {sorted(missing)[:3]}")
-    out = []
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling what the watch threads recorded
+    for w in (pod_watch, job_watch):
+        if w:
+            w.stop.set()
+    out, missing = [], 0
+    by_job: dict[str, list[float]] = collections.defaultdict(list)
+    for p, t in list(pod_watch.seen.items()):
+        by_job[pod_watch.group.get(p, "")].append(t)
     for n in names:
-        if n in missing:
+        if len(by_job[n]) < pods or (job_watch and n not in job_watch.seen):
+            missing += 1
             continue
-        pods_at = [t for p, t in pod_watch.running_at.items() if p.startswith(f"{n}-trainer-")]
-        out.append((max(pods_at) - created[n] if len(pods_at) == pods else float("nan"),
-                    jobs.running_at[n] - created[n]))
-    return out
+        status = job_watch.seen[n] - created[n] if job_watch else None
+        out.append((max(by_job[n]) - created[n], status))
+    return out, missing
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def wait_idle(proc: psutil.Process, timeout: float = 20.0) -> None:
+    """Until the operator has used under 10 ms of CPU in the last second (it finishes its
+    queue, e.g. the last status writes), so the wave's CPU is all counted."""
+    deadline, last = time.monotonic() + timeout, cpu_seconds(proc)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)  # sampling CPU time, not synchronisation
+        now = cpu_seconds(proc)
+        if now - last < 0.01:
+            return
+        last = now
+
+
+def sample_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
+    try:
+        proc = psutil.Process(pid)
+        while not stop.is_set():
+            out.append(proc.memory_info().rss)
+            time.sleep(0.1)  # sampling period, not synchronisation
+    except psutil.NoSuchProcess:
+        return
+
+
+def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: Totals, profile: str | None) -> None:
+    namespace = f"{side.name}-{wave}"
+    kubectl(cluster, "create", "namespace", namespace)
+    rss: list[int] = []
+    stop = threading.Event()
+    proc = None
+    spy = None
+    try:
+        if side.has_operator:
+            side.start(wave)
+            proc = psutil.Process(side.proc.pid)
+            threading.Thread(target=sample_rss, args=(side.proc.pid, stop, rss), daemon=True).start()
+        base, missing = run_jobs(side, api, namespace, ["baseline"], args.pods, 120)
+        if base:
+            totals.baseline.append(base[0][1] if base[0][1] is not None else base[0][0])
+        cpu0, writes0 = (cpu_seconds(proc), side.writes()) if proc else (0.0, 0)
+        if profile and proc:
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
+                                    "--output", profile, "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        names = [f"job-{i:04d}" for i in range(args.jobs)]
+        results, missing = run_jobs(side, api, namespace, names, args.pods, args.timeout)
+        if proc:
+            wait_idle(proc)
+            totals.cpu += cpu_seconds(proc) - cpu0
+            totals.cpu_start.append(cpu0)
+            totals.writes += side.writes() - writes0
+        if spy:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+    finally:
+        stop.set()
+        if side.has_operator:
+            side.stop()
+    totals.rss = max([totals.rss, *rss])
+    totals.missing += missing
+    totals.jobs += len(results)
+    totals.pods += len(results) * args.pods
+    for pods_at, status_at in results:
+        totals.pods_lat.append(pods_at)
+        if status_at is not None:
+            totals.status_lat.append(status_at)
+            totals.lag.append(status_at - pods_at)
+    if side.has_operator:
+        errors = side.error_lines()
+        totals.errors += len(errors)
+        for line in errors[:3]:
+            print(f"  {side.name} wave {wave} error: {line[:300]}")
+        if isinstance(side, Ours):
+            totals.reconciles += side.reconciles()
+    print(f"  wave {wave} {side.name}: {len(results)} jobs, create -> all pods Running p50 "
+          f"{pct([p for p, _ in results], 0.5):.2f}s" + (f", {missing} not Running in time" if missing else ""),
+          flush=True)
+    kubectl(cluster, "delete", "namespace", namespace, "--wait=true", "--timeout=300s")
+
+
+# ------------------------------------------------------------------ report
 
 
 def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def report(args, totals: dict[str, Totals], nodes: int) -> None:
+    sides = list(totals)
+    print(f"\n{args.jobs} jobs x {args.pods} pods, {args.waves} wave(s) per side, sides interleaved; "
+          f"{nodes} KWOK nodes x 8 GPUs; {os.cpu_count()} cores, load average at the end "
+          f"{os.getloadavg()[0]:.1f} (other work on the machine shows here)")
+
+    def ms(x: float) -> str:
+        return f"{1000 * x:.1f} ms"
+
+    rows: list[tuple[str, Callable[[Totals], str]]] = [
+        ("create -> all pods Running p50 / p99", lambda t: f"{pct(t.pods_lat, .5):.2f} / {pct(t.pods_lat, .99):.2f} s"),
+        ("create -> job status Running p50 / p99",
+         lambda t: f"{pct(t.status_lat, .5):.2f} / {pct(t.status_lat, .99):.2f} s" if t.status_lat else "-"),
+        ("last pod Running -> status p50 / p99",
+         lambda t: f"{pct(t.lag, .5):.2f} / {pct(t.lag, .99):.2f} s" if t.lag else "-"),
+        ("baseline: 1 job, idle cluster", lambda t: f"{statistics.median(t.baseline):.2f} s" if t.baseline else "-"),
+        ("API writes per job", lambda t: f"{t.writes / t.jobs:.1f}" if t.cpu else "-"),
+        ("operator CPU per pod (wave)", lambda t: ms(t.cpu / t.pods) if t.cpu else "-"),
+        ("operator CPU at start + baseline", lambda t: f"{statistics.median(t.cpu_start):.2f} s" if t.cpu_start else "-"),
+        ("operator peak RSS", lambda t: f"{t.rss / 2**20:.0f} MiB" if t.rss else "-"),
+        ("error lines in its log", lambda t: str(t.errors) if t.cpu else "-"),
+        ("jobs not Running in time", lambda t: str(t.missing)),
+    ]
+    print(f"  {'':40s}" + "".join(f"{s:>18s}" for s in sides))
+    for label, fn in rows:
+        print(f"  {label:40s}" + "".join(f"{fn(totals[s]) if totals[s].jobs else '-':>18s}" for s in sides))
+    ours = totals.get("ours")
+    if ours and ours.reconciles:
+        print(f"  ours: {ours.reconciles / (ours.jobs + args.waves):.1f} reconciles per job")
+    peer, bare = totals.get("peer"), totals.get("bare")
+    if ours and ours.jobs and peer and peer.jobs:
+        p99 = pct(ours.pods_lat, .99) / pct(peer.pods_lat, .99)
+        cpu = (ours.cpu / ours.pods) / (peer.cpu / peer.pods)
+        print("\n  ours / peer:")
+        print(f"    create -> all pods Running  p50 {pct(ours.pods_lat, .5) / pct(peer.pods_lat, .5):.2f}x  "
+              f"p99 {p99:.2f}x   (goal p99 <= 1.0x: {'met' if p99 <= 1.0 else 'NOT met'})")
+        print(f"    create -> status Running    p50 {pct(ours.status_lat, .5) / pct(peer.status_lat, .5):.2f}x  "
+              f"p99 {pct(ours.status_lat, .99) / pct(peer.status_lat, .99):.2f}x")
+        print(f"    operator CPU per pod        {cpu:.2f}x   (goal <= 2x: {'met' if cpu <= 2 else 'NOT met'})")
+        print(f"    API writes per job          {(ours.writes / ours.jobs) / (peer.writes / peer.jobs):.2f}x")
+        print(f"    peak RSS                    {ours.rss / peer.rss:.2f}x")
+    if ours and ours.jobs:
+        lag99, writes = pct(ours.lag, .99), ours.writes / ours.jobs
+        print(f"  ours: status within 1 s of the last pod Running at p99: {lag99:.2f} s "
+              f"({'met' if lag99 <= 1.0 else 'NOT met'}); writes per job {writes:.1f} "
+              f"(goal <= 13: {'met' if writes <= 13 else 'NOT met'})")
+        if bare and bare.jobs:
+            print(f"  ours / bare pods: create -> all pods Running p50 "
+                  f"{pct(ours.pods_lat, .5) / pct(bare.pods_lat, .5):.2f}x  "
+                  f"p99 {pct(ours.pods_lat, .99) / pct(bare.pods_lat, .99):.2f}x")
+
+
+def summarize_profile(path: str, top: int = 25) -> None:
+    """py-spy's raw output: one `frame;frame;... count` line per distinct stack."""
+    own, incl, total = collections.Counter(), collections.Counter(), 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(n)
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]  # per function, not line
+        total += count
+        own[frames[-1]] += count
+        for f in set(frames):
+            incl[f] += count
+    print(f"\nprofile {path}: {total} samples")
+    for title, counter in (("own", own), ("inclusive", incl)):
+        print(f"  top {top} by {title} samples:")
+        for f, n in counter.most_common(top):
+            print(f"    {100 * n / max(1, total):5.1f}%  {f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=100)
     ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--waves", type=int, default=3, help="waves per side (each a fresh namespace and operator)")
+    ap.add_argument("--peer", action="store_true", help="also run Kubeflow's training-operator (built on first use)")
+    ap.add_argument("--sides", default="ours,bare", help="comma-separated: ours, peer, bare")
     ap.add_argument("--gpu-nodes", type=int, default=0,
-                    help="fake 8-GPU nodes; default: room for every pod plus 10%% (there is no gang "
+                    help="fake 8-GPU nodes; default: room for one wave's pods plus 10%% (there is no gang "
                          "scheduler, so an over-full cluster strands half-scheduled gangs)")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--profile", metavar="FILE", help="run the operator under cProfile, stats to FILE")
+    ap.add_argument("--profile", metavar="FILE", help="py-spy our operator's first wave; raw stacks to FILE")
     args = ap.parse_args()
+    names = [s for s in args.sides.split(",") if s] + (["peer"] if args.peer and "peer" not in args.sides else [])
     if args.gpu_nodes <= 0:
         args.gpu_nodes = -(-((args.jobs + 1) * args.pods * 11 // 10) // 8)
 
@@ -140,54 +370,28 @@ def main() -> None:
     cluster = Cluster(state)
     t0 = time.monotonic()
     cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=8)
-    print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s")
-    kc = str(cluster.kubeconfig)
-    install(cluster)
-    subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", "bench"], check=True,
-                   capture_output=True)
-    op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", state / "op.kubeconfig")
-    log_path = state / "operator.log"
-    profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    proc = subprocess.Popen([sys.executable, *profile, "-m", "rft_operator", "--log-format=json"],
-                            env={**os.environ, "KUBECONFIG": str(op_kc)},
-                            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    rss: list[int] = []
-    stop = threading.Event()
-    threading.Thread(target=sample_rss, args=(proc.pid, stop, rss), daemon=True).start()
+    print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s (state in {state})")
+    kinds = {"ours": Ours, "peer": Peer, "bare": Bare}
+    sides = [kinds[n](cluster, state) for n in names]
+    totals = {s.name: Totals() for s in sides}
     try:
-        api = kubernetes.config.new_client_from_config(kc)
-        baseline = run_wave(api, "bench", ["baseline"], args.pods, args.timeout)[0][1]
-        names = [f"job-{i:04d}" for i in range(args.jobs)]
-        t1 = time.monotonic()
-        results = run_wave(api, "bench", names, args.pods, args.timeout)
-        pod_lat = [p for p, _ in results]
-        lat = [j for _, j in results]
-        wall = time.monotonic() - t1
-        cpu = psutil.Process(proc.pid).cpu_times()
-        op_cpu = cpu.user + cpu.system
+        for s in sides:
+            s.install()
+        api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+        ours = next((s for s in sides if isinstance(s, Ours)), None)
+        if args.profile and ours:  # a wave of its own: the sampler slows the machine down
+            run_wave(ours, cluster, api, "profiled", args, Totals(), args.profile)
+        for wave in range(args.waves):
+            order = sides[wave % len(sides):] + sides[:wave % len(sides)]
+            for s in order:
+                run_wave(s, cluster, api, wave, args, totals[s.name], None)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        stop.set()
+        for s in sides:
+            s.stop()
         cluster.down()
-    m = re.search(r"reconciles=(\d+) api_writes=(\d+) errors=(\d+) write_seconds=([0-9.]+)", log_path.read_text())
-    reconciles, writes, errors = (int(x) for x in m.groups()[:3]) if m else (0, 0, -1)
-    write_ms = 1000 * float(m.group(4)) / max(1, writes) if m else float("nan")
-    total_jobs = args.jobs + 1
-    print(f"\n{args.jobs} RFTJobs x {args.pods} pods ({args.jobs * args.pods} pods) on {args.gpu_nodes} KWOK nodes")
-    print(f"  baseline (1 job, idle cluster): create->Running {baseline:.2f}s")
-    print(f"  create->Running p50 {statistics.median(lat):.2f}s  p99 {pct(lat, 0.99):.2f}s  "
-          f"max {max(lat):.2f}s  (p50/baseline {statistics.median(lat) / baseline:.1f}x)")
-    lag = [j - p for p, j in results]
-    print(f"  create->all pods Running (scheduler + KWOK) p50 {statistics.median(pod_lat):.2f}s  "
-          f"p99 {pct(pod_lat, 0.99):.2f}s")
-    print(f"  last pod Running->job Running (operator lag) p50 {statistics.median(lag):.2f}s  "
-          f"p99 {pct(lag, 0.99):.2f}s")
-    print(f"  all {len(lat)} Running within {wall:.1f}s of the first create ({args.jobs / wall:.1f} jobs/s)")
-    print(f"  operator: {reconciles / total_jobs:.1f} reconciles/job, {writes / total_jobs:.1f} API writes/job, "
-          f"{write_ms:.0f} ms/write, {errors} errors, peak RSS {max(rss) / 2**20:.0f} MiB, CPU {op_cpu:.1f}s "
-          f"({1000 * op_cpu / (args.jobs * args.pods):.1f} ms/pod)")
-    print(f"  (writes/job floor: 5 static children + {args.pods} pods + 2 status patches + 2 events = {9 + args.pods})")
+    report(args, totals, args.gpu_nodes)
+    if args.profile and Path(args.profile).exists():
+        summarize_profile(args.profile)
 
 
 if __name__ == "__main__":
