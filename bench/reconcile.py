@@ -211,7 +211,8 @@ def sample_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
         return
 
 
-def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: Totals, profile: str | None) -> None:
+def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: Totals, profile: str | None,
+             cleanup: bool = True) -> None:
     namespace = f"{side.name}-{wave}"
     kubectl(cluster, "create", "namespace", namespace)
     rss: list[int] = []
@@ -264,7 +265,8 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
     print(f"  wave {wave} {side.name}: {len(results)} jobs, create -> all pods Running p50 "
           f"{pct([p for p, _ in results], 0.5):.2f}s" + (f", {missing} not Running in time" if missing else ""),
           flush=True)
-    kubectl(cluster, "delete", "namespace", namespace, "--wait=true", "--timeout=300s")
+    if cleanup:  # the next wave starts on an empty cluster
+        kubectl(cluster, "delete", "namespace", namespace, "--wait=true", "--timeout=600s")
 
 
 # ------------------------------------------------------------------ report
@@ -384,7 +386,8 @@ def main() -> None:
         for wave in range(args.waves):
             order = sides[wave % len(sides):] + sides[:wave % len(sides)]
             for s in order:
-                run_wave(s, cluster, api, wave, args, totals[s.name], None)
+                last = wave == args.waves - 1 and s is order[-1]
+                run_wave(s, cluster, api, wave, args, totals[s.name], None, cleanup=not last)
     finally:
         for s in sides:
             s.stop()

@@ -153,7 +153,7 @@ class Retry(Exception):
 WRITE_STEPS = {"Pod": 1, "Role": 1, "RoleBinding": 2}
 # How long a pass waits for children it created to show in the informers before it
 # trusts what they show (`Controller._awaiting`).
-EXPECT_SECONDS = 10.0
+EXPECT_SECONDS = 30.0
 # Writes in flight per worker (`Controller._apply`: a step's writes side by side), and at
 # most in all: what the API server is asked to do at once.
 WRITES_PER_WORKER = 4
