@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-from .storage import Fetched, HashingReader
+from .hashing import Fetched, HashingReader
 
 MiB = 1 << 20
 

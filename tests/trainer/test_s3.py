@@ -14,7 +14,7 @@ import torch
 from rft_trainer.experience import BufferReader, write_shard
 from rft_trainer.parallelize import Runtime, fetch_model
 from rft_contract.s3 import S3Storage
-from rft_contract import storage as storage_mod
+from rft_contract import hashing
 from rft_contract.storage import HashingReader, LocalStorage, get_storage, upload_file
 from tests.fixtures.models import save_tiny_model
 from tests.fixtures.batches import synthetic_batch
@@ -58,7 +58,7 @@ def test_upload_file_hashes_the_bytes_it_streams_in_one_pass(bucket, tmp_path, m
     def no_second_pass(_):
         raise AssertionError("the file was read again to hash it")
 
-    monkeypatch.setattr(storage_mod, "sha256_file", no_second_pass)
+    monkeypatch.setattr(hashing, "sha256_file", no_second_pass)
     s = S3Storage(part_size=5 << 20, upload_window=2)
     got = upload_file(s, path, f"s3://{bucket}/up/shard.distcp")
     assert (got.size, got.sha256) == (size, hashlib.sha256(blob).hexdigest())
