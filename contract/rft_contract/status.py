@@ -99,6 +99,9 @@ class ReplicaSync(Model):
     error: str | None = None
     error_time: str | None = None
     attempts: int | None = None
+    source: str | None = Field(default=None, description="where the last fetch came from: s3, peer <pod>, "
+                                                        "peer <pod>, then s3, or local")
+    peer: str | None = Field(default=None, description="URL of this replica's weight relay")
 
 
 # No unknown fields at this level and at the top (the CRD prunes them): the status
