@@ -282,7 +282,7 @@ def pct(xs: list[float], q: float) -> float:
 def report(args, totals: dict[str, Totals], nodes: int) -> None:
     sides = list(totals)
     print(f"\n{args.jobs} jobs x {args.pods} pods, {args.waves} wave(s) per side, sides interleaved; "
-          f"{nodes} KWOK nodes x 8 GPUs; {os.cpu_count()} cores, load average at the end "
+          f"{nodes} KWOK nodes x {args.gpus_per_node} GPUs; {os.cpu_count()} cores, load average at the end "
           f"{os.getloadavg()[0]:.1f} (other work on the machine shows here)")
 
     def ms(x: float) -> str:
@@ -361,17 +361,20 @@ def main() -> None:
     ap.add_argument("--gpu-nodes", type=int, default=0,
                     help="fake 8-GPU nodes; default: room for one wave's pods plus 10%% (there is no gang "
                          "scheduler, so an over-full cluster strands half-scheduled gangs)")
+    ap.add_argument("--gpus-per-node", type=int, default=8,
+                    help="GPUs of each fake node (more, fewer nodes: 1,000 jobs need ~70 nodes of 64, which KWOK "
+                         "keeps Ready on 2 cores, rather than 551 of 8)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="FILE", help="py-spy our operator's first wave; raw stacks to FILE")
     args = ap.parse_args()
     names = [s for s in args.sides.split(",") if s] + (["peer"] if args.peer and "peer" not in args.sides else [])
     if args.gpu_nodes <= 0:
-        args.gpu_nodes = -(-((args.jobs + 1) * args.pods * 11 // 10) // 8)
+        args.gpu_nodes = -(-((args.jobs + 1) * args.pods * 11 // 10) // args.gpus_per_node)
 
     state = Path(tempfile.mkdtemp(prefix="rft-bench-"))
     cluster = Cluster(state)
     t0 = time.monotonic()
-    cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=8)
+    cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node)
     print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s (state in {state})")
     kinds = {"ours": Ours, "peer": Peer, "bare": Bare}
     sides = [kinds[n](cluster, state) for n in names]
