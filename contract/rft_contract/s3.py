@@ -3,9 +3,14 @@
 Endpoint, region and credentials come from the environment the operator sets from the
 job's Secret (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
 `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`), through boto3's own resolution, so
-nothing here is specific to one server. Retries: botocore's standard mode backs off with
-jitter on 5xx and SlowDown, 10 attempts (its adaptive mode adds a client-side rate limiter
-that made a 33%-SlowDown test 2.5x slower without saving a request). Large objects go
+nothing here is specific to one server. Retries (`DeadlineRetries`): what botocore's
+standard mode counts as transient (5xx, SlowDown and other throttling, connection errors,
+timeouts) is retried with capped, jittered backoff until `retry_seconds` (300, or
+`RFT_S3_RETRY_SECONDS`) have passed since the request first failed. botocore's own budget
+is 10 attempts and a client-wide quota of about 100 retries: during an outage a client
+with 16 threads in flight spends the quota in seconds, then fails every request at once.
+(Its adaptive mode adds a client-side rate limiter that made a 33%-SlowDown test 2.5x
+slower without saving a request.) Large objects go
 through the TransferManager with 64 MiB parts (the 8 MiB default makes thousands of
 requests per multi-GB shard) and CRC32 checksums that the server verifies. Local files
 (`upload_file`: checkpoint and export shards) stream from disk through the same manager,
@@ -20,7 +25,10 @@ memory stays at (read_window + 1) parts per object, whatever its size.
 from __future__ import annotations
 
 import io
+import logging
 import os
+import random
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +37,8 @@ from typing import Iterator
 from .hashing import Fetched, HashingReader
 
 MiB = 1 << 20
+DEFAULT_RETRY_SECONDS = 300.0
+log = logging.getLogger(__name__)
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -44,16 +54,89 @@ def _is_missing(error) -> bool:
     return error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
 
 
+def retry_seconds_from_env() -> float:
+    raw = os.environ.get("RFT_S3_RETRY_SECONDS", "")
+    if not raw:
+        return DEFAULT_RETRY_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RFT_S3_RETRY_SECONDS={raw!r}: not a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"RFT_S3_RETRY_SECONDS={raw!r}: must be >= 0")
+    return value
+
+
+class DeadlineRetries:
+    """botocore's `needs-retry` handler for a client, in place of its standard one: the
+    same test of what is transient (`StandardRetryConditions`), backoff of
+    rand(0, 1) * min(2 ** (attempt - 1), `max_backoff`) seconds, and a time budget per
+    request instead of an attempt count and a quota shared by every thread of the client.
+    A request is retried while less than `seconds` have passed since its first failure;
+    the last wait ends at the deadline. With a cap of 10 s, an outage's end is noticed
+    within 10 s.
+
+    Not for requests that are not safe to repeat; every S3 call this module makes is
+    (whole-object PUTs, part uploads, GETs, listings, HEADs)."""
+
+    def __init__(self, seconds: float, max_backoff: float = 10.0, rng=random.random, clock=time.monotonic):
+        from botocore.retries import standard
+
+        self.seconds, self.max_backoff, self._rng, self._clock = seconds, max_backoff, rng, clock
+        self._adapter = standard.RetryEventAdapter()
+        self._transient = standard.StandardRetryConditions(max_attempts=1 << 62)
+        self._logged = float("-inf")
+
+    def install(self, client) -> None:
+        name = client.meta.service_model.service_id.hyphenize()
+        events = client.meta.events
+        events.unregister(f"needs-retry.{name}", unique_id=f"retry-config-{name}")
+        events.register(f"needs-retry.{name}", self.needs_retry, unique_id=f"retry-config-{name}")
+
+    def needs_retry(self, **kwargs) -> float | None:
+        """Seconds to wait before the next attempt, or None: the failure stands."""
+        context = self._adapter.create_retry_context(**kwargs)
+        if not self._transient.is_retryable(context):
+            return None
+        now = self._clock()
+        first = context.request_context.setdefault("rft_first_failure", now)
+        left = self.seconds - (now - first)
+        if left <= 0:
+            log.warning("S3 %s: still failing after %.0fs and %d attempts; giving up (RFT_S3_RETRY_SECONDS)",
+                        kwargs["operation"].name, now - first, context.attempt_number)
+            return None
+        if context.attempt_number == 1 and now - self._logged >= 10:  # one line per 10 s, not per request
+            self._logged = now
+            log.info("S3 %s failed (%s); retrying for up to %.0fs", kwargs["operation"].name,
+                     _failure(context), self.seconds)
+        return min(left, self._rng() * min(2.0 ** (context.attempt_number - 1), self.max_backoff))
+
+
+def _failure(context) -> str:
+    if context.caught_exception is not None:
+        return type(context.caught_exception).__name__
+    error = (context.parsed_response or {}).get("Error", {})
+    status = context.http_response.status_code if context.http_response is not None else "?"
+    return f"{status} {error.get('Code', '')}".strip()
+
+
 class S3Storage:
     def __init__(self, client=None, part_size: int = 64 * MiB, concurrency: int = 16,
-                 read_part_size: int = 16 * MiB, read_window: int = 8, upload_window: int = 6):
+                 read_part_size: int = 16 * MiB, read_window: int = 8, upload_window: int = 6,
+                 retry_seconds: float | None = None):
+        """`retry_seconds`: how long a request that keeps failing transiently is retried
+        (`DeadlineRetries`); None: `RFT_S3_RETRY_SECONDS`, else 300. Applies to the client
+        made here; a `client` passed in keeps its own retries."""
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
-        self.client = client or boto3.client(
-            "s3", config=Config(retries={"max_attempts": 10, "mode": "standard"},
-                                s3={"addressing_style": os.environ.get("RFT_S3_ADDRESSING", "auto")}))
+        if client is None:
+            client = boto3.client(
+                "s3", config=Config(retries={"mode": "standard"},
+                                    s3={"addressing_style": os.environ.get("RFT_S3_ADDRESSING", "auto")}))
+            DeadlineRetries(retry_seconds_from_env() if retry_seconds is None else retry_seconds).install(client)
+        self.client = client
         self.transfer = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
                                        max_concurrency=concurrency, use_threads=True)
         # s3transfer's own setting (boto3's constructor does not take it): parts read ahead

@@ -44,3 +44,47 @@ def test_an_outage_window_delays_but_does_not_fail_a_write(faulty, proxy, bucket
     assert time.monotonic() - start >= 3.5  # it waited the outage out
     direct = boto3.client("s3", endpoint_url=proxy.upstream.geturl())
     assert direct.get_object(Bucket=bucket, Key="during-outage")["Body"].read() == b"payload"
+
+
+def test_an_outage_that_outlasts_botocores_retry_quota_fails_no_request(faulty, proxy, bucket):
+    """40 requests in flight through a 6 s outage make ~200 retries. botocore's standard
+    mode shares a quota of ~100 retries per client: it would fail most of them at once
+    (the likely cause of a trainer rank that exited 1 in the e2e S3-outage test).
+    Each request here has its own deadline instead."""
+    proxy.outage(6.0)
+    errors = []
+
+    def put(i: int) -> None:
+        try:
+            faulty.write_bytes(f"s3://{bucket}/storm/{i}", b"x" * i)
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, f"{len(errors)} of 40 failed: {errors[0]!r}"
+    assert len(faulty.list(f"s3://{bucket}/storm/")) == 40
+    assert proxy.injected >= 100, proxy.injected  # the quota's worth of retries really happened
+
+
+def test_a_request_still_failing_at_its_deadline_raises_the_servers_error(proxy, bucket, monkeypatch):
+    from botocore.exceptions import ClientError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("RFT_S3_RETRY_SECONDS", "2")
+    storage = S3Storage()
+    proxy.outage(120.0)
+    start = time.monotonic()
+    with pytest.raises(ClientError, match="SlowDown"):
+        storage.write_bytes(f"s3://{bucket}/never", b"payload")
+    assert 2.0 <= time.monotonic() - start < 60  # gave up at its deadline, not at the outage's end
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
+def test_a_bad_retry_budget_in_the_environment_is_named(raw, monkeypatch):
+    monkeypatch.setenv("RFT_S3_RETRY_SECONDS", raw)
+    with pytest.raises(ValueError, match="RFT_S3_RETRY_SECONDS"):
+        S3Storage()
