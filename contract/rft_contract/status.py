@@ -132,6 +132,9 @@ class FailureRecord(Model):
     reason: str
     message: str = ""
     time: str
+    log: str | None = Field(
+        default=None, description="The failed container's last log lines (at most 1 KiB; the kubelet keeps "
+        "them as its termination message), when it failed rather than being deleted or disrupted")
 
 
 class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus

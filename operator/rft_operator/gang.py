@@ -80,11 +80,39 @@ class Failure:
     verdict: str = policy.RETRYABLE
     ended_at: datetime | None = None
     rank: int = -1
+    log: str = ""  # the failed container's last lines (`log_tail`)
 
     def record(self, attempt: int, now: datetime) -> Obj:
         """`status.lastFailure`."""
-        return {"attempt": attempt, "pod": self.pod, "exitCode": self.exit_code, "reason": self.reason,
-                "message": self.message, "time": policy.format_time(now)}
+        out = {"attempt": attempt, "pod": self.pod, "exitCode": self.exit_code, "reason": self.reason,
+               "message": self.message, "time": policy.format_time(now)}
+        if self.log:
+            out["log"] = self.log
+        return out
+
+
+LOG_TAIL_CHARS = 1024
+LAST_LINE_CHARS = 200
+
+
+def log_tail(text: str, limit: int = LOG_TAIL_CHARS) -> str:
+    """The last whole lines of `text` that fit in `limit` characters (the last line cut to
+    its end when it alone is longer), trailing blank lines dropped."""
+    lines = text.rstrip().splitlines()
+    out: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        if out and size + len(line) + 1 > limit:
+            break
+        out.append(line[-limit:])
+        size += len(line) + 1
+    return "\n".join(reversed(out))
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line, cut to LAST_LINE_CHARS: what a failure's message quotes."""
+    line = next((x.strip() for x in reversed(text.splitlines()) if x.strip()), "")
+    return line if len(line) <= LAST_LINE_CHARS else line[:LAST_LINE_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -347,7 +375,10 @@ def _pod_failure(x: PodView, fp: FailurePolicy) -> Failure:
         reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted"
     elif x.phase == "Failed":
         how = f" with exit code {x.exit_code}" if x.exit_code is not None else f" ({x.reason or 'no exit code'})"
-        reason, message = c.REASON_POD_FAILED, f"pod {x.name} failed" + how
+        said = last_line(x.termination_message)
+        reason, message = c.REASON_POD_FAILED, f"pod {x.name} failed" + how + (f": {said}" if said else "")
+        return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank,
+                       log_tail(x.termination_message))
     else:
         reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted or lost its node"
     return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank)

@@ -39,6 +39,9 @@ class PodView:
     spec_hash: str = ""
     # When the trainer container terminated (state.terminated.finishedAt).
     finished_at: datetime | None = None
+    # Its state.terminated.message: the program's termination message, or with
+    # FallbackToLogsOnError the last lines of its log when it failed; "" when none.
+    termination_message: str = ""
     # The DisruptionTarget condition: the cluster, not the program, stopped the pod.
     disruption: str | None = None  # its reason, e.g. EvictionByEvictionAPI; None: not disrupted
     disrupted_at: datetime | None = None  # its lastTransitionTime
@@ -55,12 +58,12 @@ class PodView:
     def from_pod(cls, pod: Obj) -> "PodView":
         meta, status = pod["metadata"], pod.get("status") or {}
         lbls = meta.get("labels") or {}
-        exit_code, reason, finished = None, status.get("reason"), None
+        exit_code, reason, finished, said = None, status.get("reason"), None, ""
         for cs in status.get("containerStatuses") or []:
             term = (cs.get("state") or {}).get("terminated")
             if term and (cs.get("name") == TRAINER_CONTAINER or exit_code is None):
                 exit_code, reason = term.get("exitCode"), term.get("reason") or reason
-                finished = parse_api_time(term.get("finishedAt"))
+                finished, said = parse_api_time(term.get("finishedAt")), term.get("message") or ""
         disruption = next((x for x in status.get("conditions") or []
                            if x.get("type") == DISRUPTION_TARGET and x.get("status") == "True"), None)
         return cls(
@@ -74,6 +77,7 @@ class PodView:
             role=lbls.get(c.LABEL_ROLE, c.ROLE_TRAINER),
             spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
             finished_at=finished,
+            termination_message=said,
             disruption=(disruption.get("reason") or DISRUPTION_TARGET) if disruption else None,
             disrupted_at=parse_api_time(disruption.get("lastTransitionTime")) if disruption else None,
             disruption_message=(disruption.get("message") or "") if disruption else "",

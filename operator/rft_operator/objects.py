@@ -89,8 +89,9 @@ def spec_hash(data: Any) -> str:
 
 
 def build_pod(ref: JobRef, spec: RFTJobSpec, name: str, lbls: dict[str, str], pod_spec: Obj) -> Obj:
-    """A Pod object; every pod of the job gets the trainer's placement constraints and
-    scratch space in every container."""
+    """A Pod object; every pod of the job gets the trainer's placement constraints, and
+    every container scratch space and its log's last lines as its termination message
+    when it fails (what `status.lastFailure.log` shows)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -116,7 +117,9 @@ def _with_scratch_mount(container: Obj) -> Obj:
     # First, so that `$(HOME)` in a later value expands.
     home = [] if any(e["name"] == "HOME" for e in env) else [{"name": "HOME", "value": c.SCRATCH_MOUNT}]
     mounts = [*container.get("volumeMounts", []), {"name": SCRATCH_VOLUME, "mountPath": c.SCRATCH_MOUNT}]
-    return {**container, "env": home + env, "volumeMounts": mounts}
+    # The kubelet keeps the last 80 lines (2 KiB at most) of a failed container's log.
+    return {**container, "env": home + env, "volumeMounts": mounts,
+            "terminationMessagePolicy": "FallbackToLogsOnError"}
 
 
 def build_placement(spec: RFTJobSpec) -> Obj:

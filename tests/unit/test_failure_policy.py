@@ -32,7 +32,7 @@ def at(seconds: float) -> str:
 def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int | None = None,
              finished: float | None = None, disrupted: str | None = None, disrupted_at: float = -120,
              deleted_at: float | None = None, grace: int = 30, terminated_reason: str = "Error",
-             node: str = NODE) -> dict:
+             node: str = NODE, said: str = "") -> dict:
     """A trainer pod as `kubectl get pod -o json` shows it. `finished`, `disrupted_at` and
     `deleted_at` are seconds from NOW; `deleted_at` is when the delete request came: the API
     server sets deletionTimestamp to that plus the grace period."""
@@ -62,6 +62,8 @@ def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int 
         state = {"terminated": {"exitCode": exit_code, "reason": terminated_reason, "startedAt": at(-590),
                                 "finishedAt": at(finished if finished is not None else -60),
                                 "containerID": f"containerd://{rank}"}}
+        if said:  # the kubelet's termination message: with FallbackToLogsOnError, the log's tail
+            state["terminated"]["message"] = said
     status = {"phase": phase, "conditions": conditions, "hostIP": "10.0.0.1", "podIP": f"10.1.0.{rank}",
               "startTime": at(-595), "qosClass": "Burstable",
               "containerStatuses": [{"name": "trainer", "image": "trainer:0.1", "imageID": "", "ready": False,
@@ -332,3 +334,43 @@ def test_pod_view_reads_what_the_policy_needs():
     false_condition = pod_dict(1, 0)
     false_condition["status"]["conditions"].append({"type": "DisruptionTarget", "status": "False"})
     assert PodView.from_pod(false_condition).disruption is None
+
+
+# ------------------------------------------------------------------ what the failed program said
+
+TRACEBACK = "\n".join([f"[rank1] INFO step {i}" for i in range(60)] + [
+    "Traceback (most recent call last):", '  File "checkpoint.py", line 3, in save',
+    "botocore.exceptions.ClientError: An error occurred (SlowDown) when calling the UploadPart operation", ""])
+
+
+def test_a_failed_pods_last_log_lines_are_in_last_failure_and_its_last_line_in_the_message():
+    g = run([pod_dict(1, 0), failed(1, 1, -30, said=TRACEBACK)])
+    failure = g.status["lastFailure"]
+    assert failure["message"].startswith("pod demo-trainer-1-1 failed with exit code 1: botocore.exceptions.ClientError")
+    assert failure["log"].endswith("when calling the UploadPart operation")
+    assert "Traceback (most recent call last):" in failure["log"]
+    assert len(failure["log"]) <= gang.LOG_TAIL_CHARS
+    assert failure["log"].startswith("[rank1] INFO step")  # whole lines only
+    assert "failed with exit code 1: botocore" in g.status["message"]
+
+
+def test_a_deleted_pods_log_is_not_its_failure():
+    g = run([pod_dict(1, 0), failed(1, 143, -30, deleted_at=-40, said="terminated\n")])
+    assert "log" not in g.status["lastFailure"]
+    assert g.status["lastFailure"]["message"] == "pod demo-trainer-1-1 was deleted"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("", ""),
+    ("one\n\n", "one"),
+    ("a\nb\nc", "a\nb\nc"),
+    ("x" * 30 + "\n" + "y" * 10, "y" * 10),  # the older line does not fit whole
+    ("z" * 40, "z" * 16),  # one line longer than the limit: its end
+])
+def test_log_tail_keeps_the_last_whole_lines_within_the_limit(text, want):
+    assert gang.log_tail(text, limit=16) == want
+
+
+def test_last_line_is_the_last_non_blank_line_cut_short():
+    assert gang.last_line("a\nRuntimeError: boom\n\n  ") == "RuntimeError: boom"
+    assert len(gang.last_line("e" * 500)) == gang.LAST_LINE_CHARS

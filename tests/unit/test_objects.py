@@ -41,9 +41,11 @@ def test_with_scratch_space_mounts_tmp_and_sets_home_unless_set():
     out = objects.with_scratch_space({"initContainers": [{"name": "i"}], "containers": [mine],
                                       "volumes": [{"name": "w", "emptyDir": {}}]})
     tmp = {"name": "tmp", "mountPath": "/tmp"}
+    logs = {"terminationMessagePolicy": "FallbackToLogsOnError"}
     assert out["volumes"] == [{"name": "w", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
-    assert out["initContainers"] == [{"name": "i", "env": [{"name": "HOME", "value": "/tmp"}], "volumeMounts": [tmp]}]
-    assert out["containers"] == [{**mine, "volumeMounts": [*mine["volumeMounts"], tmp]}]
+    assert out["initContainers"] == [{"name": "i", "env": [{"name": "HOME", "value": "/tmp"}], "volumeMounts": [tmp],
+                                      **logs}]
+    assert out["containers"] == [{**mine, "volumeMounts": [*mine["volumeMounts"], tmp], **logs}]
 
 
 @pytest.mark.parametrize("resources, gpus, want", [

@@ -15,10 +15,13 @@ import os
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 EX_CONFIG = 78
 EX_TERMINATED = 143
 
 
+@record  # an uncaught exception goes to torchrun's error file too: the launcher names it
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rft_trainer")
     ap.add_argument("--config", default=os.environ.get("RFT_CONFIG"),

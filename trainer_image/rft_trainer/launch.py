@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        return exit_code_of(e)
+        code = exit_code_of(e)
+        rank, failure = e.get_first_failure()
+        # The pod's last log line, which the operator quotes in status.lastFailure: the
+        # worker's exception (from its torchelastic error file), else its exit.
+        said = failure.message if failure.error_file_data.get("message") else "its log is above"
+        log.error("rank %d exited with code %d: %s", rank, code, said)
+        return code
     except SignalException as e:
         return 128 + int(e.sigval)
     return 0
