@@ -227,6 +227,9 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     s = wait_status(j, lambda s: step(s) > resumed_at, 300, "attempt 2 training")
     recovered = time.monotonic() - killed  # the windows held open included
     assert s["restarts"] == 1 and s["lastFailure"]["exitCode"] not in (None, 0)
+    # The kubelet kept the failed container's log tail (FallbackToLogsOnError), whose last
+    # line is the launcher's: which rank exited, and how.
+    assert "exited with code" in s["lastFailure"]["message"] and s["lastFailure"].get("log"), s["lastFailure"]
 
     s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
     assert step(s) == STEPS and (s["restarts"], s["attempt"]) == (1, 2)

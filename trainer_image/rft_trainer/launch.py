@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_of(e)
         rank, failure = e.get_first_failure()
         # The pod's last log line, which the operator quotes in status.lastFailure: the
-        # worker's exception (from its torchelastic error file), else its exit.
-        said = failure.message if failure.error_file_data.get("message") else "its log is above"
+        # worker's exception (from its torchelastic error file) or the signal that killed it.
+        told = failure.exitcode < 0 or os.path.isfile(failure.error_file or "")
+        said = failure.message if told else "its log is above"
         log.error("rank %d exited with code %d: %s", rank, code, said)
         return code
     except SignalException as e:
