@@ -71,23 +71,19 @@ class BuildahSession:
     def from_image(self, repository_tag: str | None) -> str:
         """A working container from `repository:tag` in the local registry (pulled), or
         from scratch when None. Returns the container's name."""
-        name = CONTAINER_PREFIX + uuid.uuid4().hex[:8]
         if repository_tag is None:
-            source = "scratch"
-        else:
-            source = f"docker://{self.registry}/{repository_tag}"
-            self._images.append(f"{self.registry}/{repository_tag}")
-        self._containers.append(name)
-        _buildah("from", "--quiet", "--tls-verify=false", "--name", name,
-                 *(f"--ulimit={u}" for u in ULIMITS), source)
-        return name
+            return self._from("scratch")
+        self._images.append(f"{self.registry}/{repository_tag}")
+        return self._from(f"docker://{self.registry}/{repository_tag}", "--tls-verify=false")
 
     def from_local(self, name: str) -> str:
         """A working container from an image in local storage (never pulled)."""
+        return self._from(name, "--pull=never")
+
+    def _from(self, source: str, *flags: str) -> str:
         container = CONTAINER_PREFIX + uuid.uuid4().hex[:8]
         self._containers.append(container)
-        _buildah("from", "--quiet", "--pull=never", "--name", container,
-                 *(f"--ulimit={u}" for u in ULIMITS), name)
+        _buildah("from", "--quiet", *flags, "--name", container, *(f"--ulimit={u}" for u in ULIMITS), source)
         return container
 
     def remove_container(self, container: str) -> None:

@@ -639,20 +639,9 @@ class Cluster(_KubeconfigAccess):
                        "verbs": ["list", "watch"]},
                       {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                        "verbs": ["list", "watch"]}]})
-        _create(api, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": "rftjob-local:coredns"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "rftjob-local:coredns"},
-            "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": COREDNS_USER}]})
+        _bind_user(api, "rftjob-local:coredns", "rftjob-local:coredns", COREDNS_USER)
         # The kubelet authorizes the API server's calls by SubjectAccessReview (webhook mode).
-        _create(api, "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-            "metadata": {"name": "rftjob-local:apiserver-kubelet-client"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "system:kubelet-api-admin"},
-            "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
-                          "name": KUBELET_CLIENT_USER}]})
+        _bind_user(api, "rftjob-local:apiserver-kubelet-client", "system:kubelet-api-admin", KUBELET_CLIENT_USER)
         kubeconfigs = self.state_dir / "kubeconfigs"
         try:
             node.start(advertise_address(), {name: kubeconfigs / f"{name}.kubeconfig"
@@ -831,6 +820,15 @@ def _create(api: KubeApi, path: str, body: dict) -> None:
     except ApiError as e:
         if e.status != 409:
             raise
+
+
+def _bind_user(api: KubeApi, name: str, cluster_role: str, user: str) -> None:
+    """A ClusterRoleBinding `name` of `cluster_role` to the certificate user `user`."""
+    rbac = "rbac.authorization.k8s.io"
+    _create(api, f"/apis/{rbac}/v1/clusterrolebindings", {
+        "apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+        "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [{"kind": "User", "apiGroup": rbac, "name": user}]})
 
 
 def _node_schedulable(node: dict) -> bool:

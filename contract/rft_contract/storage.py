@@ -16,11 +16,12 @@ upload, so a checkpoint or export shard is read once and never whole in memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Iterable, Iterator, Protocol, runtime_checkable
 
 from .hashing import _CHUNK, Fetched, HashingReader, sha256_file  # noqa: F401 (re-exported)
 
@@ -96,20 +97,8 @@ class LocalStorage:
             yield from iter(lambda: f.read(_CHUNK), b"")
 
     def write_bytes(self, uri: str, data: bytes) -> None:
-        path = self._path(uri)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write a temp file in the same directory, fsync, then rename over the target:
-        # rename is atomic on POSIX, so a crash never leaves a truncated object.
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(self._path(uri), fsync=True) as f:
+            f.write(data)
 
     def delete(self, uri: str) -> None:
         self._path(uri).unlink(missing_ok=True)
@@ -117,23 +106,38 @@ class LocalStorage:
     def upload_file(self, path: str | os.PathLike, uri: str) -> "Fetched":
         """Copy a local file to `uri` atomically (as `write_bytes`), 1 MiB at a time,
         hashing what it copies."""
-        target = self._path(uri)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
-        h, size = hashlib.sha256(), 0
-        try:
-            with open(path, "rb") as src, os.fdopen(fd, "wb") as f:
-                for chunk in iter(lambda: src.read(_CHUNK), b""):
-                    f.write(chunk)
-                    h.update(chunk)
-                    size += len(chunk)
+        with open(path, "rb") as src, atomic_write(self._path(uri), fsync=True) as f:
+            return copy_hashed(iter(lambda: src.read(_CHUNK), b""), f)
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, fsync: bool = False) -> Iterator[BinaryIO]:
+    """A temp file beside `path`, open for writing, that becomes `path` only if the block
+    ends without an exception (rename: atomic on POSIX), and is removed otherwise: a crash
+    or a failed check never leaves a truncated or unchecked file at `path`. `fsync`: the
+    bytes reach the disk before the rename (a durable object, not just a complete one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return Fetched(size, h.hexdigest())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def copy_hashed(chunks: Iterable[bytes], out: BinaryIO) -> Fetched:
+    """Write `chunks` to `out`, hashing them on the way: the size and sha256 written."""
+    h, size = hashlib.sha256(), 0
+    for chunk in chunks:
+        out.write(chunk)
+        h.update(chunk)
+        size += len(chunk)
+    return Fetched(size, h.hexdigest())
 
 
 class IntegrityError(Exception):
@@ -188,22 +192,11 @@ def download_to(storage: Storage, uri: str, path: str | os.PathLike,
     path = Path(path)
     if expected is not None and is_intact(path, expected):
         return Fetched(expected["size"], expected["sha256"], reused=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    h, size = hashlib.sha256(), 0
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in read_parts(storage, uri, (expected or {}).get("size")):
-                f.write(part)
-                h.update(part)
-                size += len(part)
-        if expected is not None and (reason := mismatch(size, h.hexdigest(), expected)):
+    with atomic_write(path) as f:
+        got = copy_hashed(read_parts(storage, uri, (expected or {}).get("size")), f)
+        if expected is not None and (reason := mismatch(got.size, got.sha256, expected)):
             raise IntegrityError(f"{uri}: {reason}")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Fetched(size, h.hexdigest())
+    return got
 
 
 def get_storage(uri: str) -> Storage:

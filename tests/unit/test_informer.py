@@ -105,15 +105,22 @@ async def changes_until(changes: asyncio.Queue, n: int) -> list:
     return [await asyncio.wait_for(changes.get(), timeout=5) for _ in range(n)]
 
 
+def started(fake: FakeList) -> tuple[Informer, queue.Queue, asyncio.Queue, object]:
+    """A running informer over `fake`, with its first watch stream ready: (informer,
+    stream, changes it reports as (key, type), store)."""
+    stream = queue.Queue()
+    fake.streams.put(stream)
+    changes: asyncio.Queue = asyncio.Queue()
+    s = store()
+    inf = Informer("pods", fake, SELECTOR, s, lambda key, type_: changes.put_nowait((key, type_)))
+    inf.start()
+    return inf, stream, changes, s
+
+
 def test_list_then_watch_from_its_resource_version():
     async def go():
         fake = FakeList([listing("10", obj("a-0", "a", "9"))])
-        first = queue.Queue()
-        fake.streams.put(first)
-        changes: asyncio.Queue = asyncio.Queue()
-        s = store()
-        inf = Informer("pods", fake, SELECTOR, s, lambda key, type_: changes.put_nowait((key, type_)))
-        inf.start()
+        inf, first, changes, s = started(fake)
         await asyncio.wait_for(inf.synced.wait(), timeout=5)
         assert await changes_until(changes, 1) == [(("team-a", "a"), None)]
         first.put({"type": "ADDED", "object": obj("a-1", "a", "11")})
@@ -135,12 +142,7 @@ def test_list_then_watch_from_its_resource_version():
 def test_a_too_old_watch_lists_again():
     async def go():
         fake = FakeList([listing("10", obj("a-0", "a"), obj("b-0", "b")), listing("20", obj("b-0", "b"))])
-        first = queue.Queue()
-        fake.streams.put(first)
-        changes: asyncio.Queue = asyncio.Queue()
-        s = store()
-        inf = Informer("pods", fake, SELECTOR, s, lambda key, type_: changes.put_nowait((key, type_)))
-        inf.start()
+        inf, first, changes, s = started(fake)
         await changes_until(changes, 2)
         second = queue.Queue()
         fake.streams.put(second)
