@@ -53,7 +53,11 @@ class WorkQueue:
     job or its children). A burst of new jobs then no longer holds up the jobs already in
     flight: a gang whose last pod runs gets its status pass before the next new job gets its
     first. A key added plainly while it waits in the later lane moves up. Order within a
-    lane is first come, first served."""
+    lane is first come, first served.
+
+    Workers that call `get(now_only=True)` take only plain adds: kept for jobs in flight,
+    they are free when a gang's last pod starts even while every other worker waits on a
+    burst of new jobs' slowest writes (Roles and RoleBindings)."""
 
     NOW, LATER = 0, 1
 
@@ -62,7 +66,8 @@ class WorkQueue:
         self._dirty: dict[Hashable, int] = {}  # key -> the lane it waits in
         self._processing: set[Hashable] = set()
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        # Idle workers by what they take: [NOW] plain adds only, [LATER] any key.
+        self._waiters: tuple[collections.deque[asyncio.Future], ...] = (collections.deque(), collections.deque())
 
     def add(self, key: Hashable, later: bool = False) -> None:
         lane = self.LATER if later else self.NOW
@@ -75,11 +80,13 @@ class WorkQueue:
 
     def _put(self, key: Hashable, lane: int) -> None:
         self._lanes[lane].append(key)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        # A plain add wakes a kept worker first, leaving the others to later keys.
+        for waiters in self._waiters[lane:]:
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
 
     def add_after(self, key: Hashable, delay: float) -> None:
         """Schedule `key`; an earlier pending schedule for the same key wins."""
@@ -96,8 +103,8 @@ class WorkQueue:
         self._timers.pop(key, None)
         self.add(key)
 
-    def _pop(self) -> Hashable | None:
-        for lane, queue in enumerate(self._lanes):
+    def _pop(self, lanes: int) -> Hashable | None:
+        for lane, queue in enumerate(self._lanes[:lanes]):
             while queue:
                 key = queue.popleft()
                 # Skip what moved up to the other lane, or went to a worker from there.
@@ -105,10 +112,11 @@ class WorkQueue:
                     return key
         return None
 
-    async def get(self) -> Hashable:
-        while (key := self._pop()) is None:
+    async def get(self, now_only: bool = False) -> Hashable:
+        lane = self.NOW if now_only else self.LATER
+        while (key := self._pop(lane + 1)) is None:
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            self._waiters[lane].append(waiter)
             await waiter
         del self._dirty[key]
         self._processing.add(key)
@@ -121,6 +129,11 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return sum(1 for k in self._dirty if k not in self._processing)
+
+
+def kept_workers(workers: int) -> int:
+    """How many of `workers` take only jobs in flight: a quarter; none of fewer than 4."""
+    return workers // 4
 
 
 def write_threads(workers: int) -> int:
@@ -208,8 +221,9 @@ class Controller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _worker(self, n: int) -> None:
+        kept = n < kept_workers(self.num_workers)  # for jobs in flight (`WorkQueue`)
         while True:
-            key = await self.queue.get()
+            key = await self.queue.get(now_only=kept)
             try:
                 await self.sync(key)
                 self._failures.pop(key, None)

@@ -92,3 +92,38 @@ def test_a_waiting_worker_is_woken_by_an_add():
         q.add("a", later=True)
         assert await asyncio.wait_for(worker, timeout=2) == "a"
     run(go())
+
+
+def test_a_kept_worker_takes_only_plain_adds():
+    async def go():
+        q = WorkQueue()
+        kept = asyncio.create_task(q.get(now_only=True))
+        await asyncio.sleep(0)
+        q.add("new-job", later=True)
+        await asyncio.sleep(0)
+        assert not kept.done()  # a new job is not for it
+        assert await asyncio.wait_for(q.get(), timeout=2) == "new-job"  # any other worker's
+        q.add("in-flight")
+        assert await asyncio.wait_for(kept, timeout=2) == "in-flight"
+    run(go())
+
+
+def test_a_plain_add_wakes_a_kept_worker_before_another():
+    async def go():
+        q = WorkQueue()
+        other = asyncio.create_task(q.get())
+        await asyncio.sleep(0)
+        kept = asyncio.create_task(q.get(now_only=True))
+        await asyncio.sleep(0)
+        q.add("in-flight")
+        assert await asyncio.wait_for(kept, timeout=2) == "in-flight"
+        assert not other.done()  # still free for the next new job
+        q.add("new-job", later=True)
+        assert await asyncio.wait_for(other, timeout=2) == "new-job"
+    run(go())
+
+
+def test_a_quarter_of_the_workers_are_kept_for_jobs_in_flight():
+    from rft_operator.controller import kept_workers
+
+    assert [kept_workers(n) for n in (1, 3, 4, 48)] == [0, 0, 1, 12]
