@@ -49,3 +49,17 @@ def test_master_weights_dtype(tmp_path, world_of_one, dtype, want):
 def test_process_group_backend(cuda, offload, want):
     """CPU offload on GPUs puts DTensors on the CPU: their collectives need gloo too."""
     assert backend_for(cuda, offload) == want
+
+
+def test_one_rank_in_fp32_is_not_sharded_and_keeps_tied_embeddings_tied(tmp_path, world_of_one):
+    """FSDP2 on one rank would only copy parameters in and out (parallelize.apply_fsdp); the
+    plain model must still load the weights and keep a shared Parameter shared."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule
+
+    path = save_tiny_model(tmp_path / "m", tie_word_embeddings=True)
+    model = build_model(str(path), world_of_one, fsdp_mode="fp32")
+    assert not isinstance(model, FSDPModule)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    saved = load_file(str(path / "model.safetensors"))
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
