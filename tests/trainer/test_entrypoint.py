@@ -132,9 +132,12 @@ def test_malformed_shard_brings_every_rank_down(job, tmp_path):
     proc = torchrun(write(d, "corrupt.json", {**config, "buffer": {"uri": str(buffer)}}), nproc=2)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
-    # The pod's last log line, which the operator quotes in lastFailure, names the worker's error.
-    last = err.strip().splitlines()[-1]
+    # The pod's last log line, which the operator quotes in lastFailure, names the worker's
+    # error in one short line, inside what the kubelet keeps of a failed container's log.
+    kept = err.encode()[-2048:].decode(errors="replace")
+    last = kept.strip().splitlines()[-1]
     assert "rank" in last and "exited with code 1:" in last and "shard-0000" in last, err[-3000:]
+    assert "Error" in last and "Traceback" not in last and "extraInfo" not in last and len(last) < 400, last
 
 
 def test_sigterm_stops_after_the_step_and_exits_nonzero(job, tmp_path):
@@ -170,3 +173,22 @@ def test_launcher_gives_workers_the_grace_period_not_torchruns_30s():
     env = {"RFT_TERMINATION_GRACE_SECONDS": "300"}
     assert set_shutdown_timeout(args("--shutdown-timeout=60"), env) == 60 and env[SHUTDOWN_ENV] == "60"
     assert set_shutdown_timeout(args(), {}) is None  # outside a pod: torchrun's default
+
+
+def test_the_launchers_last_line_is_the_workers_exception_in_one_short_line(tmp_path):
+    from types import SimpleNamespace
+
+    from rft_trainer.launch import SAID_CHARS, said_by
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text("{}")
+    # What torch hands over from the error file `@record` wrote: the exception and its traceback.
+    raised = SimpleNamespace(exitcode=1, error_file=str(error_file), message={
+        "message": "ValueError: bad shard\n" + "x" * 1000,
+        "extraInfo": {"py_callstack": "Traceback (most recent call last): ...", "timestamp": "1"}})
+    line = said_by(raised)
+    assert line.startswith("ValueError: bad shard xxx") and line.endswith("...") and len(line) == SAID_CHARS
+    killed = SimpleNamespace(exitcode=-9, error_file=None, message="Signal 9 (SIGKILL) received by PID 7")
+    assert said_by(killed) == "Signal 9 (SIGKILL) received by PID 7"
+    silent = SimpleNamespace(exitcode=3, error_file=str(tmp_path / "none.json"), message="To enable traceback see: ...")
+    assert said_by(silent) == "its log is above"

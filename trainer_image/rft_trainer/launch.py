@@ -61,6 +61,24 @@ def exit_code_of(error: ChildFailedError) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+# The launcher's last line stays well inside what the kubelet keeps of a failed container's
+# log (80 lines, 2 KiB), whatever the worker raised.
+SAID_CHARS = 300
+
+
+def said_by(failure) -> str:
+    """One line on why a worker ended: its exception ("Type: message", from the error file
+    that `@record` writes; torch hands it over as a dict that also holds the whole
+    traceback, which the worker has already printed above) or the signal that killed it."""
+    if not (failure.exitcode < 0 or os.path.isfile(failure.error_file or "")):
+        return "its log is above"
+    said = failure.message
+    if isinstance(said, dict):
+        said = said.get("message") or ""
+    line = " ".join(str(said).split())
+    return line if len(line) <= SAID_CHARS else line[:SAID_CHARS - 3] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(name)s: %(message)s")
@@ -70,11 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         code = exit_code_of(e)
         rank, failure = e.get_first_failure()
-        # The pod's last log line, which the operator quotes in status.lastFailure: the
-        # worker's exception (from its torchelastic error file) or the signal that killed it.
-        told = failure.exitcode < 0 or os.path.isfile(failure.error_file or "")
-        said = failure.message if told else "its log is above"
-        log.error("rank %d exited with code %d: %s", rank, code, said)
+        # The pod's last log line, which the operator quotes in status.lastFailure.
+        log.error("rank %d exited with code %d: %s", rank, code, said_by(failure))
         return code
     except SignalException as e:
         return 128 + int(e.sigval)
