@@ -36,6 +36,7 @@ another concern's result.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
@@ -93,6 +94,31 @@ class Failure:
 
 LOG_TAIL_CHARS = 1024
 LAST_LINE_CHARS = 200
+
+
+# A failed container's log reaches status and Events, which outlive the pod and which more
+# people may read than the pod's logs: credentials a program printed are cut out first.
+_HIDDEN = "[redacted]"
+_SECRETS = (
+    # Presigned URLs and signed requests: the signature, credential and session token.
+    (re.compile(r"(?i)\b(x-amz-(?:signature|credential|security-token)|signature|awsaccesskeyid"
+                r"|access_token|id_token|refresh_token|token|sig)=[^&\s'\"]+"), rf"\1={_HIDDEN}"),
+    # key = value, key: value, "key": "value" for names that hold credentials.
+    (re.compile(r"(?i)\b([\w.-]*?(?:password|passwd|secret|secret[_-]?key|api[_-]?key|access[_-]?key(?:[_-]?id)?"
+                r"|token|authorization))\b"
+                r"(['\"]?\s*[:=]\s*['\"]?)(?:(?:bearer|basic|aws4-hmac-sha256)\s+)?[^\s'\",&]+"), rf"\1\2{_HIDDEN}"),
+    (re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"), _HIDDEN),  # AWS access key ids
+    (re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"), rf"\1{_HIDDEN}@"),  # user:password@ in URLs
+)
+_TERMINAL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # colours, controls
+
+
+def redact(text: str) -> str:
+    """`text` without terminal escapes, control characters and what looks like a credential."""
+    text = _TERMINAL.sub("", text)
+    for pattern, hidden in _SECRETS:
+        text = pattern.sub(hidden, text)
+    return text
 
 
 def log_tail(text: str, limit: int = LOG_TAIL_CHARS) -> str:
@@ -374,11 +400,16 @@ def _pod_failure(x: PodView, fp: FailurePolicy) -> Failure:
         verdict = policy.RETRYABLE
         reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted"
     elif x.phase == "Failed":
-        how = f" with exit code {x.exit_code}" if x.exit_code is not None else f" ({x.reason or 'no exit code'})"
-        said = last_line(x.termination_message)
+        log = redact(x.termination_message)
+        if x.exit_code is None:
+            how, said = f" ({x.reason or 'no exit code'})", last_line(log)
+        elif x.reason and x.reason not in ("Error", "Completed"):  # OOMKilled, ContainerCannotRun, ...
+            # The kernel, not the program, ended it: its last line says nothing about why.
+            how, said = f" with exit code {x.exit_code} ({x.reason})", ""
+        else:
+            how, said = f" with exit code {x.exit_code}", last_line(log)
         reason, message = c.REASON_POD_FAILED, f"pod {x.name} failed" + how + (f": {said}" if said else "")
-        return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank,
-                       log_tail(x.termination_message))
+        return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank, log_tail(log))
     else:
         reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted or lost its node"
     return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank)

@@ -374,3 +374,29 @@ def test_log_tail_keeps_the_last_whole_lines_within_the_limit(text, want):
 def test_last_line_is_the_last_non_blank_line_cut_short():
     assert gang.last_line("a\nRuntimeError: boom\n\n  ") == "RuntimeError: boom"
     assert len(gang.last_line("e" * 500)) == gang.LAST_LINE_CHARS
+
+
+def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
+    g = run([pod_dict(1, 0), failed(1, 137, -30, terminated_reason="OOMKilled", said="[rank1] INFO step 12\n")])
+    failure = g.status["lastFailure"]
+    assert failure["message"] == "pod demo-trainer-1-1 failed with exit code 137 (OOMKilled)"
+    assert failure["log"] == "[rank1] INFO step 12"
+
+
+@pytest.mark.parametrize("line, kept, hidden", [
+    ("GET https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F2026&X-Amz-Signature=0badc0ffee"
+     "&X-Amz-Expires=60 403", "X-Amz-Expires=60 403", ("AKIAIOSFODNN7EXAMPLE", "0badc0ffee")),
+    ("headers: {'Authorization': 'Bearer eyJhbGciOi.xyz', 'Accept': '*/*'}", "'Accept': '*/*'", ("eyJhbGciOi",)),
+    ("connect postgres://trainer:hunter2@db:5432/x failed", "@db:5432/x failed", ("hunter2", "trainer:")),
+    ("env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG and HF_TOKEN: hf_abc123 set", "set",
+     ("wJalrXUtnFEMI", "hf_abc123")),
+    ("key ASIAY34FZKBOKMUTVV7A in use", "in use", ("ASIAY34FZKBOKMUTVV7A",)),
+    ("client_secret: 's3cr3t', max_tokens=512 tokenizer=gpt2", "max_tokens=512 tokenizer=gpt2", ("s3cr3t",)),
+    ("\x1b[31mRuntimeError\x1b[0m: boom\x07", "RuntimeError: boom", ("\x1b", "\x07")),
+])
+def test_credentials_in_a_failed_pods_log_do_not_reach_status(line, kept, hidden):
+    g = run([pod_dict(1, 0), failed(1, 1, -30, said=f"[rank1] INFO step 3\n{line}\n")])
+    failure = g.status["lastFailure"]
+    for text in (failure["message"], failure["log"], g.status["message"]):
+        assert kept in text and not any(h in text for h in hidden), text
+    assert "[redacted]" in failure["message"] or not hidden[0].isalnum()
