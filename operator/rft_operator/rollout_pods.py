@@ -124,9 +124,19 @@ def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     return agent
 
 
+# Container fields that change nothing the program sees, left out of the hash so that an
+# operator upgrade that adds one does not replace every running explorer and inference pod:
+# pods created before it keep running without it until something else replaces them.
+UNHASHED_CONTAINER_FIELDS = ("terminationMessagePolicy",)
+
+
 def _with_hash(pod: Obj) -> Obj:
     """Stamp the rendered pod's hash: the operator replaces a pod whose spec drifted."""
-    pod["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = spec_hash(pod["spec"])
+    spec = {**pod["spec"]}
+    for kind in ("initContainers", "containers"):
+        if kind in spec:
+            spec[kind] = [{k: v for k, v in x.items() if k not in UNHASHED_CONTAINER_FIELDS} for x in spec[kind]]
+    pod["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = spec_hash(spec)
     return pod
 
 

@@ -141,3 +141,18 @@ def test_the_init_container_reads_from_the_parent_but_serves_nothing(engine):
     (fetch,) = pod["spec"]["initContainers"]
     assert _arg(fetch, "--fanout") == str(WEIGHTS_FANOUT) and "--peer-port" not in fetch["args"]
     assert "ports" not in fetch and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT)
+
+
+def test_a_pod_from_an_operator_before_termination_messages_is_not_replaced():
+    # An upgrade that only adds terminationMessagePolicy leaves running pods be; their hash
+    # is the one the pod would have without it.
+    from rft_operator.objects import spec_hash
+
+    for obj in build_rollout_pods(REF, parse_spec(LOOP)):
+        spec = obj["spec"]
+        containers = spec.get("initContainers", []) + spec["containers"]
+        assert all(x["terminationMessagePolicy"] == "FallbackToLogsOnError" for x in containers)
+        before = {**spec, **{kind: [{k: v for k, v in x.items() if k != "terminationMessagePolicy"} for x in spec[kind]]
+                             for kind in ("initContainers", "containers") if kind in spec}}
+        old = PodView(obj["metadata"]["name"], -1, -1, "Running", spec_hash=spec_hash(before))
+        assert not rollout.should_replace(old, obj)
