@@ -82,11 +82,8 @@ class WorkQueue:
         self._lanes[lane].append(key)
         # A plain add wakes a kept worker first, leaving the others to later keys.
         for waiters in self._waiters[lane:]:
-            while waiters:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    return
+            if self._wake_one(waiters):
+                return
 
     def add_after(self, key: Hashable, delay: float) -> None:
         """Schedule `key`; an earlier pending schedule for the same key wins."""
@@ -120,7 +117,26 @@ class WorkQueue:
             await waiter
         del self._dirty[key]
         self._processing.add(key)
+        self._wake()
         return key
+
+    def _wake(self) -> None:
+        """Hand what is still queued to idle workers: the wake-up meant for it may have gone
+        to a worker that took another key (from the lane it checks first) or none."""
+        for lane, queue in enumerate(self._lanes):
+            if queue:
+                for waiters in self._waiters[lane:]:
+                    if self._wake_one(waiters):
+                        break
+
+    @staticmethod
+    def _wake_one(waiters: collections.deque) -> bool:
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return True
+        return False
 
     def done(self, key: Hashable) -> None:
         self._processing.discard(key)

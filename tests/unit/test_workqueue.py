@@ -123,6 +123,24 @@ def test_a_plain_add_wakes_a_kept_worker_before_another():
     run(go())
 
 
+def test_no_key_waits_while_a_worker_that_takes_it_is_idle():
+    # A later add wakes a worker, a plain add in the same tick the kept one; the first worker
+    # runs first and takes the plain key (its lane comes first), the kept one finds nothing:
+    # the later key must still reach the other idle worker.
+    async def go():
+        q = WorkQueue()
+        first, second = asyncio.create_task(q.get()), asyncio.create_task(q.get())
+        await asyncio.sleep(0)
+        kept = asyncio.create_task(q.get(now_only=True))
+        await asyncio.sleep(0)
+        q.add("new-job", later=True)
+        q.add("in-flight")
+        assert await asyncio.wait_for(second, timeout=2) == "new-job"
+        assert first.result() == "in-flight" and not kept.done()
+        kept.cancel()
+    run(go())
+
+
 def test_a_quarter_of_the_workers_are_kept_for_jobs_in_flight():
     from rft_operator.controller import kept_workers
 
