@@ -76,8 +76,14 @@ class DeadlineRetries:
     the last wait ends at the deadline. With a cap of 10 s, an outage's end is noticed
     within 10 s.
 
-    Not for requests that are not safe to repeat; every S3 call this module makes is
-    (whole-object PUTs, part uploads, GETs, listings, HEADs)."""
+    Whole-object PUTs, part uploads, GETs, listings and HEADs are safe to repeat. A
+    multipart upload's create and complete are not quite: a repeated
+    CreateMultipartUpload whose first answer was lost leaves an unused upload behind (a
+    bucket lifecycle rule, AbortIncompleteMultipartUpload, removes those), and a repeated
+    CompleteMultipartUpload whose first 200 was lost fails with NoSuchUpload although the
+    object was written; that upload then fails like any other and marks nothing complete.
+
+    A certificate that does not verify is not transient: it fails at once."""
 
     def __init__(self, seconds: float, max_backoff: float = 10.0, rng=random.random, clock=time.monotonic):
         from botocore.retries import standard
@@ -96,7 +102,7 @@ class DeadlineRetries:
     def needs_retry(self, **kwargs) -> float | None:
         """Seconds to wait before the next attempt, or None: the failure stands."""
         context = self._adapter.create_retry_context(**kwargs)
-        if not self._transient.is_retryable(context):
+        if not self._transient.is_retryable(context) or _untrusted(context.caught_exception):
             return None
         now = self._clock()
         first = context.request_context.setdefault("rft_first_failure", now)
@@ -109,7 +115,14 @@ class DeadlineRetries:
             self._logged = now
             log.info("S3 %s failed (%s); retrying for up to %.0fs", kwargs["operation"].name,
                      _failure(context), self.seconds)
-        return min(left, self._rng() * min(2.0 ** (context.attempt_number - 1), self.max_backoff))
+        exponent = min(context.attempt_number - 1, 30)  # a budget of days must not overflow
+        return min(left, self._rng() * min(2.0 ** exponent, self.max_backoff))
+
+
+def _untrusted(error: BaseException | None) -> bool:
+    from botocore.exceptions import SSLError
+
+    return isinstance(error, SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(error)
 
 
 def _failure(context) -> str:

@@ -88,3 +88,42 @@ def test_a_bad_retry_budget_in_the_environment_is_named(raw, monkeypatch):
     monkeypatch.setenv("RFT_S3_RETRY_SECONDS", raw)
     with pytest.raises(ValueError, match="RFT_S3_RETRY_SECONDS"):
         S3Storage()
+
+
+def _attempt(retries, attempt, status=None, code="", error=None, context=None):
+    """What botocore's `needs-retry` event passes after one failed attempt."""
+    from types import SimpleNamespace
+
+    import botocore.session
+
+    operation = botocore.session.get_session().get_service_model("s3").operation_model("PutObject")
+    response = None if status is None else (SimpleNamespace(status_code=status, headers={}),
+                                            {"Error": {"Code": code}, "ResponseMetadata": {}})
+    return retries.needs_retry(attempts=attempt, response=response, caught_exception=error,
+                               operation=operation,
+                               request_dict={"context": context if context is not None else {}})
+
+
+def test_deadline_retries_wait_within_the_budget_and_not_for_what_cannot_pass():
+    from botocore.exceptions import EndpointConnectionError, SSLError
+
+    from rft_contract.s3 import DeadlineRetries
+
+    now = [100.0]
+    retries = DeadlineRetries(30.0, rng=lambda: 1.0, clock=lambda: now[0])
+    context: dict = {}
+    assert _attempt(retries, 1, 503, "SlowDown", context=context) == 1.0
+    assert _attempt(retries, 4, 500, "InternalError", context=context) == 8.0
+    assert _attempt(retries, 9, status=None, error=EndpointConnectionError(endpoint_url="http://s3"),
+                    context=context) == 10.0  # the cap
+    now[0] = 125.0
+    assert _attempt(retries, 10, 503, context=context) == 5.0  # the last wait ends at the deadline
+    now[0] = 130.0
+    assert _attempt(retries, 11, 503, context=context) is None
+    assert _attempt(retries, 5000, 503) == 10.0  # a budget of days: no overflow
+    for status, code in ((403, "AccessDenied"), (404, "NoSuchKey"), (400, "InvalidArgument")):
+        assert _attempt(retries, 1, status, code) is None, code
+    untrusted = SSLError(endpoint_url="https://s3", error="[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    assert _attempt(retries, 1, error=untrusted) is None
+    reset = SSLError(endpoint_url="https://s3", error="EOF occurred in violation of protocol")
+    assert _attempt(retries, 1, error=reset) == 1.0
