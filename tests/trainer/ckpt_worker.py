@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict)
 
@@ -99,6 +100,7 @@ def main() -> None:
     ckpt = engine.checkpointer
     result = {"resumed": ckpt.app.step if extra is not None else None, "extra": extra,
               "world_size": engine.rt.world_size,
+              "sharded": isinstance(engine.actor.model, FSDPModule),
               "snapshots": {"resumed": snapshot(engine)}, "metrics": {}}
     while engine.step < args.steps:
         _, metrics = engine.train_step(synthetic_batch(12, 4, 6, vocab=24, group_size=4, seed=engine.step + 1))

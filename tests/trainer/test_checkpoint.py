@@ -128,6 +128,15 @@ def test_resume_on_three_ranks_restores_what_two_saved(saved):
     assert_same(saved["result"]["snapshots"][4], r3["snapshots"]["resumed"])
 
 
+def test_two_sharded_ranks_resume_what_one_unsharded_rank_saved(saved, s3_bucket):
+    uri = f"s3://{s3_bucket}/run-one-rank"
+    one = run_worker(saved["tmp"], uri, 1, 2, "--block")
+    assert one["world_size"] == 1 and not one["sharded"]  # one rank in fp32 trains a plain module
+    two = run_worker(saved["tmp"], uri, 2, 2)
+    assert two["resumed"] == 2 and two["sharded"]
+    assert_same(one["snapshots"][2], two["snapshots"]["resumed"])
+
+
 def test_killed_upload_is_ignored_and_one_rank_resumes_the_previous_step(saved, storage, caplog):
     uri = saved["uri"] + "-killed"
     copy_prefix(storage, saved["uri"], uri)

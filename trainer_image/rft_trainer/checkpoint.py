@@ -160,9 +160,10 @@ def _restore_rng(states: dict[str, list[bytes]], rank: int) -> None:
 class AppState(Stateful):
     """Everything a resume needs, as one DCP `Stateful`.
 
-    roles: name -> object with `.model` (FSDP2), `.optimizer`, `.scheduler` (the engine's
-    Actor and Critic). `get_state_dict`/`set_state_dict` give DTensor shards that DCP
-    reshards on load. `extra` is any JSON-able dict (the buffer position), stored as one
+    roles: name -> object with `.model` (FSDP2, or a plain module on one rank in fp32),
+    `.optimizer`, `.scheduler` (the engine's Actor and Critic). `get_state_dict`/
+    `set_state_dict` give DTensor shards (plain tensors: one whole shard) that DCP reshards
+    on load, so any world size resumes what any other saved. `extra` is any JSON-able dict (the buffer position), stored as one
     string so its shape may change between runs.
     """
 
