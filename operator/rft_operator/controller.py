@@ -85,8 +85,9 @@ class WorkQueue:
             if self._wake_one(waiters):
                 return
 
-    def add_after(self, key: Hashable, delay: float) -> None:
-        """Schedule `key`; an earlier pending schedule for the same key wins."""
+    def add_after(self, key: Hashable, delay: float, later: bool = False) -> None:
+        """Schedule `key` (into the later lane with `later`); an earlier pending schedule
+        for the same key wins."""
         loop = asyncio.get_running_loop()
         due = loop.time() + delay
         old = self._timers.get(key)
@@ -94,11 +95,11 @@ class WorkQueue:
             return
         if old is not None:
             old.cancel()
-        self._timers[key] = loop.call_at(due, self._fire, key)
+        self._timers[key] = loop.call_at(due, self._fire, key, later)
 
-    def _fire(self, key: Hashable) -> None:
+    def _fire(self, key: Hashable, later: bool) -> None:
         self._timers.pop(key, None)
-        self.add(key)
+        self.add(key, later=later)
 
     def _pop(self, lanes: int) -> Hashable | None:
         for lane, queue in enumerate(self._lanes[:lanes]):
@@ -145,6 +146,13 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return sum(1 for k in self._dirty if k not in self._processing)
+
+
+def is_new(body: dict[str, Any] | None) -> bool:
+    """A job the operator has not written a status for yet: its passes, retries included,
+    wait in the later lane (`WorkQueue`), so creating its children never delays a status
+    pass of a job in flight."""
+    return not ((body or {}).get("status") or {}).get("phase")
 
 
 def kept_workers(workers: int) -> int:
@@ -249,7 +257,7 @@ class Controller:
                 tries = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(60.0, 0.5 * 2 ** min(tries, 7)) * (0.5 + random.random() / 2)
                 log.error("reconcile %s/%s failed (%s); retry in %.1fs", *key, _describe(e), delay)
-                self.queue.add_after(key, delay)
+                self.queue.add_after(key, delay, later=is_new(self.get_job(key)))
             finally:
                 self.queue.done(key)
 
@@ -293,7 +301,7 @@ class Controller:
             return
         except Retry as e:
             log.info("%s/%s: %s; again in %.0fs", *key, e, e.delay)
-            self.queue.add_after(key, e.delay)
+            self.queue.add_after(key, e.delay, later=is_new(body))
             return
         if plan.requeue_after is not None:
             self.queue.add_after(key, plan.requeue_after + 0.1)

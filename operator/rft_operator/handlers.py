@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from rft_contract import names as c
-from .controller import Controller, Key, write_threads
+from .controller import Controller, Key, is_new, write_threads
 from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
@@ -66,9 +66,8 @@ async def rftjobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -
 async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
     if "jobs" not in _state:  # index views arrive as handler kwargs; keep a live reference
         _state["jobs"] = kwargs["rftjobs_by_key"]
-    # A job the operator has not written a status for yet waits behind the jobs in flight
-    # (`WorkQueue`): creating its children must not delay their status passes.
-    _state["controller"].queue.add((namespace, name), later=not (body.get("status") or {}).get("phase"))
+    # A job the operator has not written a status for yet waits behind the jobs in flight.
+    _state["controller"].queue.add((namespace, name), later=is_new(body))
 
 
 # ---------------------------------------------------------------- the children

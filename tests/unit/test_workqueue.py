@@ -141,6 +141,25 @@ def test_no_key_waits_while_a_worker_that_takes_it_is_idle():
     run(go())
 
 
+def test_a_retry_of_a_new_job_stays_out_of_the_kept_workers_lane():
+    async def go():
+        q = WorkQueue()
+        kept = asyncio.create_task(q.get(now_only=True))
+        await asyncio.sleep(0)
+        q.add_after("new-job", 0.01, later=True)  # its first pass failed: back behind the jobs in flight
+        assert await asyncio.wait_for(q.get(), timeout=2) == "new-job"
+        assert not kept.done()
+        kept.cancel()
+    run(go())
+
+
+def test_a_job_is_new_until_the_operator_writes_its_phase():
+    from rft_operator.controller import is_new
+
+    assert is_new(None) and is_new({"metadata": {}}) and is_new({"status": {"progress": {}}})
+    assert not is_new({"status": {"phase": "Pending"}})
+
+
 def test_a_quarter_of_the_workers_are_kept_for_jobs_in_flight():
     from rft_operator.controller import kept_workers
 
