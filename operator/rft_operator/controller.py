@@ -80,10 +80,7 @@ class WorkQueue:
 
     def _put(self, key: Hashable, lane: int) -> None:
         self._lanes[lane].append(key)
-        # A plain add wakes a kept worker first, leaving the others to later keys.
-        for waiters in self._waiters[lane:]:
-            if self._wake_one(waiters):
-                return
+        self._wake_for(lane)
 
     def add_after(self, key: Hashable, delay: float, later: bool = False) -> None:
         """Schedule `key` (into the later lane with `later`); an earlier pending schedule
@@ -126,18 +123,17 @@ class WorkQueue:
         to a worker that took another key (from the lane it checks first) or none."""
         for lane, queue in enumerate(self._lanes):
             if queue:
-                for waiters in self._waiters[lane:]:
-                    if self._wake_one(waiters):
-                        break
+                self._wake_for(lane)
 
-    @staticmethod
-    def _wake_one(waiters: collections.deque) -> bool:
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return True
-        return False
+    def _wake_for(self, lane: int) -> None:
+        """Wake one idle worker that takes `lane`'s keys: for a plain add a kept worker
+        first, leaving the others to later keys."""
+        for waiters in self._waiters[lane:]:
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
 
     def done(self, key: Hashable) -> None:
         self._processing.discard(key)
