@@ -83,6 +83,13 @@ def test_a_key_added_later_while_processing_keeps_its_lane():
     run(go())
 
 
+async def idle_worker(q: WorkQueue, now_only: bool = False) -> asyncio.Task:
+    """A worker blocked on `q` (its task has run up to its wait)."""
+    worker = asyncio.create_task(q.get(now_only=now_only))
+    await asyncio.sleep(0)
+    return worker
+
+
 def test_a_waiting_worker_is_woken_by_an_add():
     async def go():
         q = WorkQueue()
@@ -97,8 +104,7 @@ def test_a_waiting_worker_is_woken_by_an_add():
 def test_a_kept_worker_takes_only_plain_adds():
     async def go():
         q = WorkQueue()
-        kept = asyncio.create_task(q.get(now_only=True))
-        await asyncio.sleep(0)
+        kept = await idle_worker(q, now_only=True)
         q.add("new-job", later=True)
         await asyncio.sleep(0)
         assert not kept.done()  # a new job is not for it
@@ -111,10 +117,8 @@ def test_a_kept_worker_takes_only_plain_adds():
 def test_a_plain_add_wakes_a_kept_worker_before_another():
     async def go():
         q = WorkQueue()
-        other = asyncio.create_task(q.get())
-        await asyncio.sleep(0)
-        kept = asyncio.create_task(q.get(now_only=True))
-        await asyncio.sleep(0)
+        other = await idle_worker(q)
+        kept = await idle_worker(q, now_only=True)
         q.add("in-flight")
         assert await asyncio.wait_for(kept, timeout=2) == "in-flight"
         assert not other.done()  # still free for the next new job
@@ -129,10 +133,8 @@ def test_no_key_waits_while_a_worker_that_takes_it_is_idle():
     # the later key must still reach the other idle worker.
     async def go():
         q = WorkQueue()
-        first, second = asyncio.create_task(q.get()), asyncio.create_task(q.get())
-        await asyncio.sleep(0)
-        kept = asyncio.create_task(q.get(now_only=True))
-        await asyncio.sleep(0)
+        first, second = await idle_worker(q), await idle_worker(q)
+        kept = await idle_worker(q, now_only=True)
         q.add("new-job", later=True)
         q.add("in-flight")
         assert await asyncio.wait_for(second, timeout=2) == "new-job"
@@ -144,8 +146,7 @@ def test_no_key_waits_while_a_worker_that_takes_it_is_idle():
 def test_a_retry_of_a_new_job_stays_out_of_the_kept_workers_lane():
     async def go():
         q = WorkQueue()
-        kept = asyncio.create_task(q.get(now_only=True))
-        await asyncio.sleep(0)
+        kept = await idle_worker(q, now_only=True)
         q.add_after("new-job", 0.01, later=True)  # its first pass failed: back behind the jobs in flight
         assert await asyncio.wait_for(q.get(), timeout=2) == "new-job"
         assert not kept.done()
