@@ -163,8 +163,8 @@ class AppState(Stateful):
     roles: name -> object with `.model` (FSDP2, or a plain module on one rank in fp32),
     `.optimizer`, `.scheduler` (the engine's Actor and Critic). `get_state_dict`/
     `set_state_dict` give DTensor shards (plain tensors: one whole shard) that DCP reshards
-    on load, so any world size resumes what any other saved. `extra` is any JSON-able dict (the buffer position), stored as one
-    string so its shape may change between runs.
+    on load, so any world size resumes what any other saved. `extra` is any JSON-able dict
+    (the buffer position), stored as one string so its shape may change between runs.
     """
 
     def __init__(self, roles: dict[str, Any], rank: int = 0, group=None):

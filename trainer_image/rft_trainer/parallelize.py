@@ -117,7 +117,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, mode: str = "bf16",
     elif cpu_offload:
         log.info("fsdp.cpu_offload ignored: parameters already live on the CPU")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 and len(kwargs) == 1:
+    if world == 1 and mp is None and "offload_policy" not in kwargs:
         log.info("one rank without mixed precision or offload: the model is not sharded")
         return model
     for block in decoder_layers(model):
