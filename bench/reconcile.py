@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import kubectl  # noqa: E402
+from rft_contract import names as c  # noqa: E402
 from reconcile_sides import Bare, Ours, Peer, Side  # noqa: E402
 
 # ------------------------------------------------------------------ watching
@@ -215,6 +216,7 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
              cleanup: bool = True) -> None:
     namespace = f"{side.name}-{wave}"
     kubectl(cluster, "create", "namespace", namespace)
+    kubectl(cluster, "label", "namespace", namespace, f"{c.PSA_ENFORCE_LABEL}=baseline")  # job pods need it
     rss: list[int] = []
     stop = threading.Event()
     proc = None

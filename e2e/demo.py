@@ -256,6 +256,8 @@ def up(cluster: Cluster, timeout: float = 900) -> None:
         print(f"[demo] deleting the previous {JOB} run", flush=True)
         kubectl(cluster, "delete", "rftjob", JOB, "-n", NAMESPACE, "--wait=true")
     clear_run(endpoint)
+    # Job pods run only where Pod Security is enforced (manifests/base/admission-policies.yaml).
+    kubectl(cluster, "label", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=baseline", "--overwrite")
     print(kubectl(cluster, "apply", "-k", str(sample_overlay(cluster, refs["trainer"], endpoint))).rstrip(),
           flush=True)
     st = watch(cluster, "Succeeded", timeout)

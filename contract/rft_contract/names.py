@@ -17,6 +17,10 @@ LABEL_RANK = "rft.dev/rank"
 LABEL_REPLICA = "rft.dev/replica"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "rftjob-operator"
+# Pod Security Admission's enforce label: job pods run only in namespaces that carry it
+# with baseline or restricted (the operator's admission policy; the API server's
+# PodSecurity plugin then checks every field of that standard).
+PSA_ENFORCE_LABEL = "pod-security.kubernetes.io/enforce"
 
 ROLE_TRAINER = "trainer"
 ROLE_INFERENCE = "inference"

@@ -8,8 +8,9 @@ reconcile always reads the current level from kopf's watch-fed indexes.
 
 Errors: what a retry may fix (5xx, 429, timeouts, a 403 from a webhook that may be down)
 is retried with backoff. What it cannot, a child the API server refuses as invalid (422)
-or a child's name taken by an object this job does not control (409 on create, and the
-object's controller is not this job), is remembered for the job's generation and handed
+or beyond the namespace's Pod Security level (403 "violates PodSecurity"), or a child's
+name taken by an object this job does not control (409 on create, and the object's
+controller is not this job), is remembered for the job's generation and handed
 to the pure reconcile (`Observed.refusal`), which fails the job.
 
 Nodes: only for trainer pods stuck terminating past their deadline (rare) does a pass GET
@@ -452,9 +453,14 @@ class Controller:
         except ApiException as e:
             what = _what(obj)
             self.kube.post_event(body, "Warning", WRITE_FAILED[verb], f"{verb} {what}: {_describe(e)}")
-            if e.status == 422:
+            if e.status == 422 or (e.status == 403 and POD_SECURITY_REFUSAL in (api_message(e) or "")):
                 raise Refused(Refusal(c.REASON_INVALID_SPEC, f"{verb} {what}: {api_message(e) or e.reason}")) from None
             raise
+
+
+# The API server's PodSecurity admission refuses a pod beyond the namespace's enforced
+# level with a 403 saying this: as permanent for the spec as a 422 (no retry fixes it).
+POD_SECURITY_REFUSAL = "violates PodSecurity"
 
 
 def _what(obj: dict[str, Any]) -> str:

@@ -225,6 +225,8 @@ class Kube:
             "metadata": {
                 "name": f"{meta['name']}.{uuid.uuid4().hex[:12]}",
                 "namespace": meta["namespace"],
+                # Like the job's children: the admission policies check our Events by these.
+                "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_JOB: meta["name"]},
             },
             "involvedObject": {
                 "apiVersion": c.API_VERSION,

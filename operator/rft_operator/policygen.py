@@ -42,8 +42,18 @@ POD_ROLES = (c.ROLE_TRAINER, c.ROLE_INFERENCE, c.ROLE_EXPLORER)
 # A cluster admin's consent, on a namespace, to job pods beyond the Pod Security baseline.
 POD_SECURITY_LABEL = "rft.dev/pod-security"
 MODEL_CACHE_VOLUME = "model-cache"
+# The Pod Security levels a job namespace must enforce (c.PSA_ENFORCE_LABEL): the API
+# server's own PodSecurity plugin then checks every field of that standard.
+PSA_LEVELS = ("baseline", "restricted")
 STATUS_POLICY = "rftjob-status-writers"
 OPERATOR_POLICY = "rftjob-operator-scope"
+OPERATOR_STATUS_POLICY = "rftjob-operator-status"
+OWNER_POLICY = "rftjob-operator-owner"
+OPERATOR_IDENTITY = {"name": "operator-identity", "expression":
+                     f"request.userInfo.username.startsWith('{SA_PREFIX}') && "
+                     f"request.userInfo.username.endsWith(':{OPERATOR_SA}')"}
+# The operator's status writes: it seeds status.trainer once (kubectl's columns) with these.
+OPERATOR_SEEDED_TRAINER_FIELDS = ("totalSteps", "progress")
 
 
 def _aliases(model: type) -> list[str]:
@@ -118,6 +128,89 @@ def status_policy() -> dict[str, Any]:
     })
 
 
+def owner_policy() -> dict[str, Any]:
+    """The RFTJob a new child or Event names must exist in the namespace, with the uid its
+    owner reference (an Event's object) carries; a pod reads only the Secrets and mounts
+    only the model-cache claim that job's spec names. Evaluated once per RFTJob of the namespace (the binding's paramRef),
+    so a namespace without one refuses them all. Only on CREATE of objects labelled as
+    ours (the binding's objectSelector): the garbage collector, which updates and deletes
+    children after their job is gone, must never meet it, and rftjob-operator-scope
+    refuses the operator's identity anything unlabelled. What it cannot do: see that
+    some RFTJob of the namespace carries a made-up name (each evaluation sees one)."""
+    obj = "object"
+    owners = f"{obj}.metadata.?ownerReferences.orValue([])"
+    about = (f"(has({obj}.involvedObject) ? {obj}.involvedObject : {obj}.?regarding.orValue({{}}))")
+    return _policy(OWNER_POLICY, [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+         "resources": ["pods", "services", "configmaps", "serviceaccounts"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
+         "resources": ["roles", "rolebindings"]},
+        {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
+         "resources": ["events"]},
+    ], {
+        "paramKind": {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND},
+        "matchConditions": [OPERATOR_IDENTITY],
+        "variables": [
+            {"name": "job", "expression": f"{obj}.metadata.?labels[?'{c.LABEL_JOB}'].orValue('')"},
+            {"name": "event", "expression": "request.resource.resource == 'events'"},
+            # The Secrets this parameter's spec names (what its pods may read, key by key).
+            {"name": "secrets", "expression":
+             "[params.spec.?checkpoint.?credentialsSecret.orValue('')] + "
+             "params.spec.?trainer.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name) + "
+             "params.spec.?inference.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name)"},
+            # The uids the object claims for its job.
+            {"name": "uids", "expression": f"variables.event ? [{about}.?uid.orValue('')] : "
+                                           f"{owners}.map(r, r.uid)"},
+        ],
+        "validations": [
+            _rule("params.metadata.name != variables.job || variables.uids.all(u, u == params.metadata.uid)",
+                  "the rftjob-operator's objects belong to an RFTJob that exists: the owner reference's (an "
+                  "Event's object's) uid must be that RFTJob's"),
+            _rule("request.resource.resource != 'pods' || params.metadata.name != variables.job || "
+                  f"({obj}.spec.containers + {obj}.spec.?initContainers.orValue([])).all(x, "
+                  "x.?env.orValue([]).all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || "
+                  "e.valueFrom.secretKeyRef.name in variables.secrets))",
+                  "the rftjob-operator's pods read only the Secrets their RFTJob's spec names "
+                  "(checkpoint.credentialsSecret, trainer.env and inference.env secretKeyRefs)"),
+            _rule("request.resource.resource != 'pods' || params.metadata.name != variables.job || "
+                  f"{obj}.spec.?volumes.orValue([]).all(v, !has(v.persistentVolumeClaim) || "
+                  "v.persistentVolumeClaim.claimName == "
+                  "params.spec.model.?cache.?persistentVolumeClaim.orValue(''))",
+                  "the rftjob-operator mounts only what the job's spec renders: a PersistentVolumeClaim only "
+                  "as the model cache spec.model.cache.persistentVolumeClaim names"),
+        ],
+    })
+
+
+def operator_status_policy() -> dict[str, Any]:
+    """The operator's identity writes only its own parts of the status: never the trainer's
+    subtree (but for seeding it once) or a sync agent's entry (it only prunes entries of
+    pods that are no longer replicas)."""
+    seeded = _list(OPERATOR_SEEDED_TRAINER_FIELDS)
+    return _policy(OPERATOR_STATUS_POLICY, [{
+        "apiGroups": [c.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": [f"{c.PLURAL}/status"],
+    }], {
+        "matchConditions": [OPERATOR_IDENTITY],
+        "variables": [
+            {"name": "replicas", "expression": "object.?status.?weightSync.?replicas.orValue({})"},
+            {"name": "oldReplicas", "expression": "oldObject.?status.?weightSync.?replicas.orValue({})"},
+        ],
+        "validations": [
+            _rule("object.?status.?trainer == oldObject.?status.?trainer || "
+                  "(!has(oldObject.status) || !has(oldObject.status.trainer) || "
+                  "oldObject.status.trainer.?progress.orValue('') == '') && "
+                  f"object.status.trainer.all(k, k in {seeded})",
+                  "the rftjob-operator's identity may not write status.trainer (the trainer's; it only seeds "
+                  "totalSteps and progress once)"),
+            _rule("variables.replicas.all(k, k in variables.oldReplicas && "
+                  "variables.replicas[k] == variables.oldReplicas[k])",
+                  "the rftjob-operator's identity may not write status.weightSync.replicas entries (each sync "
+                  "agent's own; it only removes those of pods that are gone)"),
+        ],
+    })
+
+
 def operator_policy() -> dict[str, Any]:
     job_label = f"variables.obj.metadata.?labels[?'{c.LABEL_JOB}'].orValue('')"
     managed = (
@@ -132,17 +225,18 @@ def operator_policy() -> dict[str, Any]:
     pod_write = f"({kind('pods')} && {writes})"
     privileged_namespace = f"namespaceObject.metadata.?labels[?'{POD_SECURITY_LABEL}'].orValue('') == 'privileged'"
     sa_prefix = f"variables.job + '{c.SA_INFIX}'"
+    events = f"({kind('events')})"
     return _policy(OPERATOR_POLICY, [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
          "resources": ["pods", "services", "configmaps", "serviceaccounts"]},
         {"apiGroups": ["rbac.authorization.k8s.io"], "apiVersions": ["v1"],
          "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["roles", "rolebindings"]},
+        {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+         "resources": ["events"]},
     ], {
         # Any ServiceAccount named like the operator's: matching more identities only
         # narrows more, and the install's namespace may be renamed by kustomize.
-        "matchConditions": [{"name": "operator-identity", "expression":
-                             f"request.userInfo.username.startsWith('{SA_PREFIX}') && "
-                             f"request.userInfo.username.endsWith(':{OPERATOR_SA}')"}],
+        "matchConditions": [OPERATOR_IDENTITY],
         "variables": [
             {"name": "obj", "expression": "request.operation == 'DELETE' ? oldObject : object"},
             {"name": "job", "expression": job_label},
@@ -154,13 +248,29 @@ def operator_policy() -> dict[str, Any]:
             {"name": "containers", "expression": f"{pod_write} ? variables.obj.spec.containers + "
                                                  "variables.obj.spec.?initContainers.orValue([]) : []"},
             {"name": "volumes", "expression": f"{pod_write} ? variables.obj.spec.?volumes.orValue([]) : []"},
+            {"name": "owners", "expression": "variables.obj.metadata.?ownerReferences.orValue([])"},
+            # An Event's object: core/v1 `involvedObject`, events.k8s.io/v1 `regarding`.
+            {"name": "about", "expression": f"!{events} ? {{}} : "
+                                            "(has(variables.obj.involvedObject) ? variables.obj.involvedObject : "
+                                            "variables.obj.?regarding.orValue({}))"},
         ],
         "validations": [
             _rule(f"!(request.namespace in {_list(PROTECTED_NAMESPACES)})",
                   "the rftjob-operator does not act in the kube-* namespaces"),
-            _rule("variables.managed && variables.wasManaged",
+            _rule(f"{events} || (variables.managed && variables.wasManaged)",
                   f"the rftjob-operator may only touch objects it manages: labels {c.LABEL_MANAGED_BY}="
                   f"{c.MANAGED_BY} and {c.LABEL_JOB}=<job>, controlled by that RFTJob"),
+            _rule(f"{events} || request.operation == 'DELETE' || variables.owners.size() == 1",
+                  "the rftjob-operator's objects have exactly one owner reference, their RFTJob's "
+                  "(another owner would outlive the job for the garbage collector)"),
+            # Labelled like its children, so that rftjob-operator-owner checks them too.
+            _rule(f"!{events} || (variables.about.?kind.orValue('') == '{c.KIND}' && "
+                  f"variables.about.?apiVersion.orValue('').startsWith('{c.GROUP}/') && "
+                  "variables.about.?namespace.orValue(request.namespace) == request.namespace && "
+                  f"variables.obj.metadata.?labels[?'{c.LABEL_MANAGED_BY}'].orValue('') == '{c.MANAGED_BY}' && "
+                  f"variables.job == variables.about.?name.orValue(''))",
+                  "the rftjob-operator posts Events only about the RFTJobs of the namespace (labelled "
+                  f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY} and {c.LABEL_JOB}=<the job>)"),
             _rule(f"!({kind('pods')} && {writes}) || (variables.obj.metadata.?labels[?'{c.LABEL_ROLE}']"
                   f".orValue('') in {_list(POD_ROLES)} && variables.obj.spec.?serviceAccountName.orValue('') == "
                   f"{sa_prefix} + variables.obj.metadata.labels['{c.LABEL_ROLE}'])",
@@ -181,6 +291,20 @@ def operator_policy() -> dict[str, Any]:
             _rule(f"variables.volumes.all(v, !has(v.hostPath) || (v.name == '{MODEL_CACHE_VOLUME}' && "
                   f"variables.obj.metadata.labels['{c.LABEL_ROLE}'] == '{c.ROLE_TRAINER}'))",
                   "the rftjob-operator mounts a host path only as a trainer pod's model cache"),
+            _rule(f"!{pod_write} || {privileged_namespace} || variables.containers.all(x, "
+                  "x.?securityContext.?procMount.orValue('Default') == 'Default')",
+                  "the rftjob-operator's containers see a masked /proc (procMount Default; Pod Security's "
+                  "baseline allows Unmasked in a user namespace, no job needs it)", reason="Invalid"),
+            _rule(_volumes_rendered(),
+                  "the rftjob-operator mounts only what the job's spec renders: emptyDirs, the ConfigMap "
+                  "<job>-config, the model cache (the hostPath or PersistentVolumeClaim spec.model.cache "
+                  "names) and the projected ServiceAccount token"),
+            _rule(f"!{pod_write} || {privileged_namespace} || namespaceObject.metadata.?labels"
+                  f"[?'{c.PSA_ENFORCE_LABEL}'].orValue('') in {_list(PSA_LEVELS)}",
+                  f"job pods run only in namespaces whose Pod Security level is enforced: a cluster admin "
+                  f"labels the namespace {c.PSA_ENFORCE_LABEL}=baseline (or restricted), and the API server's "
+                  f"PodSecurity admission then checks every field of that standard",
+                  reason="Invalid"),
             _rule(f"!{pod_write} || {privileged_namespace} || (variables.volumes.all(v, !has(v.hostPath)) && "
                   f"{_unconfined('variables.obj.spec')} && variables.containers.all(x, "
                   f"{_unconfined('x')} && x.?securityContext.?capabilities.?add.orValue([]).all(cap, "
@@ -212,24 +336,48 @@ def operator_policy() -> dict[str, Any]:
     })
 
 
+def _volumes_rendered() -> str:
+    """CEL: every volume of a pod being written is of a kind the operator renders. The
+    ServiceAccount admission plugin adds `kube-api-access-*` (a projected token, the
+    cluster's CA ConfigMap `kube-root-ca.crt` and the namespace by downward API) before
+    validation, so that projection is allowed too."""
+    projected = ("v.projected.sources.all(s, has(s.serviceAccountToken) || has(s.downwardAPI) || "
+                 "(has(s.configMap) && s.configMap.name == 'kube-root-ca.crt'))")
+    # The claim's name is checked against the job's spec by rftjob-operator-owner.
+    return ("variables.volumes.all(v, has(v.emptyDir) || has(v.hostPath) || has(v.downwardAPI) || "
+            "(has(v.configMap) && v.configMap.name == variables.job + '-config') || "
+            f"(has(v.projected) && {projected}) || "
+            f"(has(v.persistentVolumeClaim) && v.name == '{MODEL_CACHE_VOLUME}'))")
+
+
 def _unconfined(owner: str) -> str:
     """CEL: `owner`'s securityContext does not ask for an Unconfined seccomp profile."""
     return f"{owner}.?securityContext.?seccompProfile.?type.orValue('') != 'Unconfined'"
 
 
-def _binding(policy: str) -> dict[str, Any]:
+def _binding(policy: str, params: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"policyName": policy, "validationActions": ["Deny"]}
+    if params:
+        # Every RFTJob of the request's namespace, each a separate evaluation that must
+        # pass; none there: refused. The API server looks the parameters up before it
+        # evaluates matchConditions, so the binding itself must narrow what it matches:
+        # objects labelled as ours (nobody else's), see owner_policy.
+        spec["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Deny"}
+        spec["matchResources"] = {"objectSelector": {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}}
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
         "metadata": {"name": policy},
-        "spec": {"policyName": policy, "validationActions": ["Deny"]},
+        "spec": spec,
     }
 
 
 def render() -> str:
     header = ("# Generated by `python -m rft_operator.policygen` from rft_contract/status.py. Do not edit.\n"
               "# See the module's docstring and README's Security section.\n")
-    docs = [status_policy(), _binding(STATUS_POLICY), operator_policy(), _binding(OPERATOR_POLICY)]
+    docs = [status_policy(), _binding(STATUS_POLICY), operator_policy(), _binding(OPERATOR_POLICY),
+            owner_policy(), _binding(OWNER_POLICY, params=True), operator_status_policy(),
+            _binding(OPERATOR_STATUS_POLICY)]
     return header + yaml.safe_dump_all(docs, sort_keys=False, width=100)
 
 

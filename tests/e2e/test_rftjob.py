@@ -78,6 +78,7 @@ def job(stack, kubectl):
     """A fresh namespace with the S3 Secret; returns a function that creates the job."""
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
+    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")  # job pods need an enforced level
     kubectl("apply", "-n", ns, "-f", str(ROOT / "manifests/samples/s3-secret.example.yaml"))
 
     def create(steps: int = STEPS, **overrides) -> dict:
@@ -333,6 +334,7 @@ def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
 
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
+    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
     api, core = stack["api"], kubernetes.client.CoreV1Api(stack["api"])
     j = {"api": api, "ns": ns, "name": "sim", "operator": stack["operator"]}
     kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
@@ -362,4 +364,46 @@ def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
                  and {x.type: x.status for x in n.status.conditions}.get("Ready") == "True"
                  and not [t for t in (n.spec.taints or []) if t.key.startswith("node.kubernetes.io/")],
                  90, f"node {meta['name']} back and Ready")
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, cluster, kubectl, tmp_path):
+    """The audit's escalation on the real node, with the policies as a user installs them:
+    the operator's own token, in a namespace without an RFTJob, asks for a pod of a job
+    `ghost` (a second owner the garbage collector cannot delete, a Secret of another
+    application by secretKeyRef). Refused; no pod is ever created, so nothing runs."""
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("create", "secret", "generic", "app-db", "-n", ns, "--from-literal=password=hunter2")
+    kubectl("create", "serviceaccount", "ghost-rft-trainer", "-n", ns)
+    token = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp_path / "op.kubeconfig")
+    op = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(str(token)))
+    admin = kubernetes.client.CoreV1Api(stack["api"])
+    try:
+        ca = wait_for(lambda: next((m.metadata.uid for m in admin.list_namespaced_config_map(ns).items
+                                    if m.metadata.name == "kube-root-ca.crt"), None), 60,
+                      "the namespace's kube-root-ca.crt")
+        labels = {c.LABEL_JOB: "ghost", c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_ROLE: c.ROLE_TRAINER}
+        owners = [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "ghost", "uid": str(uuid.uuid4()),
+                   "controller": True, "blockOwnerDeletion": True},
+                  {"apiVersion": "v1", "kind": "ConfigMap", "name": "kube-root-ca.crt", "uid": ca}]
+        reader = {"name": "x", "image": stack["images"]["trainer"], "command": ["sh", "-c", "echo $P"],
+                  "env": [{"name": "P", "valueFrom": {"secretKeyRef": {"name": "app-db", "key": "password"}}}]}
+        pod = {"metadata": {"name": "ghost-trainer-1-0", "labels": labels, "ownerReferences": owners},
+               "spec": {"serviceAccountName": "ghost-rft-trainer", "containers": [reader], "restartPolicy": "Never"}}
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            op.create_namespaced_pod(ns, pod)
+        body = refused.value.body.decode() if isinstance(refused.value.body, bytes) else str(refused.value.body)
+        assert refused.value.status in (403, 422) and "rftjob-operator-" in body, body
+        assert admin.list_namespaced_pod(ns).items == []
+        # Without the second owner, and with a ServiceAccount of its own: refused all the same.
+        pod["metadata"]["ownerReferences"] = owners[:1]
+        with pytest.raises(kubernetes.client.ApiException):
+            op.create_namespaced_pod(ns, pod)
+        with pytest.raises(kubernetes.client.ApiException):
+            op.create_namespaced_service_account(ns, {"metadata": {"name": "ghost-rft-explorer", "labels": labels,
+                                                                   "ownerReferences": owners[:1]}})
+        assert admin.list_namespaced_pod(ns).items == []
+    finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)

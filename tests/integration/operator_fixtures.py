@@ -131,6 +131,8 @@ def operator(cluster, installed, tmp_path_factory) -> OperatorProcess:
 def namespace(api, kubectl) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
+    # The operator runs job pods only where Pod Security is enforced (a cluster admin's label).
+    kubectl("label", "namespace", name, f"{c.PSA_ENFORCE_LABEL}=baseline")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -164,6 +164,25 @@ def test_422_fails_the_job_with_the_field_named():
     assert not [x for x in kube.calls[first[0]:] if x[0] == "create"]  # the failed job creates nothing more
 
 
+def test_a_pod_beyond_the_namespaces_pod_security_fails_the_job():
+    """PodSecurity admission answers 403; no retry fixes it, so it fails the job like a 422
+    (a 403 from elsewhere, e.g. a webhook that is down, is retried)."""
+    kube = FakeKube(make_job())
+    message = ('pods "demo-trainer-1-0" is forbidden: violates PodSecurity "baseline:latest": '
+               'hostPath volumes (volume "model-cache")')
+    kube.refuse[("Pod", "demo-trainer-1-0")] = api_error(403, message, "Forbidden")
+    ctl = controller(kube)
+    passes(ctl, 2)
+    status = kube.job["status"]
+    assert status["phase"] == c.FAILED and "violates PodSecurity" in status["message"]
+    assert _cond(status, c.COND_FAILED)["reason"] == c.REASON_INVALID_SPEC
+    other = FakeKube(make_job())
+    other.refuse[("Pod", "demo-trainer-1-0")] = api_error(403, "webhook x is down", "Forbidden")
+    with pytest.raises(ApiException):  # to the queue, which retries it with backoff
+        passes(controller(other), 2)
+    assert other.job["status"]["phase"] != c.FAILED
+
+
 def test_a_refusal_is_forgotten_for_a_new_generation():
     kube = FakeKube(make_job())
     kube.refuse[("Pod", "demo-trainer-1-0")] = api_error(422, "bad")

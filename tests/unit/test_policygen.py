@@ -5,6 +5,7 @@ from pathlib import Path
 
 import yaml
 
+from rft_contract import names as c
 from rft_contract.status import RFTJobStatus
 from rft_operator import policygen
 
@@ -32,5 +33,19 @@ def test_every_document_is_a_policy_or_its_binding():
     docs = list(yaml.safe_load_all(COMMITTED.read_text()))
     policies = {d["metadata"]["name"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
     bindings = {d["spec"]["policyName"] for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
-    assert policies == bindings == {policygen.STATUS_POLICY, policygen.OPERATOR_POLICY}
+    assert policies == bindings == {policygen.STATUS_POLICY, policygen.OPERATOR_POLICY,
+                                    policygen.OPERATOR_STATUS_POLICY, policygen.OWNER_POLICY}
+    # The owner check is evaluated against each RFTJob of the namespace (none: refused),
+    # only on creating objects labelled as ours: the API server looks parameters up before
+    # matchConditions, and the garbage collector updates and deletes children of gone jobs.
+    (owner,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                and d["spec"]["policyName"] == policygen.OWNER_POLICY]
+    assert owner["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Deny"}
+    assert owner["spec"]["matchResources"]["objectSelector"] == {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}
+    (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] ==
+                 policygen.OWNER_POLICY]
+    assert {op for rule in policy["spec"]["matchConstraints"]["resourceRules"] for op in rule["operations"]} \
+        == {"CREATE"}
+    assert all("paramRef" not in d["spec"] for d in docs
+               if d["kind"] == "ValidatingAdmissionPolicyBinding" and d["spec"]["policyName"] != policygen.OWNER_POLICY)
     assert all(d["spec"]["validationActions"] == ["Deny"] for d in docs if "validationActions" in d["spec"])
