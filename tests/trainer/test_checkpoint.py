@@ -656,3 +656,54 @@ def test_streamed_download_survives_slowdowns(bucket, s3_server, monkeypatch, tm
     finally:
         proxy.stop()
     assert got.size == len(blob) and (tmp_path / "obj").read_bytes() == blob
+
+
+def test_a_checkpoint_from_before_the_value_model_and_the_decay_groups_resumes(tmp_path, world_of_one):
+    """Checkpoints written when the critic was `AutoModelForTokenClassification` (one label)
+    and AdamW had one parameter group resume into `models.ValueModel` and the two groups
+    (no decay on biases and norms): the same weights and per-parameter optimizer state,
+    each group's scheduled lr as saved, weight decay as configured now."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from rft_contract.config import load_config
+    from rft_trainer.engine import FSDPTrainEngine
+    from rft_trainer.roles import make_scheduler
+    from tests.fixtures.batches import synthetic_batch
+
+    path = str(save_tiny_model(tmp_path / "m"))
+    old = {}
+    for name, model in (("actor", AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)),
+                        ("critic", AutoModelForTokenClassification.from_pretrained(path, num_labels=1,
+                                                                                   dtype=torch.float32))):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        scheduler = make_scheduler(optimizer, warmup_steps=4, total_steps=10)
+        for _ in range(2):
+            model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits.square().mean().backward()
+            optimizer.step()
+            scheduler.step()
+        old[name] = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler)
+    uri = str(tmp_path / "run")
+    CheckpointManager(LocalStorage(), uri, world_of_one, roles=old, staging_dir=str(tmp_path / "s")).save(2, {})
+
+    config = load_config({
+        "model": {"path": path}, "algorithm": {"name": "ppo", "micro_batch_size": 2, "kl_coef": 0.0},
+        "optimizer": {"warmup_steps": 4}, "trainer": {"total_steps": 10, "batch_size": 4,
+                                                      "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": uri}}, env={})
+    engine = FSDPTrainEngine(config, world_of_one)
+    engine.prepare()
+    assert engine.load_checkpoint() == {} and engine.step == 2
+    for name, role in (("actor", engine.actor), ("critic", engine.critic)):
+        before, now = old[name], role
+        assert_same(before.model.state_dict(), now.model.state_dict())
+        saved_state = {n: before.optimizer.state[p] for n, p in before.model.named_parameters()}
+        for n, p in now.model.named_parameters():
+            assert_same(saved_state[n], now.optimizer.state[p], f"{name}.{n}")
+        groups = now.optimizer.param_groups
+        assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+        assert [g["lr"] for g in groups] == [before.optimizer.param_groups[0]["lr"]] * 2 == [0.75e-3] * 2
+        assert now.scheduler.last_epoch == 2 and now.scheduler.get_last_lr() == [0.75e-3] * 2
+    engine.train_step(synthetic_batch(4, 4, 6, vocab=24, seed=0))  # and it trains on
+    assert [g["lr"] for g in engine.actor.optimizer.param_groups] == [1e-3, 1e-3]

@@ -47,7 +47,9 @@ def test_the_config_really_has_dropout_on(tmp_path, world_of_one):
 
 
 def test_critic_head_has_no_dropout(tmp_path, world_of_one):
+    """The value head (models.ValueModel) is one Linear on the backbone's last hidden state:
+    no dropout between them, whatever the config's classifier_dropout."""
     engine = engine_for(save_tiny_model(tmp_path / "m"), "ppo", world_of_one)
-    dropouts = [m.p for name, m in engine.critic.model.named_modules()
-                if isinstance(m, torch.nn.Dropout) and "layers" not in name]
-    assert dropouts and all(p == 0.0 for p in dropouts)
+    critic = engine.critic.model
+    assert [name for name, _ in critic.named_children()] == ["model", "score"]
+    assert type(critic.score) is torch.nn.Linear and critic.score.out_features == 1

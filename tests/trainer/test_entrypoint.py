@@ -192,3 +192,19 @@ def test_the_launchers_last_line_is_the_workers_exception_in_one_short_line(tmp_
     assert said_by(killed) == "Signal 9 (SIGKILL) received by PID 7"
     silent = SimpleNamespace(exitcode=3, error_file=str(tmp_path / "none.json"), message="To enable traceback see: ...")
     assert said_by(silent) == "its log is above"
+
+
+def test_an_unsupported_model_exits_78_and_the_last_line_names_it(job, tmp_path):
+    """An encoder-only model (BERT) cannot be trained: every rank refuses it at start
+    (models.check_supported), and the pod's last line, which the operator quotes in
+    status.lastFailure.message, names the model_type, the class and why."""
+    from tests.fixtures.architectures import save_tiny
+
+    d, config = job
+    bert = save_tiny("bert", tmp_path / "bert")
+    proc = torchrun(write(d, "bert.json", {**config, "model": {"path": str(bert)}}), nproc=2)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 78, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "exited with code 78: unsupported model: model_type 'bert': encoder-only" in last[:200], last
+    assert last.endswith("(BertLMHeadModel)") and len(last) < 300, last

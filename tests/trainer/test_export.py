@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rft_contract.layout import weights_uri
+from rft_contract.probe import compare, read_probe
 from rft_trainer.export import verify
 from rft_contract.s3 import S3Storage
 from tests.fixtures.models import save_tiny_model
@@ -52,6 +53,21 @@ def test_exported_weights_load_with_from_pretrained(bucket, s3_env, tmp_path, dt
     assert AutoTokenizer.from_pretrained(str(local)).eos_token == "<eos>"
     cfg = json.loads((local / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    # The probe (rft_trainer.probe): the log-probs of its tokens under the weights as exported,
+    # which is what an engine serving this directory must reproduce.
+    probe = read_probe(local)
+    assert probe.dtype == dtype and probe.step == 1 and 2 <= len(probe.token_ids) <= 64
+    ids = torch.tensor([probe.token_ids])
+    with torch.no_grad():
+        served = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert compare(served.tolist(), probe, tolerance=1e-5).ok, compare(served.tolist(), probe).describe()
+    if dtype == "bf16":  # the master weights would not match: the probe saw the rounded ones
+        master = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+        master.load_state_dict(trained)
+        with torch.no_grad():
+            unrounded = torch.log_softmax(master(input_ids=ids).logits[0, :-1].float(), -1).gather(
+                -1, ids[0, 1:, None])[:, 0]
+        assert not compare(unrounded.tolist(), probe, tolerance=1e-5).ok
 
 
 def test_a_corrupted_file_fails_verification(bucket, s3_env, tmp_path):

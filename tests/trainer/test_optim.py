@@ -63,3 +63,29 @@ def test_one_rank_in_fp32_is_not_sharded_and_keeps_tied_embeddings_tied(tmp_path
     assert model.lm_head.weight is model.model.embed_tokens.weight
     saved = load_file(str(path / "model.safetensors"))
     assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+
+
+def group_names(model, optimizer) -> list[tuple[float, set[str]]]:
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [(g["weight_decay"], {name[id(p)] for p in g["params"]}) for g in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("model_type, biases", [("llama", ()), ("gemma", ()), ("qwen2", ("q_proj", "k_proj", "v_proj"))])
+def test_no_weight_decay_on_biases_and_norms_unless_decay_all(tmp_path, world_of_one, model_type, biases):
+    """The groups the docs promise (spec.optimizer.weightDecayAll): weight decay on every
+    weight matrix and embedding, none on the normalisation weights (Gemma's RMSNorm scales
+    by 1 + w, Llama's by w) and biases; one decayed group with decay_all."""
+    from tests.fixtures.architectures import save_tiny
+
+    model = build_model(str(save_tiny(model_type, tmp_path / "m")), world_of_one, fsdp_mode="fp32")
+    names = {n for n, _ in model.named_parameters()}
+    norms = {"model.norm.weight"} | {f"model.layers.{i}.{n}.weight" for i in (0, 1)
+                                     for n in ("input_layernorm", "post_attention_layernorm")}
+    no_decay = norms | {f"model.layers.{i}.self_attn.{b}.bias" for i in (0, 1) for b in biases}
+    assert no_decay <= names
+    # Decayed: the projections' weight matrices and the embeddings (lm_head too when untied).
+    assert names - no_decay == {n for n in names if n.endswith("_proj.weight")
+                                or n in ("model.embed_tokens.weight", "lm_head.weight")}
+    assert group_names(model, make_optimizer(model, 1e-3, weight_decay=0.1)) == [(0.1, names - no_decay),
+                                                                              (0.0, no_decay)]
+    assert group_names(model, make_optimizer(model, 1e-3, weight_decay=0.1, decay_all=True)) == [(0.1, names)]

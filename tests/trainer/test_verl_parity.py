@@ -251,6 +251,33 @@ def test_actor_step_with_an_empty_response_is_the_whole_batch_step(mode):
             close(got.detach(), want.detach(), atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_pg_loss_reports_the_loss_optimised_whatever_the_micro_batch(mode):
+    """GRPO at ratio 1: each response's tokens carry its advantage A_i, and the group's A_i
+    cancel. A mean of per-micro-batch losses with micro-batch 1 would read
+    -mean_i(A_i) = 0; the metric is the whole mini-batch's aggregated loss instead, the
+    same for micro-batch 1 and micro-batch = the batch."""
+    batch = tiny_batch()  # responses of 3, 1, 2 and 3 tokens, one group
+    rewards = t([1.0, 0.0, 0.0, 1.0])
+    adv, _ = grpo_advantages(rewards, batch.group_ids, batch.action_mask.float())
+    a = adv[:, 2].tolist()  # each response starts at position 2
+    assert abs(sum(a)) < 1e-6
+    lengths = [3, 1, 2, 3]
+    expected = {"token-mean": -sum(x * n for x, n in zip(a, lengths)) / sum(lengths),
+                "seq-mean-token-sum": -sum(x * n for x, n in zip(a, lengths)) / 4,
+                "seq-mean-token-mean": -sum(a) / 4}[mode]
+    reported = []
+    for micro in (1, 4):
+        model = TinyLM()
+        algo = config(loss_aggregation=mode, micro_batch_size=micro, mini_batch_size=4, kl_coef=0.0).algorithm
+        actor = roles.Actor(model, CPU, algo, torch.optim.SGD(model.parameters(), lr=0.1), None)
+        old_lp, _ = actor.compute_log_prob(batch)
+        reported.append(actor._update_mini(batch, torch.arange(4), old_lp, adv, None)["actor/pg_loss"])
+    close(torch.tensor(reported), [expected, expected])
+    if mode != "seq-mean-token-mean":  # there the per-sequence means cancel too
+        assert abs(expected) > 0.1
+
+
 # ---------------------------------------------------------------- KL in the reward
 
 

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
-from rft_contract.jobapi import get_status, job_api
+from rft_contract.jobapi import get_job, job_api
 from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA
 from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
@@ -408,7 +408,7 @@ class KubeProgress:
 
     def __call__(self) -> TrainerProgress | None:
         try:
-            obj = get_status(self.api, self.namespace, self.name)
+            obj = get_job(self.api, self.namespace, self.name)
         except Exception as e:  # noqa: BLE001 - keep exploring on the last known progress
             log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
             return self.last
@@ -424,7 +424,7 @@ class KubeProgress:
         (`status.weightSync.replicas[pod].version`), read now; None when unknown (no
         entry, or the API failed: never a stale value, the read brackets a request)."""
         try:
-            obj = get_status(self.api, self.namespace, self.name)
+            obj = get_job(self.api, self.namespace, self.name)
         except Exception as e:  # noqa: BLE001 - unknown: that request's samples are dropped
             log.warning("reading RFTJob %s/%s status failed: %s", self.namespace, self.name, e)
             return None

@@ -1,19 +1,23 @@
 """Entry point of the trainer pods: `torchrun ... -m rft_trainer --config PATH`.
 
 Exit codes: 0 done; 78 (EX_CONFIG) for errors a restart cannot fix (bad config, bad
-data layout): the operator's default fatalExitCodes fail the job at once; 143 after
-SIGTERM (preemption, suspend, gang restart) so the gang semantics apply; 1 otherwise
-(retryable).
+data layout, a model the trainer cannot train): the operator's default fatalExitCodes fail
+the job at once; 143 after SIGTERM (preemption, suspend, gang restart) so the gang
+semantics apply; 1 otherwise (retryable). A fatal error's one line ends the worker's log
+and is what the launcher's last line quotes, so `status.lastFailure.message` says it
+(e.g. `unsupported model: model_type 'bert': encoder-only (...) (BertLMHeadModel)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -31,17 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("rft_trainer")
     if not args.config:
-        log.error("no config: pass --config or set RFT_CONFIG")
-        return EX_CONFIG
+        return fatal(log, "no config: pass --config or set RFT_CONFIG")
 
     from rft_contract.config import ConfigError, load_config
+    from .models import UnsupportedModelError
     from .trainer import Trainer
 
     try:
         config = load_config(args.config)
     except (ConfigError, OSError) as e:
-        log.error("invalid config %s: %s", args.config, e)
-        return EX_CONFIG
+        return fatal(log, f"invalid config {args.config}: {e}")
 
     trainer = Trainer(config)
 
@@ -52,15 +55,28 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         trainer.prepare()
+    except UnsupportedModelError as e:
+        return fatal(log, f"unsupported model: {e}")
     except ValueError as e:  # a data or layout problem a restart will not fix
-        log.error("cannot start: %s", e)
-        return EX_CONFIG
+        return fatal(log, f"cannot start: {e}")
     try:
         outcome = asyncio.run(trainer.train())
     finally:
         asyncio.run(trainer.shutdown())
     log.info("trainer %s at step %d", outcome, trainer.train_step_num)
     return EX_TERMINATED if outcome == "stopped" else 0
+
+
+def fatal(log: logging.Logger, line: str) -> int:
+    """A failure a restart cannot fix: `line` ends this worker's log and goes to torchrun's
+    error file (as `@record` writes an exception there), so the launcher's last line, the
+    pod's, quotes it instead of "its log is above". Returns EX_CONFIG."""
+    line = " ".join(line.split())
+    log.error("%s", line)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
+    return EX_CONFIG
 
 
 def exit_process(code: int) -> None:

@@ -165,29 +165,64 @@ class AppState(Stateful):
     `set_state_dict` give DTensor shards (plain tensors: one whole shard) that DCP reshards
     on load, so any world size resumes what any other saved. `extra` is any JSON-able dict
     (the buffer position), stored as one string so its shape may change between runs.
+    Optimizer state is per parameter; a checkpoint whose optimizer had other parameter
+    groups (one group, before biases and norms were kept out of weight decay) loads into
+    the live groups (`regroup`): `saved_groups` tells `state_dict` how many to expect.
     """
 
     def __init__(self, roles: dict[str, Any], rank: int = 0, group=None):
         self.roles = {k: v for k, v in roles.items() if v is not None}
         self.rank, self.group = rank, group
         self.step, self.extra = 0, {}
+        self.saved_groups: dict[str, int] = {}  # role -> its optimizer's groups in the step being loaded
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"step": self.step, "extra": json.dumps(self.extra, sort_keys=True),
                               "rng": _rng_states(self.group)}
         for name, role in self.roles.items():
             model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
+            if (n := self.saved_groups.get(name, len(optim_sd["param_groups"]))) != len(optim_sd["param_groups"]):
+                # DCP loads into this dict's keys: as many groups as were saved, each with
+                # the keys every AdamW group has.
+                optim_sd = {**optim_sd, "param_groups": [dict(optim_sd["param_groups"][0]) for _ in range(n)]}
             sd[name] = {"model": model_sd, "optim": optim_sd, "scheduler": role.scheduler.state_dict()}
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for name, role in self.roles.items():
             part = sd[name]
-            set_state_dict(role.model, role.optimizer, model_state_dict=part["model"],
-                           optim_state_dict=part["optim"])
-            role.scheduler.load_state_dict(part["scheduler"])
+            live = get_state_dict(role.model, role.optimizer)[1]["param_groups"]
+            optim, picked = regroup(part["optim"], live)
+            set_state_dict(role.model, role.optimizer, model_state_dict=part["model"], optim_state_dict=optim)
+            # The scheduler keeps one entry per group too (base_lrs, _last_lr, lr_lambdas).
+            n = len(part["optim"]["param_groups"])
+            role.scheduler.load_state_dict({k: [v[i] for i in picked] if isinstance(v, list) and len(v) == n else v
+                                            for k, v in part["scheduler"].items()})
         self.step, self.extra = int(sd["step"]), json.loads(sd["extra"])
         _restore_rng(sd["rng"], self.rank)
+
+
+def regroup(saved: dict, live_groups: list[dict]) -> tuple[dict, list[int]]:
+    """A saved optimizer state dict ({"state": {fqn: ...}, "param_groups": [{"params": [fqn],
+    ...}]}) in the live optimizer's groups: each parameter's state as saved; each group's
+    hyperparameters (the scheduled lr, betas, ...) from the saved group that held its first
+    parameter, but weight_decay the live group's (it is configuration: decayed or not).
+    Also returns, per live group, the index of that saved group."""
+    owner = {fqn: i for i, g in enumerate(saved["param_groups"]) for fqn in g["params"]}
+    picked = [owner[g["params"][0]] for g in live_groups]
+    groups = [{**saved["param_groups"][i], "params": list(g["params"]), "weight_decay": g["weight_decay"]}
+              for i, g in zip(picked, live_groups)]
+    return {"state": saved["state"], "param_groups": groups}, picked
+
+
+def saved_param_groups(path: str | Path, roles) -> dict[str, int]:
+    """role -> how many optimizer parameter groups the DCP checkpoint at `path` holds."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = {}
+    for name in roles:
+        prefix = f"app.{name}.optim.param_groups."
+        out[name] = len({k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)})
+    return out
 
 
 # ---------------------------------------------------------------- the manager
@@ -465,9 +500,11 @@ class CheckpointManager:
             raise kind(f"checkpoint step {step} not loaded: " + "; ".join(msg for _, msg in failed))
         fetched = time.perf_counter() - start
         try:
+            self.app.saved_groups = saved_param_groups(local, self.app.roles)
             dcp.load({"app": self.app}, storage_reader=dcp.FileSystemReader(str(local)),
                      no_dist=not dist.is_initialized())
         finally:
+            self.app.saved_groups = {}
             _all_gather(None, self.group)  # every rank of the node is done reading the copy
             if downloads:
                 shutil.rmtree(local, ignore_errors=True)

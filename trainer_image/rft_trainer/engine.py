@@ -14,9 +14,10 @@ import torch
 
 from rft_contract.config import JobConfig
 from rft_contract.layout import weights_uri
+from rft_contract.probe import PROBE_FILE
 from rft_contract.storage import get_storage
 
-from . import roles
+from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
 from .checkpoint import CheckpointManager
@@ -63,6 +64,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.critic: roles.Critic | None = None
         self.checkpointer: CheckpointManager | None = None
         self._storage = None
+        self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
 
     @property
     def storage(self):
@@ -76,9 +78,12 @@ class FSDPTrainEngine(TrainEngineWrapper):
     def prepare(self) -> None:
         self.rt = self.rt or init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
         check_batch_layout(self.config, self.rt.world_size)
+        a = self.config.algorithm
+        # Before any build: a PPO job whose model has no backbone for the critic fails now.
+        models.check_supported(models.load_config(fetch_model(self.config.model.path, self.rt)),
+                               critic=a.name == "ppo")
         torch.manual_seed(self.config.trainer.seed)
         self.actor = self._build_actor()
-        a = self.config.algorithm
         if a.kl_coef > 0:
             self.ref = roles.Reference(self._build("causal_lm", trains=False), self.rt, a.micro_batch_size)
         if a.name == "ppo":
@@ -93,7 +98,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
 
     def _optim(self, model, lr: float):
         o, t = self.config.optimizer, self.config.trainer
-        opt = roles.make_optimizer(model, lr, o.betas, o.weight_decay)
+        opt = roles.make_optimizer(model, lr, o.betas, o.weight_decay, decay_all=o.weight_decay_all)
         return opt, roles.make_scheduler(opt, o.warmup_steps, t.total_steps, o.lr_schedule, o.min_lr_ratio)
 
     def _build_actor(self) -> roles.Actor:
@@ -117,6 +122,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         m: dict[str, float] = {}
         start = time.perf_counter()
         batch = batch.to(self.rt.device)
+        self.probe_tokens = probe.probe_tokens(batch.tokens, batch.attention_mask)  # the next export's probe
         local = self.local_slice(batch)
         with roles.timed(m, "time/old_log_prob"):
             old_lp, _ = self.actor.compute_log_prob(local)
@@ -219,10 +225,17 @@ class FSDPTrainEngine(TrainEngineWrapper):
         returns the manifest on rank 0)."""
         return self.save_state_dict()
 
-    def save_state_dict(self, dtype: str = "bf16") -> dict | None:
-        uri = self.config.checkpoint.uri
-        return export_hf(self.actor.model, self.rt, self.storage, weights_uri(uri, self.step),
-                         fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype)
+    def save_state_dict(self, dtype: str | None = None) -> dict | None:
+        """Export the policy in `dtype` (default `sync.dtype`) with its probe
+        (rft_trainer.probe): what the sync agents check each engine against."""
+        dtype = dtype or self.config.sync.dtype
+        model, uri = self.actor.model, self.config.checkpoint.uri
+        tokens = self.probe_tokens or probe.fallback_tokens(
+            model.config.get_text_config().vocab_size)
+        check = probe.build_probe(model, self.rt.device, tokens, dtype, self.step)
+        return export_hf(model, self.rt, self.storage, weights_uri(uri, self.step),
+                         fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype,
+                         extra_files={PROBE_FILE: check.to_json().encode()})
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:

@@ -87,8 +87,11 @@ class _Writer:
 
 
 def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_dir: str | None,
-              step: int, dtype: str = "bf16", max_shard_bytes: int = 2 << 30) -> dict | None:
-    """Collective: every rank must call it. Returns the manifest on rank 0, None elsewhere."""
+              step: int, dtype: str = "bf16", max_shard_bytes: int = 2 << 30,
+              extra_files: dict[str, bytes] | None = None) -> dict | None:
+    """Collective: every rank must call it. Returns the manifest on rank 0, None elsewhere.
+    `extra_files` (rank 0's count): written beside the weights and listed in the manifest
+    (the probe, `probe.json`)."""
     start = time.perf_counter()
     cast = DTYPES[dtype]
     tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
@@ -106,6 +109,9 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
             return None
         writer.flush()
         _write_small_files(writer, model, model_dir, dtype)
+        for name, data in (extra_files or {}).items():
+            (writer.tmp / name).write_bytes(data)
+            writer.upload(writer.tmp / name)
         # `id` tells two exports of the same step apart (a resumed attempt re-exports
         # the steps it replays): sync agents reload when (version, id) changes.
         manifest = {"step": step, "id": uuid.uuid4().hex[:16], "format": "hf-safetensors", "dtype": dtype,

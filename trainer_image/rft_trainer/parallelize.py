@@ -1,23 +1,26 @@
 """The one place that builds models and applies parallelism, in a fixed order:
 
+0. refuse a model the trainer cannot train (`models.check_supported`, a ValueError);
 1. build the HF model on the meta device (no memory, no init cost);
 2. optional activation checkpointing;
-3. `fully_shard` every decoder block, then the root, with a MixedPrecisionPolicy
+3. `fully_shard` every decoder block (the classes of the model's `_no_split_modules`),
+   then the root, with a MixedPrecisionPolicy
    (bf16 compute / fp32 gradient reduction on GPU; plain fp32 on CPU). A world of one
    rank without mixed precision or offload is left unsharded: there FSDP2 would only
    copy every block's parameters in and out on each micro-batch (the tiny model's update
    ran at 0.67x a plain loop with it, 1.22x without); `get_state_dict`, DCP and the
    exporter treat plain tensors and DTensors alike, so checkpoints move between the two;
-4. materialise the shards (`to_empty`) and load the weights from an HF directory:
-   rank 0 reads the safetensors files and the shards are scattered from it, so no rank
-   but the first ever holds a full copy.
+4. materialise the shards (`to_empty`), fill the non-persistent buffers with the model's
+   own `initialize_weights` (`models.init_non_persistent_buffers`), and load the weights
+   from an HF directory: rank 0 loads them with transformers' `from_pretrained` (each
+   family's key conversions) and the shards are scattered from it, so no rank but the
+   first ever holds a full copy.
 
 Works with nccl on GPU and gloo on CPU; a single process is a world of size 1.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 from dataclasses import dataclass
@@ -27,6 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .models import (ValueModel, check_supported, decoder_blocks, init_non_persistent_buffers,
+                     load_config)
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +89,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a HF causal LM (Llama, Qwen2, Mistral, ... layouts)."""
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-        node = model
-        try:
-            for part in path.split("."):
-                node = getattr(node, part)
-        except AttributeError:
-            continue
-        return list(node)
-    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
-
-
 def mixed_precision(device: torch.device, mode: str) -> MixedPrecisionPolicy | None:
     """bf16 compute with fp32 gradient reduction on GPU; CPU stays fp32 (bf16 matmuls on
     CPU are slow and lose the bit-exactness we test against)."""
@@ -120,29 +113,10 @@ def apply_fsdp(model: nn.Module, device: torch.device, mode: str = "bf16",
     if world == 1 and mp is None and "offload_policy" not in kwargs:
         log.info("one rank without mixed precision or offload: the model is not sharded")
         return model
-    for block in decoder_layers(model):
+    for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a local HF directory (safetensors shards, or pytorch_model.bin)."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-        if not bins:
-            raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
-        out: dict[str, torch.Tensor] = {}
-        for f in bins:
-            out.update(torch.load(f, map_location="cpu", weights_only=True))
-        return out
-    out = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
 
 
 def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: str = "bf16",
@@ -150,42 +124,36 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
                 activation_checkpointing: bool = False, load_weights: bool = True,
                 param_dtype: str = "fp32") -> nn.Module:
     """Build, shard and load one model. `kind`: "causal_lm" (actor, reference) or
-    "critic" (a token-classification head with one output: the value per token).
-    `param_dtype` is the master weights' dtype (`spec.model.dtype`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    "critic" (`models.ValueModel`: the backbone and a value head, values 0 at step 0).
+    `param_dtype` is the master weights' dtype (`spec.model.dtype`). A model the trainer
+    cannot train is refused first (`models.check_supported`)."""
+    from transformers import AutoModelForCausalLM
 
     path = fetch_model(path, rt)
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
+    check_supported(config, critic=(kind == "critic"))
     # Tied embeddings stay tied: the shared Parameter belongs to the root module, which
     # fully_shard shards once; to_empty and set_model_state_dict keep the one tensor
     # (a checkpoint without lm_head.weight loads strictly).
     with torch.device("meta"):
-        if kind == "critic":
-            config.num_labels = 1
-            # The value head must be deterministic: no dropout (HF's default is 0.1).
-            config.classifier_dropout = 0.0
-            model = AutoModelForTokenClassification.from_config(config)
-        else:
-            model = AutoModelForCausalLM.from_config(config)
+        model = ValueModel(config) if kind == "critic" else AutoModelForCausalLM.from_config(config)
     # fp32 master weights by default; FSDP's MixedPrecisionPolicy computes in bf16 on GPU.
     model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fsdp(model, rt.device, fsdp_mode, reshard_after_forward, cpu_offload)
     model.to_empty(device="cpu" if cpu_offload and rt.device.type == "cuda" else rt.device)
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, FSDPModule) and kind != "critic":
         # to_empty gave each module its own new Parameter (meta -> real device), which
         # unties shared ones; fully_shard had made the root own them.
         model.tie_weights()
-    _init_buffers(model, config, rt)
+    init_non_persistent_buffers(model)  # rotary inv_freq, ...: in no checkpoint
     if kind == "critic":
         # The value head is not in an LM checkpoint: start it at zero (values 0 at step 0),
         # instead of leaving to_empty's uninitialised memory.
-        with torch.no_grad():
-            for p in model.score.parameters():
-                p.zero_()
+        model.reset_value_head()
     if load_weights:
-        load_full_state_dict(model, path, rt, strict=(kind != "critic"))
+        load_full_state_dict(model, path, rt, critic=(kind == "critic"))
     return model
 
 
@@ -308,23 +276,6 @@ def _read_record(path: str) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _init_buffers(model: nn.Module, config, rt: Runtime) -> None:
-    """Non-persistent buffers (rotary `inv_freq`) are not in checkpoints, and `to_empty`
-    left them as garbage. Rebuild each such module from its config on the real device and
-    take its buffers: robust to how a model family computes them."""
-    for module in model.modules():
-        names = getattr(module, "_non_persistent_buffers_set", set())
-        if not names:
-            continue
-        if not hasattr(module, "config"):
-            raise ValueError(f"cannot initialise buffers {sorted(names)} of {type(module).__name__}")
-        fresh = type(module)(module.config)
-        for name in names:
-            module.register_buffer(name, getattr(fresh, name).to(rt.device), persistent=False)
-        if hasattr(fresh, "attention_scaling"):
-            module.attention_scaling = fresh.attention_scaling
-
-
 def tied_parameters(model: nn.Module) -> dict[str, str]:
     """alias -> the name it shares its Parameter with: {"lm_head.weight":
     "model.embed_tokens.weight"} when the embeddings are tied."""
@@ -338,17 +289,55 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, strict: bool = True) -> None:
+def read_hf_state_dict(path: str, backbone: type | None = None) -> dict[str, torch.Tensor]:
+    """The weights of a local HF directory as the model built here names them: loaded by
+    transformers itself (`from_pretrained` of the causal LM), which applies each family's
+    key renames and conversions (transformers 5 fuses MoE experts that checkpoints store
+    one by one). For the critic, the causal LM's module of class `backbone` (what
+    `AutoModel` builds) under `model.`: loading `AutoModel` from an LM checkpoint instead
+    can miss weights (DeepSeek-V4's final norm in transformers 5.24). A weight the
+    checkpoint lacks is an error, as a strict load would say, never a random
+    initialisation."""
+    from transformers import AutoModelForCausalLM
+
+    src, info = AutoModelForCausalLM.from_pretrained(path, dtype="auto", output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or ()) + sorted(info.get("mismatched_keys") or ())
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks or mismatches weights of {type(src).__name__}: "
+                         f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}")
+    if backbone is None:
+        return src.state_dict()
+    found = [m for m in src.modules() if type(m) is backbone]
+    if len(found) != 1:
+        raise ValueError(f"{path}: {type(src).__name__} holds {len(found)} {backbone.__name__} modules, "
+                         "not the one backbone the critic is built on")
+    return {f"model.{k}": v for k, v in found[0].state_dict().items()}
+
+
+def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, critic: bool = False) -> None:
     """Rank 0 reads the HF weights; every rank receives only its shards. A tied model's
     checkpoint holds the shared tensor once (HF drops `lm_head.weight`): the alias is
-    filled from it, so the strict load still names every other missing key."""
-    full = read_hf_state_dict(path) if rt.is_main else {}
-    for alias, name in tied_parameters(model).items():
-        if rt.is_main and alias not in full and name in full:
-            full[alias] = full[name]
-    if rt.is_main and not strict:
-        # A critic starts from the LM backbone; its score head stays randomly initialised.
-        own = set(model.state_dict().keys())
-        full = {k: v for k, v in full.items() if k in own}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    filled from it, so the strict load still names every other missing key. The critic's
+    value head is in no LM checkpoint: every other key must be."""
+    full, error = {}, None
+    if rt.is_main:
+        try:
+            full = read_hf_state_dict(path, model.backbone_type if critic else None)
+            for alias, name in tied_parameters(model).items():
+                if alias not in full and name in full:
+                    full[alias] = full[name]
+            if critic:
+                own = set(model.state_dict().keys())
+                if missing := sorted(k for k in own - set(full) if not k.startswith("score.")):
+                    raise ValueError(f"{path}: no weights for the critic's backbone keys {missing[:8]}")
+                full = {k: v for k, v in full.items() if k in own}
+        except Exception as e:  # said to every rank: none waits in the broadcast below
+            error = (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
+    if rt.world_size > 1:
+        said = [error]
+        dist.broadcast_object_list(said, src=0)
+        error = said[0]
+    if error:  # a ValueError (bad checkpoint) stays one: fatal; anything else may be retried
+        raise (ValueError if error[0] else RuntimeError)(f"loading the model weights on rank 0: {error[1]}")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not critic)
     set_model_state_dict(model, full, options=options)

@@ -4,7 +4,8 @@ Each role wraps one FSDP2-sharded model. Every rank holds 1/world of the global 
 (a contiguous slice), runs it in micro-batches, and accumulates gradients; FSDP averages
 gradients across ranks. Losses are normalised by the *global* count of tokens (or
 sequences) in the mini-batch, so one step on W ranks equals one step on 1 process on the
-same global batch (tested), whatever the micro-batch size.
+same global batch (tested), whatever the micro-batch size. The metrics reported are the
+whole mini-batch's in the same way (`MiniBatchMetrics`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from .algorithms import losses
 from .experience import Experiences
+from .models import no_weight_decay
 from .parallelize import Runtime
 
 Metrics = dict[str, float]
@@ -43,20 +45,47 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: boo
     return lp, ent
 
 
-def all_reduce_sum(x: float, rt: Runtime) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=rt.device)
-    if rt.world_size > 1:
+# Metrics that are token means whatever the loss aggregation (masked_mean over response
+# tokens); the others (pg_loss, kl_loss, vf_loss) are aggregated as the loss is.
+TOKEN_MEANS = frozenset(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy",
+                         "critic/vf_clipfrac"))
+
+
+class MiniBatchMetrics:
+    """The metrics of one mini-batch, as the whole mini-batch's values: each micro-batch's
+    metric weighted by its share of the global count, the share its gradient gets
+    (`losses.aggregate_count` for the loss terms, response tokens for the token means),
+    summed over micro-batches and ranks. A mean of per-micro-batch means would not be the
+    loss optimised: with micro-batch 1, GRPO's pg_loss at ratio 1 averages each
+    sequence's -A and reads 0 as the group's advantages cancel."""
+
+    def __init__(self, mask: torch.Tensor, mode: str, rt: Runtime):
+        self.mode, self.rt = mode, rt
+        t = torch.tensor([losses.aggregate_count(mask, mode), float(mask.sum())], dtype=torch.float64,
+                         device=rt.device)
+        if rt.world_size > 1:
+            dist.all_reduce(t)
+        self.loss_count, self.token_count = float(t[0]), float(t[1])
+        self.sums: dict[str, float] = {}
+
+    def loss_share(self, m: torch.Tensor) -> float:
+        """This micro-batch's (response mask `m`) share of the mini-batch's loss."""
+        return losses.aggregate_count(m, self.mode) / max(self.loss_count, 1.0)
+
+    def add(self, metrics: dict, m: torch.Tensor) -> None:
+        token_share = float(m.sum()) / max(self.token_count, 1.0)
+        loss_share = self.loss_share(m)
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v) * (token_share if k in TOKEN_MEANS else loss_share)
+
+    def result(self) -> Metrics:
+        """Collective: the sums over every rank."""
+        if self.rt.world_size == 1 or not self.sums:
+            return dict(self.sums)
+        keys = sorted(self.sums)
+        t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=self.rt.device)
         dist.all_reduce(t)
-    return float(t.item())
-
-
-def mean_across_ranks(metrics: Metrics, rt: Runtime) -> Metrics:
-    if rt.world_size == 1 or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t)
-    return {k: float(v) / rt.world_size for k, v in zip(keys, t.tolist())}
+        return dict(zip(keys, t.tolist()))
 
 
 def _avg(acc: dict[str, list[float]]) -> Metrics:
@@ -78,8 +107,22 @@ def clip_and_step(model: nn.Module, optimizer, max_norm: float) -> float:
     return float(norm)
 
 
-def make_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01):
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+def make_optimizer(model: nn.Module, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01,
+                   decay_all: bool = False):
+    """AdamW over two parameter groups: `weight_decay` for the weights, none for biases and
+    normalisation weights (`models.no_weight_decay`), as HF Trainer and OpenRLHF do; with
+    `decay_all` (`optimizer.weightDecayAll`) one group decays everything, as verl and
+    torchtitan do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_all:
+        groups = [{"params": params}]
+    else:
+        skip = no_weight_decay(model)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n not in skip]},
+                  {"params": [p for n, p in named if n in skip], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
 
 
 def make_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str = "constant",
@@ -158,7 +201,8 @@ class Actor(LogProbRole):
 
     def update_policy(self, batch: Experiences, old_logprob, advantages, ref_logprob=None) -> Metrics:
         """PPO-clip epochs over mini-batches of the local shard. All (B,T) tensors align
-        with `batch.tokens`. Returns metrics averaged over micro-batches and ranks."""
+        with `batch.tokens`. Returns each mini-batch's metrics over every rank
+        (`MiniBatchMetrics`), averaged over the mini-batches and epochs."""
         a = self.algo
         mask = batch.action_mask.float()
         losses.check_finite("old_logprob", old_logprob, mask)
@@ -170,11 +214,10 @@ class Actor(LogProbRole):
         local_mini = (a.mini_batch_size // self.rt.world_size) if a.mini_batch_size else len(batch)
         for _ in range(a.epochs):
             for mini in idx.split(max(1, local_mini)):
-                m = _step_metrics(self._update_mini(batch, mini, old_logprob, advantages, ref_logprob))
-                for k, v in m.items():
+                for k, v in self._update_mini(batch, mini, old_logprob, advantages, ref_logprob).items():
                     acc.setdefault(k, []).append(v)
         self.scheduler.step()
-        out = mean_across_ranks(_avg(acc), self.rt)
+        out = _avg(acc)  # each a whole mini-batch's value, the same on every rank
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
@@ -183,11 +226,10 @@ class Actor(LogProbRole):
         mode = a.loss_aggregation
         mask = batch.action_mask.float()
         # Denominators as `losses.aggregate` counts them (seq-mean modes skip empty responses).
-        global_count = all_reduce_sum(losses.aggregate_count(mask[mini], mode), self.rt)
+        metrics_of = MiniBatchMetrics(mask[mini], mode, self.rt)
         clip_low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         clip_high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, list[float]] = {}
         micros = mini.split(self.micro_batch_size)
         for i, sel in enumerate(micros):
             # Accumulate unsharded gradients locally; reduce-scatter once, on the last one.
@@ -208,11 +250,9 @@ class Actor(LogProbRole):
                 metrics["actor/kl_loss"] = float(kl.detach())
             # Weight by this micro-batch's share of the global mini-batch; FSDP's gradient
             # averaging divides by world size, which the factor W undoes.
-            scale = losses.aggregate_count(m, mode) / max(global_count, 1.0) * self.rt.world_size
-            (loss * scale).backward()
-            for k, v in metrics.items():
-                acc.setdefault(k, []).append(float(v))
-        out = _avg(acc)
+            (loss * metrics_of.loss_share(m) * self.rt.world_size).backward()
+            metrics_of.add(metrics, m)
+        out = metrics_of.result()
         out["actor/grad_norm"] = clip_and_step(self.model, self.optimizer, a.grad_clip)
         return out
 
@@ -225,10 +265,10 @@ class Critic(_Role):
         self.algo, self.optimizer, self.scheduler = algo, optimizer, scheduler
 
     def _values(self, mb: Experiences) -> torch.Tensor:
-        out = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long(), use_cache=False)
+        values = self.model(input_ids=mb.tokens, attention_mask=mb.attention_mask.long())  # models.ValueModel
         # The value of the state *before* token t predicts the return of generating it,
         # so values align with log-probs: position t comes from the hidden state at t-1.
-        return F.pad(out.logits[:, :-1, 0].float(), (1, 0))
+        return F.pad(values[:, :-1].float(), (1, 0))
 
     @torch.no_grad()
     def compute_values(self, batch: Experiences) -> torch.Tensor:
@@ -245,7 +285,7 @@ class Critic(_Role):
         acc: dict[str, list[float]] = {}
         idx = torch.arange(len(batch), device=mask.device)
         for _ in range(a.epochs):
-            global_count = all_reduce_sum(losses.aggregate_count(mask, mode), self.rt)
+            metrics_of = MiniBatchMetrics(mask, mode, self.rt)
             self.optimizer.zero_grad(set_to_none=True)
             micros = idx.split(self.micro_batch_size)
             for i, sel in enumerate(micros):
@@ -253,17 +293,13 @@ class Critic(_Role):
                 mb, m = batch.select(sel), mask[sel]
                 loss, metrics = losses.value_loss(self._values(mb), old_values[sel], returns[sel], m,
                                                   a.cliprange_value, mode)
-                (loss * losses.aggregate_count(m, mode) / max(global_count, 1.0) * self.rt.world_size).backward()
-                for k, v in metrics.items():
-                    acc.setdefault(k, []).append(float(v))
-            acc.setdefault("critic/grad_norm", []).append(
-                clip_and_step(self.model, self.optimizer, a.grad_clip))
+                (loss * metrics_of.loss_share(m) * self.rt.world_size).backward()
+                metrics_of.add(metrics, m)
+            epoch = {**metrics_of.result(), "critic/grad_norm": clip_and_step(self.model, self.optimizer, a.grad_clip)}
+            for k, v in epoch.items():
+                acc.setdefault(k, []).append(v)
         self.scheduler.step()
-        return mean_across_ranks(_avg(acc), self.rt)
-
-
-def _step_metrics(m: Metrics) -> Metrics:
-    return {k: float(v) for k, v in m.items()}
+        return _avg(acc)
 
 
 @contextmanager
