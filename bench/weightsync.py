@@ -3,6 +3,7 @@ inference replica serving them, for 1, 2, 4 and 8 replicas.
 
     python bench/weightsync.py [--replicas 1,2,4,8] [--versions 3] [--hidden 512 --layers 8]
                                [--dtype fp32|bf16] [--fanout 2] [--out .local/bench/weightsync.json]
+    python bench/weightsync.py --engine vllm [--replicas 1,2] [--versions 3]   (bench/vllm_reload.py)
 
 Runs the whole protocol as tests/integration/test_weightsync.py does: a local control
 plane (KWOK inference pods), the operator as a subprocess under its ServiceAccount, a
@@ -101,9 +102,9 @@ class TimedEngine(ReferenceEngine):
         super().__init__(url)
         self.load_began: dict[int, float] = {}
 
-    def load(self, path: str, version: int) -> None:
+    def load(self, path: str, version: int, probe=None, tolerance=None):
         self.load_began[version] = time.monotonic()
-        super().load(path, version)
+        return super().load(path, version, probe, tolerance)
 
 
 class JobWatch(threading.Thread):
@@ -304,7 +305,9 @@ def breakdown(v: int, t0: float, t_done: float, watch: JobWatch, engines: dict) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--replicas", default="1,2,4,8", help="comma-separated replica counts")
+    ap.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                    help="vllm: reload + probe on real vLLM engines vs a fresh start (bench/vllm_reload.py)")
+    ap.add_argument("--replicas", default=None, help="comma-separated replica counts (default 1,2,4,8; vllm: 1,2)")
     ap.add_argument("--versions", type=int, default=3, help="versions timed per replica count")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -315,6 +318,13 @@ def main() -> None:
                     help="relay children per replica, as the pods run it (0: every replica reads S3)")
     ap.add_argument("--out", default=str(ROOT / ".local" / "bench" / "weightsync.json"))
     args = ap.parse_args()
+    if args.engine == "vllm":
+        import vllm_reload
+
+        args.replicas = args.replicas or "1,2"
+        args.out = args.out.replace("weightsync.json", "weightsync-vllm.json")
+        return vllm_reload.run(args)
+    args.replicas = args.replicas or "1,2,4,8"
     counts = [int(x) for x in args.replicas.split(",")]
     from transformers.utils import logging as hf_logging
 
@@ -347,6 +357,8 @@ def main() -> None:
         kc = str(cluster.kubeconfig)
         install_api(cluster)
         subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", NS], check=True, capture_output=True)
+        subprocess.run(["kubectl", f"--kubeconfig={kc}", "label", "namespace", NS, f"{c.PSA_ENFORCE_LABEL}=baseline"],
+                       check=True, capture_output=True)  # job pods run only where Pod Security is enforced
         op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp / "op.kubeconfig")
         op = subprocess.Popen([sys.executable, "-m", "rft_operator"], env={**os.environ, "KUBECONFIG": str(op_kc)},
                               stdout=open(tmp / "operator.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)

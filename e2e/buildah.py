@@ -35,7 +35,7 @@ class BuildError(RuntimeError):
 
 
 def run_logged(argv: Sequence[str], log_file: Path, env: dict[str, str] | None = None,
-               what: str | None = None) -> None:
+               what: str | None = None, cwd: Path | str | None = None) -> None:
     """Runs a long command with its output appended to `log_file`; on failure the error
     names the command and quotes the log's tail."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +43,7 @@ def run_logged(argv: Sequence[str], log_file: Path, env: dict[str, str] | None =
         f.write(f"\n$ {' '.join(argv)}\n".encode())
         f.flush()
         rc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                            env=env).returncode
+                            env=env, cwd=cwd).returncode
     if rc != 0:
         tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
         raise BuildError(f"{what or argv[0]} failed (exit {rc}): {' '.join(argv)}\n"

@@ -45,7 +45,9 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -54,9 +56,10 @@ from typing import Iterator, Sequence
 
 from .buildah import BuildahSession, BuildError, remove_leftovers, run_logged, unmount_below
 from .cluster import REPO_ROOT, cache_dir
+from . import vllm_env
 from .imagespec import (
     BASE_RECIPE, DEBIAN_ARCH, IMAGES, LAYER_COMPRESSION, PYPROJECT, SITE_PACKAGES, USER, ImageRef, ImageSpec, build_app_key,
-    build_dependency_list, build_deps_key, build_host_pins, build_images_json, build_pip_target_args,
+    build_dependency_list, build_deps_key, build_env_deps_key, build_host_pins, build_images_json, build_pip_target_args,
     compute_hash, compute_sources_hash, format_size, iter_source_files, parse_apt_mirror, read_apt_sources,
     read_installed,
 )
@@ -142,9 +145,13 @@ class ImageBuilder:
 
     def ensure_image(self, spec: ImageSpec, base: ImageRef) -> StageResult:
         started = time.monotonic()
-        requirements = build_dependency_list(self.pyproject, spec.extras)
-        pins = build_host_pins(requirements, self.installed)
-        deps_tag = compute_hash(build_deps_key(requirements, pins, base.digest, self.pip_args))
+        if spec.deps_from == "vllm-env":
+            requirements, pins = [], {}
+            deps_tag = compute_hash(build_env_deps_key(vllm_env.recipe(), base.digest, spec.apt))
+        else:
+            requirements = build_dependency_list(self.pyproject, spec.extras)
+            pins = build_host_pins(requirements, self.installed)
+            deps_tag = compute_hash(build_deps_key(requirements, pins, base.digest, self.pip_args))
         result = StageResult(spec.name, ImageRef(spec.repository, "", ""))
         # A deps image built in this run stays in local storage for the application stage,
         # which then starts from it instead of pulling it back and decompressing it (for
@@ -170,13 +177,22 @@ class ImageBuilder:
                     pins: dict[str, str], base: ImageRef, tag: str) -> str:
         """Installs the requirements on the base image, commits the result to local storage
         and pushes it; returns the local image's name."""
-        log.info("%s: installing %d requirements with pip, %d pinned to the host's versions (log: %s)",
-                 spec.name, len(requirements), len(pins), b.log_file)
+        if spec.deps_from is None:
+            log.info("%s: installing %d requirements with pip, %d pinned to the host's versions (log: %s)",
+                     spec.name, len(requirements), len(pins), b.log_file)
         container = b.from_image(f"{base.repository}:{base.tag}")
         rootfs = b.mount(container)
-        install_requirements(requirements, pins, rootfs, self.pip_args, b.log_file)
-        b.config(container, f"--created-by=pip install --target {SITE_PACKAGES} "
-                            f"{' '.join(requirements)}")
+        if spec.apt:
+            install_debs(spec.apt, rootfs, b.log_file)
+        if spec.deps_from == "vllm-env":
+            source = vllm_env.site_packages(vllm_env.ensure().parents[1])
+            log.info("%s: copying %s (vLLM's CPU build and its torch)", spec.name, source)
+            copy_environment(source, rootfs / SITE_PACKAGES.lstrip("/"))
+            b.config(container, f"--created-by=copy of e2e/vllm_env.py's environment {vllm_env.recipe()}")
+        else:
+            install_requirements(requirements, pins, rootfs, self.pip_args, b.log_file)
+            b.config(container, f"--created-by=pip install --target {SITE_PACKAGES} "
+                                f"{' '.join(requirements)}")
         local = f"localhost/{spec.deps_repository}:{tag}"
         log.info("%s: committing the deps layer, pushing it to the registry (%s)", spec.name, LAYER_COMPRESSION)
         b.commit(container, local)
@@ -259,6 +275,31 @@ def install_requirements(requirements: Sequence[str], pins: dict[str, str], root
             target.write_bytes(content)
             target.chmod(0o755)
         shutil.rmtree(scripts)
+
+
+def install_debs(packages: Sequence[str], rootfs: Path, log_file: Path) -> None:
+    """Debian packages into the mounted rootfs: downloaded by the host's apt (the image's
+    suite is the host's, bookworm) and unpacked, without maintainer scripts (shared
+    libraries need none)."""
+    with tempfile.TemporaryDirectory(prefix="rftjob-debs-") as tmp:
+        download = ["apt-get", "download", "-q", *packages]
+        if subprocess.run(download, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode:
+            run_logged(["apt-get", "update", "-q"], log_file, what="apt-get update")
+            run_logged(download, log_file, what="apt-get download", cwd=tmp)
+        for deb in sorted(Path(tmp).glob("*.deb")):
+            run_logged(["dpkg-deb", "-x", str(deb), str(rootfs)], log_file, what=f"dpkg-deb -x {deb.name}")
+
+
+def copy_environment(source: Path, site: Path) -> None:
+    """A prepared environment's site-packages into the image's (same Python minor version
+    and platform), world-readable, without pip itself. The bytecode pip compiled comes
+    along (valid for the image's 3.11: copies keep the sources' times), so an engine does
+    not compile thousands of modules at every start as a user who cannot save them."""
+    skip = shutil.ignore_patterns("pip", "pip-*.dist-info")
+    shutil.copytree(source, site, symlinks=True, dirs_exist_ok=True, ignore=skip)
+    for path in site.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
 
 
 def copy_packages(root: Path, package_dirs: Sequence[str], site: Path) -> None:

@@ -70,6 +70,11 @@ class ImageSpec:
     cmd: tuple[str, ...]
     smoke: str  # Python run in the image (as the image's user) before it is pushed
     ports: tuple[int, ...] = ()
+    # Dependencies copied from a prepared environment instead of pip-installed from
+    # pyproject.toml: "vllm-env" (e2e/vllm_env.py, which pip cannot install in one go).
+    deps_from: str | None = None
+    # Debian packages the dependencies need beyond the base (unpacked into the deps layer).
+    apt: tuple[str, ...] = ()
 
     @property
     def repository(self) -> str:
@@ -100,7 +105,15 @@ IMAGES: dict[str, ImageSpec] = {spec.name: spec for spec in (
               entrypoint=(), cmd=("python3", "-m", "rft_trainer", "--help"),
               smoke="import torch, transformers, rft_trainer.launch, rft_rollout.explorer, "
                     "rft_serving.serve, rft_serving.sync_agent"),
+    # vLLM's CPU build (trainer_image/Dockerfile.vllm with VLLM_BUILD=cpu builds the same;
+    # VLLM_BUILD=gpu the regular vllm package). Nothing of ours: the inference pod's init
+    # container copies the engine's helpers in (rft_operator.rollout_pods).
+    ImageSpec("vllm", (), (), entrypoint=(), cmd=("python3", "-m", "vllm.entrypoints.openai.api_server", "--help"),
+              smoke="import torch, vllm, vllm._C; from vllm.entrypoints.openai import api_server",
+              deps_from="vllm-env", apt=("libnuma1",)),  # vllm._C links libnuma
 )}
+# What `make demo` builds: the images its sample job runs (no vLLM).
+DEMO_IMAGES = ("operator", "sidecar", "trainer")
 
 
 def compute_hash(key: Any) -> str:
@@ -182,6 +195,11 @@ def build_deps_key(requirements: Sequence[str], pins: dict[str, str], base_diges
                    pip_args: Sequence[str]) -> dict[str, Any]:
     return {"format": DEPS_FORMAT, "requirements": sorted(requirements), "pins": pins,
             "base": base_digest, "pip": list(pip_args)}
+
+
+def build_env_deps_key(recipe: dict[str, str], base_digest: str, apt: Sequence[str] = ()) -> dict[str, Any]:
+    """The deps key of an image whose dependencies are a prepared environment's."""
+    return {"format": DEPS_FORMAT, "environment": recipe, "base": base_digest, "apt": sorted(apt)}
 
 
 def build_app_key(spec: ImageSpec, sources_hash: str, deps_digest: str) -> dict[str, Any]:

@@ -50,15 +50,14 @@ def job_api():
 
 
 def get_job(api: Any, namespace: str, name: str) -> dict:
-    return api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    """The job, status included: a GET of the resource, what every pod identity's Role
+    allows (`get` on its one RFTJob). The explorer's Role has no `rftjobs/status`: reading
+    through the subresource was refused (403) for it."""
+    return api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                            _request_timeout=REQUEST_TIMEOUT)
 
 
-def get_status(api: Any, namespace: str, name: str) -> dict:
-    """The job through its status subresource (what a status-only Role may read)."""
-    return api.get_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name)
-
-
-# A connection the network dropped silently would hang a patch for good; retries cover it.
+# A connection the network dropped silently would hang a request for good; retries cover it.
 REQUEST_TIMEOUT = (10, 30)  # connect, read seconds
 
 
@@ -80,7 +79,11 @@ def watch_job(api: Any, namespace: str, name: str, stop: Any, timeout_seconds: i
     for ev in w.stream(api.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
                        field_selector=f"metadata.name={name}",
                        resource_version=obj["metadata"]["resourceVersion"],
-                       timeout_seconds=timeout_seconds):
+                       timeout_seconds=timeout_seconds,
+                       # The server ends the watch after timeout_seconds; a connection that
+                       # died silently meanwhile would block the reader for good without
+                       # a read timeout of our own (then the caller reconnects).
+                       _request_timeout=(REQUEST_TIMEOUT[0], timeout_seconds + 15)):
         if stop.is_set():
             w.stop()
             return

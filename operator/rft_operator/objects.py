@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from rft_contract import names as c
-from rft_contract.spec import RFTJobSpec
+from rft_contract.spec import EnvVar, RFTJobSpec
 
 Obj = dict[str, Any]
 
@@ -197,3 +197,11 @@ def build_s3_env(spec: RFTJobSpec) -> list[Obj]:
                 ref["optional"] = True
             env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return env
+
+
+def build_user_env(e: EnvVar) -> Obj:
+    """One `trainer.env` or `inference.env` entry: a literal, or a reference to a Secret's key."""
+    if e.value_from is None:
+        return {"name": e.name, "value": e.value or ""}
+    return {"name": e.name, "valueFrom": {"secretKeyRef": e.value_from.secret_key_ref.model_dump(
+        by_alias=True, exclude_none=True)}}

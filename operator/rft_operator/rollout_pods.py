@@ -13,8 +13,8 @@ from __future__ import annotations
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod,
-                      build_pod_security_context, build_resources, build_s3_env, labels, spec_hash)
+from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_pod_security_context,
+                      build_resources, build_s3_env, build_user_env, labels, spec_hash)
 
 # Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
 # children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
@@ -22,6 +22,9 @@ from .objects import (JobRef, Obj, build_container_security_context, build_pod,
 # download while the tree stays log2(replicas) deep (streamed: depth costs little).
 WEIGHTS_PEER_PORT = 8471
 WEIGHTS_FANOUT = 2
+SUPERVISOR_PORT = 8473  # rft_serving.supervise's control server, on the pod's loopback
+# Where the init container puts the engine's helpers (rft_serving.supervise, .vllm_worker).
+HELPERS_MOUNT = "/opt/rft/engine"
 
 
 def inference_endpoints(ref: JobRef, spec: RFTJobSpec) -> list[str]:
@@ -45,45 +48,63 @@ def _identity_env(ref: JobRef) -> list[Obj]:
     ]
 
 
-def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
-    """The inference engine. The reference engine starts empty and is loaded by the sync
-    agent; vLLM/SGLang start from the weights an init container fetched (`initial`, which
-    the agent re-points at every version it loads, for an engine container that restarts).
+# sync.dtype as vLLM's and SGLang's --dtype spell it.
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-    vLLM 0.33.0: `vllm serve <dir>`; VLLM_SERVER_DEV_MODE=1 registers the routes the agent
-    reloads with (/pause, /collective_rpc, /update_weight_version, /weight_info, /resume:
-    vllm/entrypoints/launchers/api_server/routers.py:46-53; parsed as an int, envs.py:1468);
-    --host 0.0.0.0 (its default, None, binds all interfaces too). It starts labelled
-    "default" (no flag sets the label), so the agent reloads it once, labelled.
-    SGLang 0.5.23: --host 0.0.0.0, since its default is 127.0.0.1
-    (srt/arg_groups/fields/serving.py:65) and the agent and explorers connect to the pod IP.
-    No --weight-version: the init container fetched whatever the target was when the pod
-    started, and a restarted container starts from the last loaded version, so any fixed
-    label could be wrong; its default "default" makes the agent reload (and label) it.
-    Readiness is GET /ready (200 once up, 503 while paused, http_server.py:714-718): its
-    /health generates a token and answers after at least 1 s (http_server.py:721-799),
-    past the probe's 1 s timeout."""
+
+def _engine_command(spec: RFTJobSpec) -> list[str]:
+    """The engine's command line. vLLM and SGLang run under rft_serving.supervise (the sync
+    agent restarts them through it: a reload that broke the engine, or weights that fail
+    the probe) from the helpers the init container copied (`HELPERS_MOUNT`, on PYTHONPATH),
+    so any image with the engine works; they start from `initial`, the weights the init
+    container fetched and the agent re-points at every version it loads.
+
+    vLLM 0.32.0: `python3 -m vllm.entrypoints.openai.api_server` (the CPU wheel's `vllm
+    serve` cannot find its own package name; the module works in every build), dev-mode
+    routes by VLLM_SERVER_DEV_MODE=1, our worker extension for the reload (vllm_worker.py).
+    It starts labelled "default" (no flag sets the label), so the agent reloads it once.
+    SGLang 0.5.23: --host 0.0.0.0, since its default is 127.0.0.1 and the agent and
+    explorers connect to the pod IP; no --weight-version: the default "default" makes the
+    agent reload (and label) it. Both serve in `sync.dtype`, the dtype of the exports and
+    of their probes (vLLM's "auto" would serve an fp32 export in 16 bits, which the fp32
+    probe refuses). `inference.args` come last (a repeated flag wins)."""
     inf = spec.inference
     port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
-    commands = {
-        "reference": (["python", "-m", "rft_serving.serve"],
-                      ["--port", port, "--served-model-name", c.SERVED_MODEL_NAME]),
-        "vllm": (["vllm", "serve"], [initial, "--host", "0.0.0.0", "--port", port,
-                                     "--served-model-name", c.SERVED_MODEL_NAME]),
-        "sglang": (["python", "-m", "sglang.launch_server"],
-                   ["--model-path", initial, "--host", "0.0.0.0", "--port", port,
-                    "--served-model-name", c.SERVED_MODEL_NAME]),
-    }
-    command, args = commands[inf.engine]
+    common = ["--host", "0.0.0.0", "--port", port, "--served-model-name", c.SERVED_MODEL_NAME,
+              "--dtype", ENGINE_DTYPES[spec.sync.dtype]]
+    if inf.engine == "reference":
+        return ["python", "-m", "rft_serving.serve", "--port", port, "--served-model-name",
+                c.SERVED_MODEL_NAME, *inf.args]
+    engine = {
+        "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", initial, *common,
+                 "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"],
+        "sglang": ["python3", "-m", "sglang.launch_server", "--model-path", initial, *common],
+    }[inf.engine]
+    return ["python3", "-m", "rft_serving.supervise", "--control-port", str(supervisor_port(spec)), "--",
+            *engine, *inf.args]
+
+
+def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
+    """The inference engine; readiness is vLLM's /health, SGLang's /ready (200 once up, 503
+    while paused; its /health generates a token and answers after at least 1 s, past the
+    probe's 1 s timeout), the reference server's /health (503 until weights are loaded)."""
+    inf = spec.inference
     env = [{"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    mounts = [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}]
+    if inf.engine != "reference":
+        env.append({"name": "PYTHONPATH", "value": HELPERS_MOUNT})
+        mounts.append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT, "readOnly": True})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # vLLM's shared-memory queues
     if inf.engine == "vllm":
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # weight-update endpoints
+    env += [build_user_env(e) for e in inf.env]
+    command = _engine_command(spec)
     return {
         "name": "engine",
         "image": inf.image or spec.trainer.image,
-        "command": command,
-        "args": args,
+        "command": command[:3],
+        "args": command[3:],
         "env": env,
         "ports": [{"name": "http", "containerPort": inf.port}],
         "readinessProbe": {"httpGet": {"path": "/ready" if inf.engine == "sglang" else "/health",
@@ -91,13 +112,20 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
                            "periodSeconds": 5, "failureThreshold": 2},
         "resources": build_resources(inf.resources, inf.gpus_per_replica),
         "securityContext": build_container_security_context(spec),
-        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+        "volumeMounts": mounts,
     }
 
 
 def weights_peer_port(spec: RFTJobSpec) -> int:
     """The sync agent's relay port: a fixed one, unless the engine took it."""
     return WEIGHTS_PEER_PORT + (spec.inference.port == WEIGHTS_PEER_PORT)
+
+
+def supervisor_port(spec: RFTJobSpec) -> int:
+    """The engine supervisor's control port (127.0.0.1 only): one the engine and the relay
+    do not use."""
+    taken = {spec.inference.port, weights_peer_port(spec)}
+    return next(p for p in range(SUPERVISOR_PORT, SUPERVISOR_PORT + 3) if p not in taken)
 
 
 def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[str]) -> Obj:
@@ -111,15 +139,20 @@ def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[
         "command": ["python", "-m", "rft_serving.sync_agent"],
         "args": ["--engine", inf.engine, "--engine-port", str(inf.port),
                  "--dest", c.WEIGHTS_MOUNT, "--fanout", str(WEIGHTS_FANOUT), *extra_args],
+        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
         "env": _identity_env(ref) + build_s3_env(spec),
         "securityContext": build_container_security_context(spec),
-        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
     }
 
 
 def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     port = weights_peer_port(spec)
-    agent = _agent_container(ref, spec, "sync-agent", ["--peer-port", str(port)])
+    extra = ["--peer-port", str(port)]
+    if spec.inference.engine != "reference":
+        extra += ["--supervisor-port", str(supervisor_port(spec))]
+    if spec.sync.probe_tolerance is not None:
+        extra += ["--probe-tolerance", str(spec.sync.probe_tolerance)]
+    agent = _agent_container(ref, spec, "sync-agent", extra)
     agent["ports"] = [{"name": "weights", "containerPort": port}]
     return agent
 
@@ -155,8 +188,12 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         "volumes": [{"name": "weights", "emptyDir": {}}],
     }
     if spec.inference.engine != "reference":
-        pod_spec["initContainers"] = [_agent_container(ref, spec, "fetch-weights",
-                                                       ["--fetch-only", f"{c.WEIGHTS_MOUNT}/initial"])]
+        fetch = _agent_container(ref, spec, "fetch-weights", ["--fetch-only", f"{c.WEIGHTS_MOUNT}/initial",
+                                                              "--install-helpers", HELPERS_MOUNT])
+        fetch["volumeMounts"].append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT})
+        pod_spec["initContainers"] = [fetch]
+        pod_spec["volumes"] += [{"name": "engine-helpers", "emptyDir": {}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.inference.shm_size}}]
     return _with_hash(build_pod(ref, spec, name, lbls, pod_spec))
 
 

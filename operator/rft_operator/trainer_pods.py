@@ -9,9 +9,9 @@ names and logs.
 from __future__ import annotations
 
 from rft_contract import names as c
-from rft_contract.spec import EnvVar, RFTJobSpec
+from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod,
+from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_user_env,
                       build_pod_security_context, build_resources, build_s3_env, labels)
 
 
@@ -37,14 +37,6 @@ def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
     env += build_s3_env(spec)
     env += [build_user_env(e) for e in spec.trainer.env]
     return env
-
-
-def build_user_env(e: EnvVar) -> Obj:
-    """One `spec.trainer.env` entry: a literal, or a reference to a Secret's key."""
-    if e.value_from is None:
-        return {"name": e.name, "value": e.value or ""}
-    return {"name": e.name, "valueFrom": {"secretKeyRef": e.value_from.secret_key_ref.model_dump(
-        by_alias=True, exclude_none=True)}}
 
 
 def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> list[str]:

@@ -1,27 +1,31 @@
 """Contract tests of the sync agent's engine adapters and of the explorers' weights-version
-attribution, against fakes of vLLM 0.33.0 and SGLang 0.5.23. These are contract tests
-against the routes and bodies read in the engines' own source, because neither engine runs
-on CPU here. Each fake implements exactly the routes the adapters and explorers use, with
-the request bodies those routes accept (unknown keys ignored or kept the way the real
-pydantic/msgspec models do, missing or mistyped fields refused) and the response shapes
-they return, and nothing else (any other route is a 404):
+attribution, against fakes of vLLM 0.32.0 and SGLang 0.5.23. The fakes make failures easy
+to inject (a refused label, a failing /resume); tests/trainer/test_vllm.py runs the same
+adapter against a real vLLM (PyPI's CPU build), and SGLang, which does not run on CPU, is
+faked from its source. Each fake implements exactly the routes the adapters and explorers
+use, with the request bodies those routes accept (unknown keys ignored or kept the way the
+real pydantic/msgspec models do, missing or mistyped fields refused) and the response
+shapes they return, and nothing else (any other route is a 404):
 
-vLLM 0.33.0 (vllm/...):
-  entrypoints/launchers/api_server/routers.py:46-53  dev/RL routes only with VLLM_SERVER_DEV_MODE=1
-  entrypoints/rl/online/api_router.py:31-94          POST /pause?mode=&clear_cache=, POST /resume
-  entrypoints/rl/online/api_router.py:217-229        POST /update_weight_version (Body embed), GET /weight_info
-  entrypoints/serve/dev/rpc/api_router.py:23-59      POST /collective_rpc (raw JSON)
-  entrypoints/serve/dev/cache/api_router.py:20-44    POST /reset_prefix_cache
-  v1/worker/gpu_model_runner.py:5226-5243            reload_weights(weights_iterator, weights_path, is_checkpoint_format)
-  v1/engine/core.py:147, 1796-1810                   "default" label; paused requests -> 503
-  entrypoints/openai/completion/protocol.py:118-124   add_special_tokens (default true)
-  entrypoints/openai/completion/protocol.py:172-190, 675-722   return_token_ids, return_weight_versions,
-                                                     choices[].prompt_token_ids/token_ids/weight_versions
-  entrypoints/openai/completion/serving.py:643-648   token ids only when the request asked for them
-  v1/core/sched/utils.py:98-112                      a sampled stop token is the last output token
-  entrypoints/openai/completion/serving.py:650-654   spans only when the request opted in
-  entrypoints/serve/engine/protocol.py:37-39, 79-87  extra="allow"; {"error": {message, type, param, code}}
-  entrypoints/serve/exception_handling/handlers/validation.py   validation errors -> 400
+vLLM 0.32.0, as its CPU build behaves here (routes and behaviours, seen on the real one):
+  VLLM_SERVER_DEV_MODE=1 registers the dev/RL routes (without it they are 404s)
+  POST /pause?mode=&clear_cache=, POST /resume: requests that arrive while paused are HELD
+      and run after /resume (not refused)
+  POST /update_weight_version {"new_version"} (FastAPI Body(embed=True)), GET /weight_info;
+      the label starts "default"
+  POST /collective_rpc {"method", "args", "kwargs"}: a worker method by name; an unknown one
+      is a 500 "... object has no attribute '<method>' ..." that changes nothing;
+      `reload_weights(weights_iterator, weights_path, is_checkpoint_format)` in place, and
+      our extension's `rft_reload_weights(weights_path)` when the engine runs it
+  a reload that fails part-way leaves layers on the meta device: every later reload fails
+      too, and the next completion answers 500 (then the real server exits)
+  POST /reset_prefix_cache -> {"success": bool}
+  POST /v1/completions: OpenAI fields plus add_special_tokens, return_token_ids (then
+      choices[].prompt_token_ids/token_ids), echo with max_tokens 0 and logprobs 0 for the
+      prompt's log-probs (choices[0].logprobs.token_logprobs, None first);
+      `return_weight_versions` is accepted and ignored (extra="allow"). `honours_opt_in=True`
+      plays a later vLLM that returns choices[].weight_versions spans
+  errors: {"error": {message, type, param, code}}; validation errors -> 400
 SGLang 0.5.23 (sglang/srt/...):
   entrypoints/http_server.py:1300-1326               POST /update_weights_from_disk (200/400, success)
   entrypoints/http_server.py:812-850                 GET /model_info (weight_version, model_path, ...)
@@ -57,9 +61,11 @@ from rft_rollout.explorer import Explorer, KubeProgress, replica_versions
 from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, InferenceClient, build_samples,
                                   choice_versions, replica_pod)
 from rft_rollout.tasksets import arithmetic
-from rft_serving.engines import SGLangEngine, SyncError, VLLMEngine
+from rft_contract.probe import Probe
+from rft_serving.engines import EngineBroken, ProbeMismatch, SGLangEngine, SyncError, VLLMEngine
 from rft_serving.serve import COMPLETION_FIELDS, parse_sampling
 from rft_serving.sync_agent import INITIAL_LINK, SyncAgent
+from tests.conftest import wait_for
 from tests.fixtures.models import save_tiny_tokenizer
 
 SERVED = "policy"
@@ -140,7 +146,7 @@ def _completion_text(i: int) -> str:
     return ["12", "3"][i % 2]
 
 
-# vLLM 0.33.0 ------------------------------------------------------------------------
+# vLLM 0.32.0 ------------------------------------------------------------------------
 
 
 class VLLMCompletionRequest(BaseModel):
@@ -148,9 +154,10 @@ class VLLMCompletionRequest(BaseModel):
     OpenAIBaseModel has extra="allow" (serve/engine/protocol.py:37-39)."""
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int]
     n: int = 1
     max_tokens: Optional[int] = 16
+    echo: bool = False
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     logprobs: Optional[int] = None
@@ -176,22 +183,35 @@ class UpdateWeightVersionBody(BaseModel):
     new_version: str
 
 
-class FakeVLLM(Fake):
-    """`vllm serve` with VLLM_SERVER_DEV_MODE=1 (dev_mode=False: the routes it gates are absent).
-    `honours_opt_in=False` plays a vLLM that predates return_weight_versions (extra="allow"
-    keeps the key and nothing reads it)."""
+def fake_logprobs(ids: list[int], offset: float = 0.0) -> list[float]:
+    """What the fakes score each token after the first with (the probe's "served" side)."""
+    return [-0.5 - (t % 7) / 10 + offset for t in ids[1:]]
 
-    def __init__(self, dev_mode: bool = True, honours_opt_in: bool = True):
+
+class FakeVLLM(Fake):
+    """vLLM 0.32.0's API server with VLLM_SERVER_DEV_MODE=1 (dev_mode=False: the routes it
+    gates are absent); `extension`: started with our worker extension. `honours_opt_in=True`
+    plays a later vLLM that returns weight_versions spans (0.32.0 ignores the opt-in)."""
+
+    def __init__(self, dev_mode: bool = True, honours_opt_in: bool = False, extension: bool = True):
         super().__init__()
-        self.dev_mode, self.honours_opt_in = dev_mode, honours_opt_in
+        self.dev_mode, self.honours_opt_in, self.extension = dev_mode, honours_opt_in, extension
         self.paused: str | None = None  # the pause mode, while paused
+        self.broken = False  # a reload failed part-way
         self.reloaded_while_paused: list[bool] = []
         # Test hooks: route -> predicate on the JSON body; True answers 500 as vLLM's
         # generic handler does. `stop_with` (token id, stop_reason): every choice ends by
         # sampling that stop token. `gate`: completions wait until it is set.
+        # `score_offset`: added to every prompt log-prob (weights that differ from the trainer's).
         self.refuse: dict[str, Any] = {}
         self.stop_with: tuple[int, int | None] | None = None
         self.gate: threading.Event | None = None
+        self.score_offset = 0.0
+        self.corrupt: set[str] = set()  # test hook: weights whose reload fails part-way (bad shapes)
+
+    def restart(self) -> None:
+        super().restart()
+        self.broken, self.paused = False, None
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
@@ -232,6 +252,10 @@ class FakeVLLM(Fake):
         self.paused = None
         return web.json_response({"status": "resumed"})
 
+    def rpc_error(self, message: str) -> web.Response:
+        return self.error(500, f"Call to collective_rpc method failed: Worker failed with error '{message}', "
+                               "please check the stack trace above for the root cause", "InternalServerError")
+
     async def collective_rpc(self, request: web.Request) -> web.Response:
         body = request[BODY_KEY]
         if not isinstance(body, dict):
@@ -240,18 +264,23 @@ class FakeVLLM(Fake):
         if method is None:
             return self.error(400, "Missing 'method' in request body", "Bad Request")
         kwargs = body.get("kwargs", {})
-        if method != "reload_weights":  # the worker has no such method
-            return self.error(500, f"AttributeError: {method}", "InternalServerError")
-        unknown = set(kwargs) - {"weights_iterator", "weights_path", "is_checkpoint_format"}
+        known = {"reload_weights": {"weights_iterator", "weights_path", "is_checkpoint_format"}}
+        if self.extension:
+            known["rft_reload_weights"] = {"weights_path"}
+        if method not in known:  # the worker has no such method: nothing runs
+            return self.rpc_error(f"'CPUWorker' object has no attribute '{method}'")
+        unknown = set(kwargs) - known[method]
         if body.get("args") or unknown:
-            return self.error(500, f"TypeError: reload_weights() got {sorted(unknown)}", "InternalServerError")
+            return self.rpc_error(f"{method}() got an unexpected keyword argument {sorted(unknown)}")
         path = kwargs.get("weights_path") or self.path  # none: reload from the original path
-        if not os.path.isdir(path):
-            self.path = f"half-loaded:{path}"  # in-place, layer by layer: a failure leaves a mix
-            return self.error(500, f"OSError: {path} not found", "InternalServerError")
+        if self.broken or not os.path.isdir(path) or path in self.corrupt:
+            # In place, layer by layer: a failure leaves layers on the meta device, and every
+            # later reload fails the same way.
+            self.path, self.broken = f"half-loaded:{path}", True
+            return self.rpc_error("start (0) + length (1536) exceeds dimension size (288).")
         self.reloaded_while_paused.append(self.paused in ("wait", "abort"))
         self.path, self.reloads = path, self.reloads + 1  # the label does not change
-        return web.json_response({"results": [None]})
+        return web.json_response({"results": [{"retied": []} if method == "rft_reload_weights" else None]})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         try:
@@ -274,12 +303,20 @@ class FakeVLLM(Fake):
             req = _validate(VLLMCompletionRequest, request[BODY_KEY])
         except ValidationError as e:
             return self.error(400, f"{e.error_count()} validation error")
-        if self.paused in ("abort", "wait"):  # core.py:1796-1810 -> RetryableRequestError
-            return self.error(503, "Generation is paused. Please retry after it resumes.",
-                              "ServiceUnavailableError")
+        while self.paused in ("abort", "wait"):  # held, not refused; they run after /resume
+            await asyncio.sleep(0.005)
+        if self.broken:
+            return self.error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                              "InternalServerError")
         if req.model is not None and req.model != SERVED:
             return self.error(404, f"The model `{req.model}` does not exist. Valid aliases: {SERVED}.",
                               "NotFoundError")
+        if req.echo and req.max_tokens == 0:  # prompt log-probs (the probe)
+            ids = list(req.prompt)
+            lps = [None] + fake_logprobs(ids, self.score_offset)
+            return web.json_response({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                                      "model": SERVED, "choices": [{"index": 0, "text": "", "finish_reason": "length",
+                                      "logprobs": {"token_logprobs": lps, "tokens": [f"t{t}" for t in ids]}}]})
         while self.gate is not None and not self.gate.is_set():
             await asyncio.sleep(0.005)
         choices, num_prompt, num_out = [], 0, 0
@@ -359,6 +396,7 @@ class FakeSGLang(Fake):
         self.scheduler_label = self.label  # the scheduler's label: what spans report
         self.running = 0  # requests still in the scheduler: the cache flush is refused
         self.aborted = 0
+        self.score_offset = 0.0  # test hook: added to every prompt log-prob
 
     def restart(self) -> None:
         super().restart()
@@ -366,8 +404,36 @@ class FakeSGLang(Fake):
 
     def routes(self, app: web.Application) -> None:
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/update_weight_version", self.update_weight_version)
+        app.router.add_post("/generate", self.generate)
         app.router.add_get("/model_info", self.model_info)
         app.router.add_post("/v1/completions", self.completions)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """http_server.py /update_weight_version: UpdateWeightVersionReqInput
+        {new_version, abort_all_requests=True}; aborts everything unless told not to."""
+        body = request[BODY_KEY]
+        if not isinstance(body, dict) or not isinstance(body.get("new_version"), str):
+            return self.error(400, "new_version is required")
+        if body.get("abort_all_requests", True):
+            self.aborted += self.running
+            self.running = 0
+        self.label = self.scheduler_label = body["new_version"]
+        return web.json_response({"success": True, "message": f"Weight version updated to {self.label}",
+                                  "new_version": self.label})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """/generate with input_ids, max_new_tokens 0, return_logprob, logprob_start_len 0:
+        meta_info.input_token_logprobs [[logprob, id, None], ...], None for the first."""
+        body = request[BODY_KEY]
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list):
+            return self.error(400, "input_ids is required here")
+        lps = [None] + fake_logprobs(ids, self.score_offset)
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {
+            "id": uuid.uuid4().hex, "prompt_tokens": len(ids), "completion_tokens": 0,
+            "weight_version": self.label,
+            "input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}})
 
     @staticmethod
     def error(status: int, message: str) -> web.Response:
@@ -437,8 +503,10 @@ class FakeSGLang(Fake):
 
 
 @pytest.fixture
-def vllm():
-    fake = FakeVLLM().start()
+def vllm(request):
+    """vLLM 0.32.0; parametrize indirectly with {"honours_opt_in": True} for a later vLLM
+    that reports weight_versions spans."""
+    fake = FakeVLLM(**getattr(request, "param", {})).start()
     yield fake
     fake.stop()
 
@@ -465,20 +533,55 @@ BODY = {"model": SERVED, "prompt": "2+3=", "n": 2, "max_tokens": 4, "temperature
 # ------------------------------------------------------------------ vLLM adapter
 
 
-def test_vllm_load_pauses_reloads_labels_flushes_and_resumes(vllm, weights):
+def probe_for(ids=(5, 9, 2, 7, 3), offset: float = 0.0, dtype: str = "fp32") -> Probe:
+    """The probe the trainer would write for weights the fakes serve (offset 0)."""
+    return Probe(list(ids), fake_logprobs(list(ids), offset), dtype, 3)
+
+
+def test_vllm_load_pauses_reloads_resumes_checks_the_probe_then_labels(vllm, weights):
     engine = VLLMEngine(vllm.url)
     assert engine.served() is None  # "default": not one of ours
-    engine.load(str(weights), 3)
+    verdict = engine.load(str(weights), 3, probe_for())
+    assert verdict.ok and verdict.tokens == 4 and verdict.mean_diff == 0
     assert vllm.posted() == [
         ("/pause", {"mode": "wait"}, None),
         ("/update_weight_version", {}, {"new_version": "reloading-3"}),  # before the weights change
-        ("/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}),
-        ("/update_weight_version", {}, {"new_version": "3"}),
+        ("/collective_rpc", {}, {"method": "rft_reload_weights", "kwargs": {"weights_path": str(weights)}}),
         ("/reset_prefix_cache", {}, None),
         ("/resume", {}, None),
+        ("/update_weight_version", {}, {"new_version": "3"}),  # only once the probe passed
     ]
+    probe_call = [b for m, p, q, b in vllm.calls if p == "/v1/completions"]
+    assert probe_call == [{"model": SERVED, "prompt": [5, 9, 2, 7, 3], "max_tokens": 0, "echo": True,
+                           "logprobs": 0, "temperature": 0}]
     assert vllm.reloaded_while_paused == [True] and vllm.paused is None
     assert vllm.path == str(weights) and vllm.label == "3" and engine.served() == 3
+
+
+def test_vllm_without_our_extension_falls_back_to_plain_reload_weights(weights, caplog):
+    fake = FakeVLLM(extension=False).start()
+    try:
+        engine = VLLMEngine(fake.url)
+        with caplog.at_level(logging.WARNING, logger="rft_serving.engines"):
+            engine.load(str(weights), 3, None)
+            engine.load(str(weights), 4, None)
+        rpcs = [b["method"] for p, _, b in fake.posted() if p == "/collective_rpc"]
+        assert rpcs == ["rft_reload_weights", "reload_weights", "reload_weights"]  # asked once
+        assert "without rft_serving.vllm_worker.RFTWorkerExtension" in caplog.text
+        assert engine.served() == 4 and fake.reloads == 2
+    finally:
+        fake.stop()
+
+
+def test_vllm_weights_that_fail_the_probe_are_never_labelled(vllm, weights):
+    vllm.label = "2"
+    vllm.score_offset = 0.3  # e.g. a stale tied lm_head: every log-prob off
+    engine = VLLMEngine(vllm.url)
+    with pytest.raises(ProbeMismatch, match=r"version 3 after a reload: .*mean \|served - trained\| log-prob 0.3"):
+        engine.load(str(weights), 3, probe_for())
+    assert vllm.path == str(weights) and vllm.paused is None  # serving, under no version of ours
+    assert vllm.label == "reloading-3" and engine.served() is None
+    assert engine.load(str(weights), 3, probe_for(offset=0.3)).ok  # a matching probe passes
 
 
 @pytest.mark.parametrize("label, served", [("default", None), ("3", 3), ("0", 0),
@@ -490,54 +593,61 @@ def test_vllm_served_reads_the_engines_label(vllm, label, served):
     assert vllm.calls[-1][:2] == ("GET", "/weight_info")
 
 
-def test_vllm_failed_reload_is_labelled_unknown_and_resumed(vllm, tmp_path):
+def test_vllm_a_failed_reload_leaves_the_engine_paused_and_broken(vllm, tmp_path, weights):
+    """What real vLLM does: layers left on the meta device, every later reload fails, and the
+    next request would kill it. So the adapter does not resume: only a restart cures it."""
     vllm.label = "2"
     engine = VLLMEngine(vllm.url)
-    with pytest.raises(SyncError, match="collective_rpc: HTTP 500"):
-        engine.load(str(tmp_path / "missing"), 3)
-    assert [p for p, _, _ in vllm.posted()] == ["/pause", "/update_weight_version", "/collective_rpc", "/resume"]
-    assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused is None
+    with pytest.raises(EngineBroken, match="version 3: the reload failed part-way .*needs a fresh start"):
+        engine.load(str(tmp_path / "missing"), 3, None)
+    assert [p for p, _, _ in vllm.posted()] == ["/pause", "/update_weight_version", "/collective_rpc"]
+    assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused == "wait"
+    with pytest.raises(EngineBroken):  # good weights cannot repair it either
+        engine.load(str(weights), 3, None)
+    vllm.restart()  # a fresh start from disk does
+    assert engine.load(str(weights), 3, None) is None and engine.served() == 3
+
+
+def test_vllm_requests_sent_while_paused_are_held_and_run_after_resume(vllm, weights):
+    engine = VLLMEngine(vllm.url)
+    engine.load(str(weights), 2, None)
+    vllm.paused = "wait"
+    done = threading.Event()
+    threading.Thread(target=lambda: (InferenceClient([vllm.url]).complete(BODY), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # held, not refused
+    vllm.paused = None
+    assert done.wait(10)
 
 
 def test_vllm_new_weights_never_serve_under_the_old_label(vllm, weights):
     """The reload succeeds, setting the new label fails: the engine serves the new weights
-    labelled "reloading-3", never "2"; explorers drop its samples and the agent retries."""
+    labelled "reloading-3", never "2"; the agent retries."""
     vllm.label = "2"
     vllm.refuse["/update_weight_version"] = lambda body: body["new_version"] == "3"
     engine = VLLMEngine(vllm.url)
     with pytest.raises(SyncError, match="update_weight_version: HTTP 500"):
-        engine.load(str(weights), 3)
+        engine.load(str(weights), 3, probe_for())
     assert vllm.path == str(weights) and vllm.reloads == 1  # the new weights are in
     assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused is None
-    assert InferenceClient([vllm.url]).complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
     vllm.refuse.clear()
-    engine.load(str(weights), 3)
+    engine.load(str(weights), 3, probe_for())
     assert engine.served() == 3
 
 
-def test_vllm_a_failing_resume_does_not_hide_the_first_error(vllm, tmp_path, caplog):
-    vllm.refuse["/resume"] = lambda body: True
-    with caplog.at_level(logging.WARNING, logger="rft_serving.engines"), \
-            pytest.raises(SyncError, match="collective_rpc: HTTP 500"):
-        VLLMEngine(vllm.url).load(str(tmp_path / "missing"), 3)
-    assert "could not resume vLLM after a failed load of version 3" in caplog.text
-    assert vllm.label == "reloading-3" and vllm.paused == "wait"
-
-
-def test_vllm_a_failing_resume_alone_is_a_sync_error_and_the_agent_resumes_it(vllm, tmp_path, weights):
-    """Weights and label are in, /resume fails: a SyncError, and the label says so, so the
+def test_vllm_a_failing_resume_is_a_sync_error_and_the_agent_reloads(vllm, tmp_path, weights):
+    """Weights in, /resume fails: a SyncError with the label still `reloading-3`, so the
     agent's next pass reloads (and resumes) instead of counting a paused replica synced,
     even for a target without an id (a pinned version, or the base model)."""
     vllm.refuse["/resume"] = lambda body: True
     engine = VLLMEngine(vllm.url)
-    with pytest.raises(SyncError, match="loaded version 3 but could not resume: .*resume: HTTP 500"):
-        engine.load(str(weights), 3)
-    assert vllm.label == "resume-failed-3" and engine.served() is None and vllm.paused == "wait"
+    with pytest.raises(SyncError, match="resume: HTTP 500"):
+        engine.load(str(weights), 3, None)
+    assert vllm.label == "reloading-3" and engine.served() is None and vllm.paused == "wait"
 
     vllm.label, vllm.paused = "2", None
     target = {"version": 3, "id": None, "uri": str(weights)}
     agent, api = make_agent(engine, tmp_path, target)
-    with pytest.raises(SyncError, match="could not resume"):
+    with pytest.raises(SyncError, match="resume: HTTP 500"):
         agent.converge(target)
     agent.attempts += 1  # what run() does with the error
     agent.report_error("could not resume")
@@ -552,7 +662,7 @@ def test_vllm_without_dev_mode_says_so(weights):
     fake = FakeVLLM(dev_mode=False).start()
     try:
         with pytest.raises(SyncError, match="VLLM_SERVER_DEV_MODE=1"):
-            VLLMEngine(fake.url).load(str(weights), 3)
+            VLLMEngine(fake.url).load(str(weights), 3, None)
         with pytest.raises(SyncError, match="HTTP 404"):
             VLLMEngine(fake.url).served()
     finally:
@@ -562,31 +672,44 @@ def test_vllm_without_dev_mode_says_so(weights):
 # ------------------------------------------------------------------ SGLang adapter
 
 
-def test_sglang_load_posts_the_disk_update_with_its_version(sglang, weights):
+def test_sglang_load_reloads_under_a_provisional_label_checks_the_probe_then_labels(sglang, weights):
     engine = SGLangEngine(sglang.url)
     assert engine.served() is None  # --weight-version default "default"
-    engine.load(str(weights), 3)
-    assert sglang.posted() == [("/update_weights_from_disk", {}, {
-        "model_path": str(weights), "weight_version": "3", "abort_all_requests": False})]
-    assert sglang.calls[-1][3] == {"model_path": str(weights), "weight_version": "3",
-                                   "abort_all_requests": False}
-    assert engine.served() == 3 and sglang.path == str(weights)
+    assert engine.load(str(weights), 3, probe_for()).ok
+    assert sglang.posted() == [
+        ("/update_weights_from_disk", {}, {"model_path": str(weights), "weight_version": "reloading-3",
+                                           "abort_all_requests": False}),
+        ("/generate", {}, {"input_ids": [5, 9, 2, 7, 3], "sampling_params": {"max_new_tokens": 0},
+                           "return_logprob": True, "logprob_start_len": 0}),
+        ("/update_weight_version", {}, {"new_version": "3", "abort_all_requests": False}),
+    ]
+    assert engine.served() == 3 and sglang.path == str(weights) and sglang.aborted == 0
+
+
+def test_sglang_weights_that_fail_the_probe_keep_the_provisional_label(sglang, weights):
+    sglang.score_offset = 1.0
+    engine = SGLangEngine(sglang.url)
+    with pytest.raises(ProbeMismatch):
+        engine.load(str(weights), 3, probe_for())
+    assert sglang.label == "reloading-3" and engine.served() is None
 
 
 def test_sglang_refusals_are_sync_errors(sglang, weights, tmp_path):
     engine = SGLangEngine(sglang.url)
-    engine.load(str(weights), 3)
+    engine.load(str(weights), 3, None)
     with pytest.raises(SyncError, match="HTTP 400.*Rolling back"):
-        engine.load(str(tmp_path / "missing"), 4)
+        engine.load(str(tmp_path / "missing"), 4, None)
     assert engine.served() == 3
     sglang.running = 1  # requests left in the scheduler: the flush is refused (success false)
     with pytest.raises(SyncError, match="cache was not flushed"):
-        engine.load(str(weights), 5)
-    assert engine.served() == 3 and sglang.aborted == 0  # label unchanged: the agent retries
+        engine.load(str(weights), 5, None)
+    # The weights changed but the old label stayed on: taken off (no version served) until
+    # the agent's retry loads them again.
+    assert engine.served() is None and sglang.aborted == 0
 
 
 def test_sglang_keeps_answering_policy_after_it_renames_the_model(sglang, weights):
-    SGLangEngine(sglang.url).load(str(weights), 3)
+    SGLangEngine(sglang.url).load(str(weights), 3, None)
     assert sglang.served_name == str(weights)  # what /v1/models now lists
     client = InferenceClient([sglang.url])
     response, versions = client.complete(BODY)
@@ -634,9 +757,12 @@ class MemoryEngine:
     def served(self) -> int | None:
         return self.version
 
-    def load(self, path: str, version: int) -> None:
+    def load(self, path: str, version: int, probe=None, tolerance=None) -> None:
         self.loads.append((path, version))
         self.version = version
+
+    def restarts(self) -> int | None:
+        return None  # no supervisor
 
 
 def test_an_engine_that_restarts_is_reloaded_although_the_agent_loaded_it(tmp_path, weights):
@@ -681,7 +807,7 @@ class RecordingEngine(MemoryEngine):
         self.api: FakeJobApi | None = None  # set once the agent has one
         self.entries_at_load, self.fail, self.hook = [], False, None
 
-    def load(self, path: str, version: int) -> None:
+    def load(self, path: str, version: int, probe=None, tolerance=None) -> None:
         self.entries_at_load.append(dict(self.api.status["weightSync"]["replicas"]["job-inference-0"]))
         if self.fail:
             raise SyncError("engine refused the weights")
@@ -820,6 +946,221 @@ def test_the_start_up_link_follows_the_loaded_weights(tmp_path, weights):
     assert kept.exists()
 
 
+class FakeSupervisor:
+    """rft_serving.supervise's control routes for a fake engine: a restart starts the
+    engine afresh from what `<dest>/initial` names (its label "default")."""
+
+    def __init__(self, fake: Fake, initial: Path):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.restarts, self.reasons = 0, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._reply({"pid": 1, "restarts": outer.restarts, "started": 0})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                outer.restarts += 1
+                outer.reasons.append(body.get("reason"))
+                fake.restart()
+                fake.path = str(initial.resolve())
+                self._reply({"restarts": outer.restarts})
+
+            def _reply(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self):
+        self.server.shutdown()
+
+
+def export_dir(tmp_path: Path, version: int, offset: float = 0.0) -> Path:
+    """A local export with its probe (what the fakes score, shifted by `offset`)."""
+    d = tmp_path / f"export-v{version}"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "probe.json").write_text(probe_for(offset=offset).to_json())
+    return d
+
+
+class StaleAfterReload(FakeVLLM):
+    """vLLM's CPU build with a tied lm_head and no extension: after an in-place reload the
+    output layer keeps its old weights (every log-prob off); a fresh start is right."""
+
+    async def collective_rpc(self, request):
+        response = await super().collective_rpc(request)
+        if response.status == 200:
+            self.score_offset = 0.7
+        return response
+
+    def restart(self):
+        super().restart()
+        self.score_offset = 0.0
+
+
+def supervised_agent(fake: Fake, tmp_path: Path, target: dict):
+    dest = tmp_path / "dest"
+    dest.mkdir(exist_ok=True)
+    (dest / INITIAL_LINK).symlink_to(tmp_path)  # what the init container fetched
+    supervisor = FakeSupervisor(fake, dest / INITIAL_LINK)
+    engine = VLLMEngine(fake.url, supervisor=supervisor.url)
+    agent, api = make_agent(engine, tmp_path, target)
+    agent.engine_start_timeout = 10
+    return agent, api, supervisor
+
+
+def test_a_reload_that_fails_the_probe_is_restarted_from_disk_then_reported(tmp_path):
+    """The workaround-free path on vLLM: a plain reload leaves the tied head stale, the
+    probe catches it, nothing is reported for it, a fresh start from the same files
+    passes, and only then the replica reports the version (with what happened)."""
+    fake = StaleAfterReload(extension=False).start()
+    v3 = export_dir(tmp_path, 3)
+    target = {"version": 3, "id": "abc", "uri": str(v3)}
+    agent, api, supervisor = supervised_agent(fake, tmp_path, target)
+    try:
+        assert agent.converge(target)
+        assert supervisor.restarts == 1 and "does not serve the trained weights" in supervisor.reasons[0]
+        entry = api.status["weightSync"]["replicas"]["job-inference-0"]
+        assert entry["version"] == 3 and entry["probe"]["meanDiff"] == 0 and entry["engineRestarts"] == 1
+        assert "mean |served - trained| log-prob 0.7" in entry["lastRestart"] and entry["error"] is None
+        # Never an integer version while the wrong weights served: null, then 3.
+        assert [p["version"] for p in api.patches if "version" in p] == [None, 3]
+        assert fake.label == "3" and (tmp_path / "dest" / INITIAL_LINK).resolve() == v3.resolve()
+    finally:
+        supervisor.stop()
+        fake.stop()
+
+
+def test_a_reload_that_breaks_the_engine_brings_back_the_last_good_version(tmp_path):
+    fake = FakeVLLM().start()
+    v3, v5 = export_dir(tmp_path, 3), export_dir(tmp_path, 5)
+    target = {"version": 3, "id": "abc", "uri": str(v3)}
+    agent, api, supervisor = supervised_agent(fake, tmp_path, target)
+    try:
+        assert agent.converge(target) and supervisor.restarts == 0
+        assert api.status["weightSync"]["replicas"]["job-inference-0"]["engineRestarts"] == 0
+        v4 = export_dir(tmp_path, 4)
+        fake.corrupt.add(str(v4))  # a wrong-shaped tensor: the reload fails part-way
+        corrupt = {"version": 4, "id": "bad", "uri": str(v4)}
+        api.status["weightSync"]["target"] = corrupt
+        with pytest.raises(EngineBroken):
+            agent.converge(corrupt)
+        # Restarted from disk on version 3, checked, labelled: the replica serves 3 again.
+        assert supervisor.restarts == 1 and not fake.broken and fake.label == "3"
+        assert fake.path == str(v3.resolve()) and agent.engine_version == 3
+        entry = api.status["weightSync"]["replicas"]["job-inference-0"]
+        assert "version 4: the reload failed part-way" in entry["lastRestart"]
+        with pytest.raises(SyncError, match="version 4 broke the engine .* retrying it in"):
+            agent.converge(corrupt)  # not again at once
+        assert supervisor.restarts == 1
+        newer = {"version": 5, "id": "new", "uri": str(v5)}
+        assert agent.converge(newer) and fake.label == "5"  # a newer version is tried at once
+    finally:
+        supervisor.stop()
+        fake.stop()
+
+
+def test_an_export_whose_probe_fails_even_after_a_fresh_start_is_not_served(tmp_path):
+    """Wrong twice: the export itself disagrees with the trainer's probe. Back to the last
+    good version; the error names both checks."""
+    fake = FakeVLLM().start()
+    v3, v4 = export_dir(tmp_path, 3), export_dir(tmp_path, 4, offset=2.0)
+    target = {"version": 3, "id": "abc", "uri": str(v3)}
+    agent, api, supervisor = supervised_agent(fake, tmp_path, target)
+    try:
+        agent.converge(target)
+        bad = {"version": 4, "id": "x", "uri": str(v4)}
+        with pytest.raises(SyncError, match="after a fresh start from disk.*the reload's result was"):
+            agent.converge(bad)
+        assert supervisor.restarts == 2 and fake.label == "3" and agent.engine_version == 3
+        assert (tmp_path / "dest" / INITIAL_LINK).resolve() == v3.resolve()
+    finally:
+        supervisor.stop()
+        fake.stop()
+
+
+def test_wrong_twice_before_any_good_version_goes_back_to_the_start_up_weights(tmp_path):
+    """No version has passed in this agent's life: the fall-back restarts the engine on
+    what it started with (not on the failing export), unlabelled, and the entry says so."""
+    fake = FakeVLLM().start()
+    v4 = export_dir(tmp_path, 4, offset=2.0)
+    bad = {"version": 4, "id": "x", "uri": str(v4)}
+    agent, api, supervisor = supervised_agent(fake, tmp_path, bad)
+    try:
+        with pytest.raises(SyncError, match="after a fresh start from disk"):
+            agent.converge(bad)
+        assert supervisor.restarts == 2 and fake.path == str(tmp_path.resolve())
+        assert (tmp_path / "dest" / INITIAL_LINK).resolve() == tmp_path.resolve()
+        assert agent.engine_version is None and fake.label == "default"  # no version of ours
+    finally:
+        supervisor.stop()
+        fake.stop()
+
+
+def test_weights_an_engine_refused_for_its_probe_are_not_loaded_again_at_once(tmp_path, weights):
+    """The reference server refuses weights that fail the probe and keeps serving the old
+    ones (no restart cures that): the export waits broken_retry_seconds, a newer one not."""
+    from rft_contract.probe import Verdict
+
+    class Refusing(MemoryEngine):
+        restartable = False
+
+        def load(self, path, version, probe=None, tolerance=None):
+            self.loads.append((path, version))
+            if version == 3:
+                raise ProbeMismatch("version 3 refused", Verdict(False, 1.0, 1.0, 4, 0.002))
+            self.version = version
+
+    engine = Refusing()
+    bad = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent, _ = make_agent(engine, tmp_path, bad)
+    with pytest.raises(ProbeMismatch):
+        agent.converge(bad)
+    with pytest.raises(SyncError, match="version 3 broke the engine or failed its probe; retrying it in"):
+        agent.converge(bad)
+    assert len(engine.loads) == 1  # not loaded a second time
+    newer = {"version": 4, "id": "def", "uri": str(weights)}
+    assert agent.converge(newer) and engine.version == 4
+
+
+def test_any_failure_of_a_pass_is_reported_and_the_agent_keeps_going(tmp_path, weights):
+    """Not only SyncErrors: an answer the adapter did not expect is reported in the entry
+    (type and text) and retried; the agent does not die with its status frozen."""
+
+    class Odd(MemoryEngine):
+        calls = 0
+
+        def served(self):
+            Odd.calls += 1
+            raise KeyError("token_logprobs")
+
+    target = {"version": 3, "id": "abc", "uri": str(weights)}
+    agent, api = make_agent(Odd(), tmp_path, target)
+    agent.resync_seconds = agent.max_backoff = 0.05
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: Odd.calls >= 3, 10, "retries")
+        entry = api.status["weightSync"]["replicas"]["job-inference-0"]
+        assert entry["error"] == "KeyError: 'token_logprobs'" and entry["attempts"] >= 2
+    finally:
+        agent.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_pod_starts_the_engine_from_the_agents_link(engine):
     from rft_contract.spec import parse_spec
@@ -841,8 +1182,9 @@ def test_reference_server_accepts_the_opt_in():
     parse_sampling({"prompt": "1", "return_weight_versions": True}, COMPLETION_FIELDS)
 
 
+@pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans
 def test_vllm_versions_per_choice_and_straddles_dropped(vllm, weights):
-    VLLMEngine(vllm.url).load(str(weights), 3)
+    VLLMEngine(vllm.url).load(str(weights), 3, None)
     client = InferenceClient([vllm.url])
     response, versions = client.complete(BODY)
     assert vllm.calls[-1][3]["return_weight_versions"] is True  # the opt-in
@@ -861,7 +1203,7 @@ def test_vllm_versions_per_choice_and_straddles_dropped(vllm, weights):
 
 
 def test_sglang_versions_from_the_first_choices_metadata(sglang, weights):
-    SGLangEngine(sglang.url).load(str(weights), 3)
+    SGLangEngine(sglang.url).load(str(weights), 3, None)
     client = InferenceClient([sglang.url])
     assert client.complete(BODY).versions == [3, 3]
     assert client.complete({**BODY, "n": 1}).versions == [3]
@@ -910,7 +1252,7 @@ def test_fallback_to_the_agents_record_drops_requests_that_straddle_a_reload(wei
     attributed to the sync agent's record of its replica, read before and after it."""
     fake = FakeVLLM(honours_opt_in=False).start()
     try:
-        VLLMEngine(fake.url).load(str(weights), 3)
+        VLLMEngine(fake.url).load(str(weights), 3, None)
         record = {"value": 3, "reads": 0, "bump_after": None}
 
         def version_of(i: int) -> int | None:
@@ -935,8 +1277,9 @@ def test_fallback_to_the_agents_record_drops_requests_that_straddle_a_reload(wei
         fake.stop()
 
 
+@pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans
 def test_no_record_reads_once_the_engine_reports_versions(vllm, weights):
-    VLLMEngine(vllm.url).load(str(weights), 3)
+    VLLMEngine(vllm.url).load(str(weights), 3, None)
     reads = []
     client = InferenceClient([vllm.url], version_of=lambda i: reads.append(i) or 3)
     assert client.complete(BODY).versions == [3, 3]
@@ -945,7 +1288,7 @@ def test_no_record_reads_once_the_engine_reports_versions(vllm, weights):
 
 def test_the_explorer_reads_each_replicas_record_from_the_job_status():
     class Api:
-        def get_namespaced_custom_object_status(self, group, version, ns, plural, name):
+        def get_namespaced_custom_object(self, group, version, ns, plural, name, **kwargs):
             return {"status": {"weightSync": {"replicas": {"demo-inference-1": {"version": 5},
                                                            "demo-inference-0": {"version": 4},
                                                            "demo-inference-2": {"version": None}}}}}
@@ -961,6 +1304,7 @@ def test_the_explorer_reads_each_replicas_record_from_the_job_status():
     assert replica_versions(lambda: (0, 10), endpoints) is None  # no job status to read
 
 
+@pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans
 def test_the_explorer_drops_straddling_choices_and_logs_them(vllm, weights, tmp_path, caplog):
     from tests.trainer.test_explorer import job_config
 
@@ -968,7 +1312,7 @@ def test_the_explorer_drops_straddling_choices_and_logs_them(vllm, weights, tmp_
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
-    VLLMEngine(vllm.url).load(str(weights), 3)
+    VLLMEngine(vllm.url).load(str(weights), 3, None)
     vllm.label_spans = [[{"version": "3", "start": 0, "end": 2}],
                         [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]] * 2
     config = load_explorer_config(job_config(tmp_path, str(tmp_path / "buffer"), "unused.jsonl",
@@ -985,8 +1329,9 @@ def test_the_explorer_drops_straddling_choices_and_logs_them(vllm, weights, tmp_
 # ------------------------------------------------------------------ token ids of rollouts
 
 
+@pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans
 def test_samples_hold_vllms_token_ids_and_the_stop_token_it_sampled(vllm, weights):
-    VLLMEngine(vllm.url).load(str(weights), 3)
+    VLLMEngine(vllm.url).load(str(weights), 3, None)
     client = InferenceClient([vllm.url])
     task = {"prompt": "2+3=", "answer": "5"}
     response, versions = client.complete(BODY)
@@ -1008,6 +1353,7 @@ def test_samples_hold_vllms_token_ids_and_the_stop_token_it_sampled(vllm, weight
 
 
 @pytest.mark.parametrize("prompt_format", ["chat", "raw"])
+@pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans
 def test_the_explorer_trains_on_the_ids_vllm_ran(vllm, weights, tmp_path, prompt_format):
     """Chat prompts go out with add_special_tokens false: the template's BOS is the only one;
     the samples hold vLLM's own ids (ENGINE_BOS, 1000 + ord), not a re-tokenization."""
@@ -1018,7 +1364,7 @@ def test_the_explorer_trains_on_the_ids_vllm_ran(vllm, weights, tmp_path, prompt
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}?{{ m['content'] }}{% endfor %}"
                                "{% if add_generation_prompt %}={% endif %}")
-    VLLMEngine(vllm.url).load(str(weights), 3)
+    VLLMEngine(vllm.url).load(str(weights), 3, None)
     config = load_explorer_config(job_config(tmp_path, str(tmp_path / "buffer"), "unused.jsonl",
                                              prompt_format=prompt_format))
     explorer = Explorer(config, [vllm.url], tokenizer=tokenizer,

@@ -411,7 +411,7 @@ def test_kube_progress_reads_the_rftjob_status():
     class Api:
         status: dict | Exception = {}
 
-        def get_namespaced_custom_object_status(self, group, version, ns, plural, name):
+        def get_namespaced_custom_object(self, group, version, ns, plural, name, **kwargs):
             assert (group, version, ns, plural, name) == ("rft.dev", "v1alpha1", "ns", "rftjobs", "demo")
             if isinstance(self.status, Exception):
                 raise self.status

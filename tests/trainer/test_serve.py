@@ -108,7 +108,7 @@ def test_not_ready_until_weights_load_then_ready(server, versions):
     models = call(server.url, "/v1/models")[2]
     assert models["data"] == [{"id": "policy", "object": "model", "owned_by": "rft", "weights_version": 0}]
     # Loading what is already served is a no-op.
-    assert server.load(versions[0][0], 0) == 0.0
+    assert server.load(versions[0][0], 0)[0] == 0.0
 
 
 def test_completions_shape_order_and_greedy_match_generate(server, versions):

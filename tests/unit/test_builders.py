@@ -198,9 +198,68 @@ def test_inference_pods_pair_the_engine_with_a_sync_agent_on_one_weights_volume(
 def test_vllm_engine_needs_its_image_and_fetches_weights_before_start():
     spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "vllm/vllm-openai:v0.11"}})
     pod = builders.build_inference_pod(REF, spec, 0)
-    assert pod["spec"]["containers"][0]["image"] == "vllm/vllm-openai:v0.11"
-    assert pod["spec"]["containers"][0]["command"] == ["vllm", "serve"]
+    engine = pod["spec"]["containers"][0]
+    assert engine["image"] == "vllm/vllm-openai:v0.11"
+    # The API server module, not `vllm serve` (the CPU wheel's CLI cannot find its own
+    # package name), under the supervisor the sync agent restarts it through.
+    assert engine["command"] == ["python3", "-m", "rft_serving.supervise"]
+    argv = engine["args"]
+    assert argv[argv.index("--") + 1:argv.index("--") + 4] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--worker-extension-cls") + 1] == "rft_serving.vllm_worker.RFTWorkerExtension"
     assert "--fetch-only" in pod["spec"]["initContainers"][0]["args"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_engine_runs_the_helpers_the_init_container_installs(engine):
+    """Any image with the engine works: the init container (our image) copies rft_serving's
+    helpers to a volume the engine mounts read-only and has on its PYTHONPATH, and the agent
+    reaches the supervisor on the control port the engine's command opens."""
+    engine_c, agent, fetch = _engine_and_fetch(engine)
+    helpers = fetch["args"][fetch["args"].index("--install-helpers") + 1]
+    fetch_mount = {m["name"]: m for m in fetch["volumeMounts"]}["engine-helpers"]
+    engine_mount = {m["name"]: m for m in engine_c["volumeMounts"]}["engine-helpers"]
+    assert fetch_mount["mountPath"] == engine_mount["mountPath"] == helpers and engine_mount["readOnly"]
+    assert {e["name"]: e.get("value") for e in engine_c["env"]}["PYTHONPATH"] == helpers
+    control = engine_c["args"][engine_c["args"].index("--control-port") + 1]
+    assert agent["args"][agent["args"].index("--supervisor-port") + 1] == control
+    ports = {int(control), engine_c["ports"][0]["containerPort"], agent["ports"][0]["containerPort"]}
+    assert len(ports) == 3
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_engine_gets_a_memory_backed_dev_shm(engine):
+    """vLLM's engine core and workers exchange requests and weights through /dev/shm (a
+    container runtime's default 64 MiB is too small for it to start)."""
+    engine_c, _, _ = _engine_and_fetch(engine)
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": engine, "image": f"{engine}:1"}})
+    volumes = {v["name"]: v for v in builders.build_inference_pod(REF, spec, 0)["spec"]["volumes"]}
+    mount = {m["mountPath"]: m["name"] for m in engine_c["volumeMounts"]}["/dev/shm"]
+    assert volumes[mount]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+@pytest.mark.parametrize("port", [8471, 8472, 8473])
+def test_the_supervisor_port_avoids_the_engine_and_relay_ports(port):
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "v:1", "port": port}})
+    engine_c, agent = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"]
+    control = int(engine_c["args"][engine_c["args"].index("--control-port") + 1])
+    assert control not in (port, agent["ports"][0]["containerPort"])
+
+
+def test_inference_args_and_env_reach_the_engine_last():
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "v:1",
+                                             "args": ["--dtype", "float32"],
+                                             "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}]},
+                       "sync": {"probeTolerance": 0.01}})
+    engine_c, agent = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"]
+    assert engine_c["args"][-2:] == ["--dtype", "float32"]  # after the operator's: a repeated flag wins
+    assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"} in engine_c["env"]
+    assert agent["args"][agent["args"].index("--probe-tolerance") + 1] == "0.01"
+
+
+def test_inference_env_cannot_take_the_engines_own_variables():
+    with pytest.raises(ValueError, match="spec.inference.env must not set PYTHONPATH"):
+        parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "v:1",
+                                          "env": [{"name": "PYTHONPATH", "value": "/x"}]}})
 
 
 def _engine_and_fetch(engine: str):
@@ -225,16 +284,31 @@ def test_engines_start_from_the_link_the_agent_keeps_current(engine):
     assert engine_c["args"][engine_c["args"].index("--served-model-name") + 1] == c.SERVED_MODEL_NAME
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("dtype, flag", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+def test_engines_serve_in_the_exports_dtype_unless_the_args_say_otherwise(engine, dtype, flag):
+    """vLLM's "auto" serves an fp32 export in 16 bits, which the fp32 probe refuses at
+    every reload: the engine gets sync.dtype; inference.args come after (the last wins)."""
+    inference = {**LOOP["inference"], "engine": engine, "image": f"{engine}:1"}
+    spec = parse_spec({**LOOP, "inference": inference, "sync": {"dtype": dtype}})
+    argv = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"][0]["args"]
+    assert argv[argv.index("--dtype") + 1] == flag
+    spec = parse_spec({**LOOP, "inference": {**inference, "args": ["--dtype", "half"]}, "sync": {"dtype": dtype}})
+    argv = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"][0]["args"]
+    assert argv[len(argv) - 1 - argv[::-1].index("--dtype") + 1] == "half"
+
+
 def test_vllm_serves_the_dev_mode_weight_routes():
     engine_c, _, _ = _engine_and_fetch("vllm")
     env = {e["name"]: e.get("value") for e in engine_c["env"]}
-    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, /weight_info, ... (vLLM 0.33.0)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, /weight_info, ... (vLLM 0.32.0)
     assert engine_c["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_sglang_binds_all_interfaces_and_probes_ready():
     engine_c, _, _ = _engine_and_fetch("sglang")
-    assert engine_c["command"] == ["python", "-m", "sglang.launch_server"]
+    argv = engine_c["args"]
+    assert argv[argv.index("--") + 1:argv.index("--") + 4] == ["python3", "-m", "sglang.launch_server"]
     assert "--weight-version" not in engine_c["args"]  # "default" until the agent labels a load
     # SGLang 0.5.23's /health generates a token and takes >= 1 s: past the probe's timeout.
     assert engine_c["readinessProbe"]["httpGet"]["path"] == "/ready"

