@@ -83,11 +83,13 @@ def _on_local_node() -> dict:
 
 
 def write_overlay(directory: Path, base: Path, images: list[dict] | None = None,
-                  patches: list[dict] | None = None) -> Path:
+                  patches: list[dict] | None = None, components: list[Path] = ()) -> Path:
     """A kustomization in `directory` over `base` (a directory of the repository)."""
     directory.mkdir(parents=True, exist_ok=True)
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
                      "resources": [os.path.relpath(base, directory)]}
+    if components:
+        kustomization["components"] = [os.path.relpath(c, directory) for c in components]
     if images:
         kustomization["images"] = images
     if patches:
@@ -106,31 +108,48 @@ def install_api(cluster: Cluster) -> None:
 
 
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
-            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, webhook: bool = True) -> None:
     """manifests/ as a user installs it (CRD, RBAC, admission policies, the Deployment),
     with the operator image from the local registry and the pod placed on the real node;
-    `extra_args` and `env` go to the operator container (the tests log at debug level)."""
+    `extra_args` and `env` go to the operator container (the tests log at debug level).
+    With `webhook`, the owner webhook too, as README says to install it: the
+    manifests/webhook component, and the Secret and configuration from
+    `python -m rft_operator.ownerhook install`."""
+    from rft_operator import ownerhook
+
     name, digest = operator_ref.split("@")
     pod_spec = _on_local_node()
-    if extra_args or env:
-        deployment = yaml.safe_load((REPO_ROOT / "manifests/base/deployment.yaml").read_text())
-        container = {"name": "operator"}
-        if extra_args:
-            base_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-            container["args"] = [*base_args, *extra_args]
-        if env:
-            container["env"] = [{"name": k, "value": v} for k, v in env.items()]
-        pod_spec["containers"] = [container]
+    if env:
+        pod_spec["containers"] = [{"name": "operator", "env": [{"name": k, "value": v} for k, v in env.items()]}]
     template = {"apiVersion": "apps/v1", "kind": "Deployment",
                 "metadata": {"name": "rftjob-operator", "namespace": "rftjob-system"},
                 "spec": {"template": {"spec": pod_spec}}}
+    patches = [{"patch": yaml.safe_dump(template)}]
+    if extra_args:  # appended, so that the component's arguments stay
+        patches.append({"target": {"kind": "Deployment", "name": "rftjob-operator"}, "patch": json.dumps(
+            [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in extra_args])})
     overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
                             images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}],
-                            patches=[{"patch": yaml.safe_dump(template)}])
+                            patches=patches, components=[REPO_ROOT / "manifests" / "webhook"] if webhook else [])
+    if webhook:  # its Secret before the pod that mounts it
+        kubectl(cluster, "apply", "-f", str(REPO_ROOT / "manifests/base/namespace.yaml"))
+        if not kubectl(cluster, "get", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE,
+                       "--ignore-not-found", "-o", "name"):
+            kubectl(cluster, "apply", "-f", "-", input=ownerhook.install_manifests())
     kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-k", str(overlay))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
     kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",
             f"--timeout={int(timeout)}s")
+
+
+def uninstall_webhook(cluster: Cluster) -> None:
+    """The owner webhook's configuration and Secret removed (the next `install` makes new
+    ones): for tests that stop the in-cluster operator and hand its identity to host
+    processes, whose creates would otherwise wait on a webhook nobody serves."""
+    from rft_operator import ownerhook
+
+    kubectl(cluster, "delete", "validatingwebhookconfiguration", ownerhook.WEBHOOK_NAME, "--ignore-not-found")
+    kubectl(cluster, "delete", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE, "--ignore-not-found")
 
 
 def sample_overlay(cluster: Cluster, trainer_ref: str, endpoint: str) -> Path:

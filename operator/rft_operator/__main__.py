@@ -5,7 +5,8 @@
 
 Without --namespace it watches the whole cluster. Credentials: in a pod, its
 ServiceAccount; elsewhere $KUBECONFIG. Prometheus metrics are served at
-http://0.0.0.0:<metrics-port>/metrics (0 disables them).
+http://0.0.0.0:<metrics-port>/metrics (0 disables them). With --webhook-port, the owner
+webhook (`ownerhook.py`) is served over HTTPS there with the pair in --webhook-cert-dir.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from urllib.parse import urlsplit
 import kopf
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
-from . import metrics
+from . import metrics, ownerhook
+from .kube import load_config
 
 # Not 8080: the image's default --liveness endpoint already listens there.
 DEFAULT_METRICS_PORT = 9090
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="serve liveness probes here, e.g. http://0.0.0.0:8080/healthz")
     ap.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                     help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 disables)")
+    ap.add_argument("--webhook-port", type=int, default=0,
+                    help=f"serve the owner webhook on this port (0, the default: not at all; "
+                         f"manifests/webhook uses {ownerhook.DEFAULT_PORT})")
+    ap.add_argument("--webhook-cert-dir", default=ownerhook.CERT_DIR,
+                    help="the webhook's tls.crt and tls.key (default %(default)s)")
     ap.add_argument("--log-format", choices=["plain", "json"], default="plain")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -48,6 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     handlers.serve_namespaces(args.namespace)
     if args.metrics_port:
         metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))
+    if args.webhook_port:
+        import kubernetes
+
+        load_config()
+        ownerhook.OwnerWebhook(args.webhook_port, args.webhook_cert_dir,
+                               ownerhook.api_get_job(kubernetes.client.ApiClient()))
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace,
         namespaces=args.namespace,

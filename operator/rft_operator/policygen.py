@@ -136,7 +136,8 @@ def owner_policy() -> dict[str, Any]:
     ours (the binding's objectSelector): the garbage collector, which updates and deletes
     children after their job is gone, must never meet it, and rftjob-operator-scope
     refuses the operator's identity anything unlabelled. What it cannot do: see that
-    some RFTJob of the namespace carries a made-up name (each evaluation sees one)."""
+    no RFTJob of the namespace carries a made-up name (each evaluation sees one); the
+    owner webhook (ownerhook.py, manifests/webhook) refuses that."""
     obj = "object"
     owners = f"{obj}.metadata.?ownerReferences.orValue([])"
     about = (f"(has({obj}.involvedObject) ? {obj}.involvedObject : {obj}.?regarding.orValue({{}}))")

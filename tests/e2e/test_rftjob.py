@@ -30,7 +30,7 @@ from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
 from tests.e2e.incluster import InClusterOperator, pod_processes
 from tests.integration.operator_fixtures import (
-    OperatorProcess, events, gang_ranks, hold_pod, pod_deleting, refusing_trainer_pods, release_pod,
+    OperatorProcess, events, gang_ranks, hold_pod, job_manifest, pod_deleting, refusing_trainer_pods, release_pod,
 )
 from tests.trainer.faultproxy import FaultProxy
 
@@ -67,6 +67,7 @@ def stack(cluster, kubectl, s3, node, images, tmp_path_factory):
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
     yield {"api": api, "operator": op, "dir": d, "s3": s3, "images": images}
     op.stop()
+    demo.uninstall_webhook(cluster)
     for other in paused:
         other.start()
     for name, figures in RESULTS.items():
@@ -330,7 +331,6 @@ def test_the_node_dies_and_is_replaced_the_job_resumes_from_its_checkpoint(job, 
 
 def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
     """Simulated pods on KWOK GPU nodes: losing a node ends the attempt like a failure."""
-    from tests.integration.operator_fixtures import job_manifest
 
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
@@ -404,6 +404,22 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
         with pytest.raises(kubernetes.client.ApiException):
             op.create_namespaced_service_account(ns, {"metadata": {"name": "ghost-rft-explorer", "labels": labels,
                                                                    "ownerReferences": owners[:1]}})
+        assert admin.list_namespaced_pod(ns).items == []
+
+        # Beside a real RFTJob the policies, which evaluate one RFTJob at a time, cannot see
+        # that none is called `ghost`; the owner webhook installed with the operator (through
+        # its Service, as on any cluster) refuses it by name.
+        kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
+            c.GROUP, c.VERSION, ns, c.PLURAL, job_manifest("real", suspend=True))
+
+        def ghost_refusal() -> str:
+            try:
+                op.create_namespaced_pod(ns, pod)
+            except kubernetes.client.ApiException as e:
+                return e.body.decode() if isinstance(e.body, bytes) else str(e.body)
+            return "created"
+
+        wait_for(lambda: f"there is no RFTJob {ns}/ghost" in ghost_refusal(), 60, "the owner webhook's refusal")
         assert admin.list_namespaced_pod(ns).items == []
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
