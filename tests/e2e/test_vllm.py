@@ -148,13 +148,13 @@ def sample_versions(uri: str) -> set[int]:
     return out
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1300)
 def test_vllm_replicas_reload_every_version_in_place_and_pass_the_probe(job, stack, smollm2):
     steps = 3
     t0 = time.monotonic()
     j = vllm_job(job, stack, steps, replicas=2)
     with Reports(j) as reports:
-        s = wait(j, lambda s: s.get("phase") == "Succeeded", 1500, "Succeeded")
+        s = wait(j, lambda s: s.get("phase") == "Succeeded", 900, "Succeeded")
         final = wait(j, lambda s: s["weightSync"]["synced"] == "2/2"
                             and s["weightSync"]["target"]["version"] == steps, 300, "final weights on both replicas")
     assert step(s) == steps
@@ -176,15 +176,15 @@ def test_vllm_replicas_reload_every_version_in_place_and_pass_the_probe(job, sta
                        "probe_mean_diff": max(e["probe"]["meanDiff"] for e in entries.values())}
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1300)
 def test_without_the_extension_the_probe_catches_the_stale_tied_head_and_a_restart_cures_it(job, stack, smollm2):
     steps = 1
     # A repeated flag wins: an empty extension, as a user's own engine setup might have.
     j = vllm_job(job, stack, steps, replicas=1, extra_args=("--worker-extension-cls", ""), lr=1.0e-3)
     with Reports(j) as reports:
-        wait(j, lambda s: s.get("phase") == "Succeeded", 1500, "Succeeded")
+        wait(j, lambda s: s.get("phase") == "Succeeded", 900, "Succeeded")
         final = wait(j, lambda s: s["weightSync"]["synced"] == "1/1"
-                            and s["weightSync"]["target"]["version"] == steps, 600, "the final weights served")
+                            and s["weightSync"]["target"]["version"] == steps, 300, "the final weights served")
     (entry,) = final["weightSync"]["replicas"].values()
     # Caught: the in-place reload served a stale lm_head; the engine was restarted from the
     # files on disk, and the version reported only once the probe passed.
