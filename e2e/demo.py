@@ -105,6 +105,7 @@ def install_api(cluster: Cluster) -> None:
               "manifests/base/admission-policies.yaml"):
         kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / f))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
+    uninstall_webhook(cluster)  # one left by an in-cluster install would refuse a host operator's creates
 
 
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
@@ -131,11 +132,15 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
     overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
                             images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}],
                             patches=patches, components=[REPO_ROOT / "manifests" / "webhook"] if webhook else [])
-    if webhook:  # its Secret before the pod that mounts it
+    if webhook:  # its Secret before the pod that mounts it; a new pair unless both are there
         kubectl(cluster, "apply", "-f", str(REPO_ROOT / "manifests/base/namespace.yaml"))
-        if not kubectl(cluster, "get", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE,
-                       "--ignore-not-found", "-o", "name"):
-            kubectl(cluster, "apply", "-f", "-", input=ownerhook.install_manifests())
+        secret = kubectl(cluster, "get", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE,
+                         "--ignore-not-found", "-o", "name")
+        config = kubectl(cluster, "get", "validatingwebhookconfiguration", ownerhook.WEBHOOK_NAME,
+                         "--ignore-not-found", "-o", "name")
+        if not (secret and config):
+            kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-",
+                    input=ownerhook.install_manifests())
     kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-k", str(overlay))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
     kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",

@@ -1,6 +1,6 @@
 """The owner webhook: what the operator's identity creates must belong to an RFTJob that exists.
 
-    python -m rft_operator.ownerhook install [--namespace rftjob-system] | kubectl apply -f -
+    python -m rft_operator.ownerhook install [--namespace rftjob-system] | kubectl apply --server-side -f -
 
 `rftjob-operator-owner` (a ValidatingAdmissionPolicy) checks a new child of the operator
 against each RFTJob of its namespace, one at a time: a uid that is not its job's, a Secret
@@ -49,6 +49,10 @@ TLS_SECRET = "rftjob-operator-webhook-tls"
 OPERATOR_NAMESPACE = "rftjob-system"
 PATH = "/validate-owner"
 DEFAULT_PORT = 9443
+# An AdmissionReview of the biggest pod the operator renders is a few KiB; anything this
+# large is not one (the port is reachable from the pod network, unauthenticated).
+MAX_BODY = 2 << 20
+MAX_CONCURRENT = 16  # requests answered at once; the API server retries a refused connection
 CERT_DIR = "/etc/rftjob-operator/webhook"
 # Kinds the operator creates for a job (plural resource -> API group).
 RESOURCES = {"pods": "", "services": "", "configmaps": "", "serviceaccounts": "", "events": "",
@@ -83,8 +87,9 @@ def check(namespace: str, obj: dict[str, Any], resource: str, get_job: GetJob) -
                 f"{namespace}/{job}")
     uid = (found.get("metadata") or {}).get("uid")
     if not uids or any(u != uid for u in uids):
-        return (f"the rftjob-operator's objects belong to an RFTJob that exists: RFTJob {namespace}/{job} "
-                f"has uid {uid}, the object claims {', '.join(u or '(none)' for u in uids) or 'no owner'}")
+        # (Not the uid itself: anyone on the pod network can ask this server.)
+        return (f"the rftjob-operator's objects belong to an RFTJob that exists: the uid the object claims "
+                f"({', '.join(u or '(none)' for u in uids) or 'no owner'}) is not RFTJob {namespace}/{job}'s")
     return None
 
 
@@ -132,17 +137,21 @@ class _Certificates:
         self._stamp: tuple[float, float] | None = None
         self.context = self._load()
 
+    def _stamp_now(self) -> tuple[float, float]:
+        return self.cert.stat().st_mtime, self.key.stat().st_mtime
+
     def _load(self) -> ssl.SSLContext:
+        stamp = self._stamp_now()  # before reading: a change while loading is seen next time
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(self.cert, self.key)
         context.sni_callback = self._fresh
-        self._stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+        self._stamp = stamp
         return context
 
     def _fresh(self, sock: ssl.SSLSocket, _server_name: str | None, _context: ssl.SSLContext) -> None:
         try:
-            stamp = (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+            stamp = self._stamp_now()
             with self._lock:
                 if stamp != self._stamp:
                     self.context = self._load()
@@ -164,8 +173,18 @@ class OwnerWebhook:
                     self.send_error(404)
                     return
                 try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                    length = int(self.headers.get("Content-Length") or 0)
                 except ValueError:
+                    length = -1
+                if not 0 < length <= MAX_BODY:
+                    self.send_error(413 if length > MAX_BODY else 400, "not an AdmissionReview")
+                    return
+                try:
+                    body = json.loads(self.rfile.read(length))
+                except ValueError:
+                    self.send_error(400, "not an AdmissionReview")
+                    return
+                if not isinstance(body, dict):
                     self.send_error(400, "not an AdmissionReview")
                     return
                 out = json.dumps(review(body, get_job)).encode()
@@ -178,12 +197,30 @@ class OwnerWebhook:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("owner webhook: " + fmt, *args)
 
+        slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+
         class Server(ThreadingHTTPServer):
             daemon_threads = True
 
             def get_request(self):
                 sock, address = super().get_request()
                 return certificates.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+            def process_request(self, request, client_address) -> None:
+                if not slots.acquire(blocking=False):  # busy: close rather than queue threads
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
             def finish_request(self, request, client_address) -> None:
                 try:
@@ -252,10 +289,16 @@ def serving_pair(hosts: list[str], days: int = 3650) -> tuple[bytes, bytes, byte
     now = dt.datetime.now(dt.timezone.utc)
 
     def build(subject: str, key, issuer: x509.Name, signer, ca: bool):
+        usage = dict(digital_signature=not ca, content_commitment=False, key_encipherment=False,
+                     data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                     encipher_only=False, decipher_only=False)
         b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
              .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
              .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+             .add_extension(x509.KeyUsage(**usage), critical=True)
+             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False))
         if not ca:
             names: list[x509.GeneralName] = []
             for h in hosts:
@@ -277,7 +320,8 @@ def serving_pair(hosts: list[str], days: int = 3650) -> tuple[bytes, bytes, byte
 
 
 def install_manifests(namespace: str = OPERATOR_NAMESPACE) -> str:
-    """The serving Secret and the webhook configuration, for `kubectl apply -f -`."""
+    """The serving Secret and the webhook configuration, for `kubectl apply --server-side -f -`
+    (server-side: a client-side apply would copy the key into an annotation)."""
     ca, cert, key = serving_pair([f"{SERVICE_NAME}.{namespace}.svc", f"{SERVICE_NAME}.{namespace}.svc.cluster.local"])
     secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
               "metadata": {"name": TLS_SECRET, "namespace": namespace},

@@ -63,13 +63,15 @@ def stack(cluster, kubectl, s3, node, images, tmp_path_factory):
     for other in paused:
         other.stop()
     op = InClusterOperator(cluster, images["operator"])
-    op.install()
-    api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-    yield {"api": api, "operator": op, "dir": d, "s3": s3, "images": images}
-    op.stop()
-    demo.uninstall_webhook(cluster)
-    for other in paused:
-        other.start()
+    try:
+        op.install()
+        api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+        yield {"api": api, "operator": op, "dir": d, "s3": s3, "images": images}
+    finally:
+        op.stop()
+        demo.uninstall_webhook(cluster)  # the host operators' creates must not wait on it
+        for other in paused:
+            other.start()
     for name, figures in RESULTS.items():
         print(f"[e2e] {name}: {json.dumps(figures)}")
 
@@ -412,14 +414,16 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
         kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
             c.GROUP, c.VERSION, ns, c.PLURAL, job_manifest("real", suspend=True))
 
-        def ghost_refusal() -> str:
+        def ghost_refusal(**dry) -> str:
             try:
-                op.create_namespaced_pod(ns, pod)
+                op.create_namespaced_pod(ns, pod, **dry)
             except kubernetes.client.ApiException as e:
                 return e.body.decode() if isinstance(e.body, bytes) else str(e.body)
             return "created"
 
-        wait_for(lambda: f"there is no RFTJob {ns}/ghost" in ghost_refusal(), 60, "the owner webhook's refusal")
+        refusal = f"there is no RFTJob {ns}/ghost"
+        wait_for(lambda: refusal in ghost_refusal(dry_run="All"), 60, "the owner webhook's refusal")
+        assert refusal in ghost_refusal()  # and for real
         assert admin.list_namespaced_pod(ns).items == []
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
