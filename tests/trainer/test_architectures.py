@@ -63,16 +63,32 @@ def default_config(model_type: str):
 
 
 def test_every_causal_lm_type_is_tested_or_refused():
+    """Each model_type of transformers' causal-LM mapping is trained by the matrix or refused
+    with a reason. One that a newer transformers brought after the tables were written
+    (a fresh machine installs the newest release the range allows) is in neither: it is
+    judged by its config at startup (tried with a warning, or refused), which must not
+    fail any other way; the test names them so that the tables catch up."""
     types = causal_lm_types()
-    undecided = [t for t in types if (t in TESTED) == (t in REFUSED)]
-    assert not undecided, (f"model_types in both or neither of models.TESTED and models.REFUSED: {undecided}; "
-                           "add each to the matrix (tests/fixtures/architectures.py) or refuse it with a reason")
+    both = [t for t in types if t in TESTED and t in REFUSED]
+    assert not both, f"model_types in both models.TESTED and models.REFUSED: {both}"
+    newer = [t for t in types if t not in TESTED and t not in REFUSED]
     for model_type in types:
         if model_type in REFUSED:
             with pytest.raises(UnsupportedModelError, match=re.escape(REFUSED[model_type])):
                 check_supported(default_config(model_type))
-        else:
+        elif model_type in TESTED:
             check_supported(default_config(model_type), critic=True)
+        else:
+            try:
+                check_supported(default_config(model_type), critic=True)
+            except UnsupportedModelError as e:
+                assert f"model_type {model_type!r}" in str(e), e
+    if newer:
+        import transformers
+
+        print(f"transformers {transformers.__version__} has causal-LM model_types the tables do not list "
+              f"(judged by their config): {newer}; add each to the matrix (tests/fixtures/architectures.py) "
+              "or to models.REFUSED with a reason")
 
 
 def test_refused_encoder_only_types_really_attend_both_ways():
