@@ -138,8 +138,8 @@ def test_other_identities_and_unlabelled_objects_never_wait_on_it(webhook, opera
     webhook.stop()
     core = kubernetes.client.CoreV1Api(operator_api)
     real = get_job(api, namespace, "real")
-    got, message = refusal(lambda: core.create_namespaced_config_map(
-        namespace, {"metadata": {**_managed(real, "real-x")}}, **DRY))
+    got, message = refusal(lambda: core.create_namespaced_service_account(
+        namespace, {"metadata": _managed(real, "real-rft-x")}, **DRY))
     assert got >= 500 and "failed calling webhook" in message, (got, message)  # called, and fails closed
     admin = kubernetes.client.CoreV1Api(api)
     ghost = {"metadata": {"name": "ghost", "uid": str(uuid.uuid4())}}
