@@ -8,6 +8,7 @@
 #   $RFT_CACHE/bin/coredns-$COREDNS_VERSION/coredns                (cluster DNS)
 #   $RFT_CACHE/bin/registry-$REGISTRY_VERSION/registry             (CNCF distribution)
 #   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
+#   $RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION/kstatus              (cli-utils' kstatus, for tests)
 #   $RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION/{training-operator,crds/}
 #                                   (Kubeflow's, the peer of bench/reconcile.py --peer; not
 #                                    built by default)
@@ -196,7 +197,68 @@ build_training_operator() {
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
-want=${*:-etcd kwok k8s coredns registry seaweedfs}
+# kstatus (sigs.k8s.io/cli-utils), the library Flux's health checks use: a small program
+# that prints what status.Compute says of each object it reads (tests/integration/test_kstatus.py).
+
+
+build_kstatus() {
+  local out=$RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION
+  if have "$out/kstatus"; then log "kstatus (cli-utils $CLI_UTILS_VERSION): cached in $out"; return; fi
+  log "kstatus (cli-utils $CLI_UTILS_VERSION): building"
+  local work=$RFT_CACHE/src/kstatus-$CLI_UTILS_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/kstatus >/dev/null 2>&1
+  echo "require sigs.k8s.io/cli-utils $CLI_UTILS_VERSION" >>go.mod
+  cat >main.go <<'GO'
+// kstatus: reads a JSON array of Kubernetes objects on stdin and prints, per object, one
+// JSON line {"name", "status", "message"} from cli-utils' status.Compute.
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
+)
+
+func main() {
+	data, err := io.ReadAll(os.Stdin)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(data, &items); err != nil {
+		fmt.Fprintln(os.Stderr, "stdin: not a JSON array of objects:", err)
+		os.Exit(2)
+	}
+	for _, raw := range items {
+		u := &unstructured.Unstructured{}
+		// UnmarshalJSON keeps integers integers (status.Compute rejects float generations).
+		if err := u.UnmarshalJSON(raw); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		res, err := status.Compute(u)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "%s: %v\n", u.GetName(), err)
+			os.Exit(1)
+		}
+		line, _ := json.Marshal(map[string]string{"name": u.GetName(), "status": res.Status.String(), "message": res.Message})
+		fmt.Println(string(line))
+	}
+}
+GO
+  go mod tidy >/dev/null
+  mkdir -p "$out.tmp"
+  go build -trimpath -ldflags "-s -w" -o "$out.tmp/kstatus" .
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus}
 mkdir -p "$RFT_CACHE/bin"
 for w in $want; do
   # One build of a component at a time (`make -j`, or a demo and tests started together);

@@ -47,6 +47,11 @@ COND_FAILED = "Failed"
 COND_CHECKPOINTED = "Checkpointed"
 COND_WEIGHTS_SYNCED = "WeightsSynced"
 COND_PROGRESSING = "Progressing"
+# kstatus' standard conditions (Flux's health checks, cli-utils, `kubectl wait`): abnormal-true
+# Reconciling and Stalled, and Ready.
+COND_READY = "Ready"
+COND_RECONCILING = "Reconciling"
+COND_STALLED = "Stalled"
 
 # Condition / event reasons.
 REASON_CREATED = "Created"

@@ -1,5 +1,6 @@
 """The RFTJob's conditions: Checkpointed, Running, Suspended, Succeeded, Failed,
-Progressing, and WeightsSynced when the job serves inference. Pure, no I/O.
+Progressing, WeightsSynced when the job serves inference, and kstatus' Ready, Reconciling
+and Stalled (what Flux and cli-utils read). Pure, no I/O.
 
 Every condition the operator manages is written on every pass, True or False, so
 `kubectl wait --for=condition=...` works both ways; the merge (`policy.compute_conditions`)
@@ -28,7 +29,34 @@ def compute_job_conditions(old_conditions: list[Obj] | None, gang_status: Obj, f
     new.append(build_progressing(gang_status, reason, progress_deadline))
     if sync_cond is not None:
         new.append(sync_cond)
+    new += build_kstatus(gang_status.get("phase"), gang_status.get("message") or "", reason, sync_cond)
     return compute_conditions(old_conditions, new, generation, now)
+
+
+def build_kstatus(phase: str | None, message: str, failed_reason: str, sync_cond: Cond | None) -> list[Cond]:
+    """Ready, Reconciling and Stalled as kstatus reads them (without them it calls every
+    RFTJob Current, a failed one included). Stalled is True on Failed (reason and message
+    the failure's); Ready is True when the job is where its spec wants it: Running with
+    every replica on the latest weights (or no inference), Succeeded, or Suspended;
+    Reconciling is True otherwise (Pending, Restarting, weights on their way), with the
+    phase or the weight sync's reason. A spec edit not yet observed is kstatus' own
+    InProgress (status.observedGeneration)."""
+    phase = phase or c.PENDING
+    if phase == c.FAILED:
+        return [Cond(c.COND_READY, False, failed_reason, message),
+                Cond(c.COND_RECONCILING, False, failed_reason, ""),
+                Cond(c.COND_STALLED, True, failed_reason, message)]
+    if phase == c.RUNNING and sync_cond is not None and not sync_cond.status:
+        busy = (sync_cond.reason, sync_cond.message)
+    elif phase in (c.RUNNING, c.SUCCEEDED, c.SUSPENDED):
+        return [Cond(c.COND_READY, True, phase, message),
+                Cond(c.COND_RECONCILING, False, phase, ""),
+                Cond(c.COND_STALLED, False, phase, "")]
+    else:
+        busy = (phase, message)
+    return [Cond(c.COND_READY, False, *busy),
+            Cond(c.COND_RECONCILING, True, *busy),
+            Cond(c.COND_STALLED, False, phase, "")]
 
 
 def compute_failed_reason(old_conditions: list[Obj] | None) -> str:

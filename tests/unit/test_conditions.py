@@ -65,10 +65,13 @@ def test_failed_reason_precedence(old, this_pass, want):
     assert next(x for x in out if x["type"] == c.COND_FAILED)["reason"] == want
 
 
+KSTATUS_TYPES = (c.COND_READY, c.COND_RECONCILING, c.COND_STALLED)
+
+
 @pytest.mark.parametrize("sync_cond, want_types", [
-    (None, sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING))),
+    (None, sorted(PHASE_TYPES + KSTATUS_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING))),
     (Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED),
-     sorted(PHASE_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_WEIGHTS_SYNCED))),
+     sorted(PHASE_TYPES + KSTATUS_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_WEIGHTS_SYNCED))),
 ])
 def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types):
     out = conditions.compute_job_conditions(None, {"phase": c.RUNNING, "message": "m"}, None,
@@ -76,7 +79,34 @@ def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types)
     assert [x["type"] for x in out] == want_types
     assert all(x["observedGeneration"] == 3 for x in out)
     assert {x["type"] for x in out if x["status"] == "True"} == (
-        {c.COND_RUNNING, c.COND_CHECKPOINTED, c.COND_PROGRESSING} | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))
+        {c.COND_RUNNING, c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_READY}
+        | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))
+
+
+SYNCING = Cond(c.COND_WEIGHTS_SYNCED, False, "Syncing", "0/2 replicas serve version 3")
+
+
+@pytest.mark.parametrize("phase, sync_cond, ready, reconciling, stalled, reason", [
+    (None, None, False, True, False, c.PENDING),
+    (c.PENDING, None, False, True, False, c.PENDING),
+    (c.RESTARTING, None, False, True, False, c.RESTARTING),
+    (c.RUNNING, None, True, False, False, c.RUNNING),  # no inference: nothing to wait for
+    (c.RUNNING, Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED), True, False, False, c.RUNNING),
+    (c.RUNNING, SYNCING, False, True, False, "Syncing"),
+    (c.SUSPENDED, None, True, False, False, c.SUSPENDED),
+    (c.SUCCEEDED, SYNCING, True, False, False, c.SUCCEEDED),
+    (c.FAILED, None, False, False, True, "WhyItFailed"),
+])
+def test_kstatus_conditions(phase, sync_cond, ready, reconciling, stalled, reason):
+    """What kstatus computes from them: Stalled -> Failed, Reconciling -> InProgress, Ready
+    False -> InProgress, Ready True -> Current."""
+    got = {x.type: x for x in conditions.build_kstatus(phase, "the message", "WhyItFailed", sync_cond)}
+    assert (got[c.COND_READY].status, got[c.COND_RECONCILING].status, got[c.COND_STALLED].status) == (
+        ready, reconciling, stalled)
+    abnormal = [x for x in got.values() if x.status and x.type != c.COND_READY] or [got[c.COND_READY]]
+    assert abnormal[0].reason == reason
+    if stalled:
+        assert got[c.COND_STALLED].message == "the message"
 
 
 PD = c.REASON_PROGRESS_DEADLINE

@@ -1,0 +1,78 @@
+"""kstatus, the real library (sigs.k8s.io/cli-utils' `status.Compute`, what Flux's health
+checks and `wait: true` compute; `bash e2e/build-binaries.sh kstatus`), on RFTJobs read from
+the local API server as the operator leaves them in each phase. Argo CD's health check
+(manifests/argocd/health.lua, in a real Lua) agrees on the same objects.
+
+Before the Ready/Reconciling/Stalled conditions kstatus called every one of them Current,
+the failed job included."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+
+import pytest
+
+from e2e.cluster import REPO_ROOT, cache_dir, read_versions
+from rft_contract import names as c
+from tests.unit.test_argocd_health import health
+
+from .operator_fixtures import (  # noqa: F401  (fixtures)
+    api, create_job, end_pod, get_job, installed, job_manifest, namespace, operator, wait_phase,
+)
+
+pytestmark = pytest.mark.integration
+# What Argo CD shows for what kstatus computes.
+ARGO = {"Current": {"Healthy", "Suspended"}, "InProgress": {"Progressing"}, "Failed": {"Degraded"}}
+
+
+def kstatus(objects: list[dict]) -> dict[str, tuple[str, str]]:
+    """name -> (status, message), from the real library."""
+    binary = cache_dir() / "bin" / f"kstatus-{read_versions()['CLI_UTILS_VERSION']}" / "kstatus"
+    if not os.access(binary, os.X_OK):
+        subprocess.run(["bash", str(REPO_ROOT / "e2e" / "build-binaries.sh"), "kstatus"], check=True, timeout=900)
+    out = subprocess.run([str(binary)], input=json.dumps(objects), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return {d["name"]: (d["status"], d["message"]) for d in map(json.loads, out.stdout.splitlines())}
+
+
+def running(api, ns: str, name: str, **spec) -> None:  # noqa: F811
+    create_job(api, ns, job_manifest(name, **spec))
+    wait_phase(api, ns, name, c.RUNNING, 90)
+
+
+@pytest.mark.timeout(600)
+def test_kstatus_and_argo_cd_read_each_phase_right(operator, api, namespace):  # noqa: F811
+    ns = namespace
+    # Pending: a gang no node takes.
+    create_job(api, ns, job_manifest("pending", trainer={**job_manifest("x")["spec"]["trainer"],
+                                                         "nodeSelector": {"rft.dev/no-such-node": "x"}}))
+    running(api, ns, "running")
+    running(api, ns, "fatal")
+    end_pod(api, ns, "fatal-trainer-1-0", 78)
+    running(api, ns, "done")
+    end_pod(api, ns, "done-trainer-1-0", 0)
+    end_pod(api, ns, "done-trainer-1-1", 0)
+    running(api, ns, "restarting", failurePolicy={"maxRestarts": 3, "backoffSeconds": 300})
+    end_pod(api, ns, "restarting-trainer-1-1", 1)
+    create_job(api, ns, job_manifest("suspended", suspend=True))
+    wait_phase(api, ns, "pending", c.PENDING, 60)
+    wait_phase(api, ns, "fatal", c.FAILED, 60)
+    wait_phase(api, ns, "done", c.SUCCEEDED, 60)
+    wait_phase(api, ns, "restarting", c.RESTARTING, 60)
+    wait_phase(api, ns, "suspended", c.SUSPENDED, 60)
+    names = ["pending", "running", "fatal", "done", "restarting", "suspended"]
+    jobs = [get_job(api, ns, n) for n in names]
+    # A spec edit the operator has not observed yet (its generation ahead of observedGeneration).
+    edited = copy.deepcopy(jobs[1])
+    edited["metadata"]["name"], edited["metadata"]["generation"] = "edited", edited["metadata"]["generation"] + 1
+    got = kstatus(jobs + [edited])
+    want = {"pending": "InProgress", "running": "Current", "fatal": "Failed", "done": "Current",
+            "restarting": "InProgress", "suspended": "Current", "edited": "InProgress"}
+    assert {n: s for n, (s, _) in got.items()} == want, got
+    assert "exit code 78" in got["fatal"][1], got["fatal"]
+    for job in jobs:
+        name = job["metadata"]["name"]
+        assert health(job)[0] in ARGO[want[name]], (name, health(job), got[name])
