@@ -189,6 +189,11 @@ Size = checked(str, Check(
     "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
     _quantity(positive=True), "must be a positive Kubernetes quantity such as 512Mi or 16Gi"),
     max_length=64)
+# /dev/shm: a size, or "0" for none (the container keeps the runtime's 64 MiB default).
+ShmSize = checked(str, Check(
+    "isQuantity(self) && !quantity(self).isLessThan(quantity('0'))",
+    _quantity(positive=False), "must be a Kubernetes quantity such as 1Gi, or 0 for no /dev/shm volume"),
+    max_length=64)
 Image = checked(str, matching(IMAGE, "must be a container image reference "
                               "[registry[:port]/]path[:tag][@sha256:<64 hex digits>] with a lowercase path"),
                 max_length=512)
@@ -264,7 +269,9 @@ Capability = checked(str, Check(
     max_length=64)
 EnvName = checked(
     str,
-    matching(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be a C identifier: letters, digits and '_', not starting with a digit"),
+    # Kubernetes' rule since 1.32 (RelaxedEnvironmentVariableValidation): printable ASCII but '='.
+    matching(r"^[ -<>-~]+$", "must be printable ASCII characters other than '=' (as Kubernetes takes "
+                             "environment variable names)"),
     Check(f"!(self in {list(RESERVED_ENV)}) && !{list(RESERVED_ENV_PREFIXES)}.exists(p, self.startsWith(p))",
           lambda v: v not in RESERVED_ENV and not v.startswith(RESERVED_ENV_PREFIXES),
           "is reserved: the operator sets RANK, WORLD_SIZE, MASTER_ADDR and torchrun's other variables, "

@@ -36,7 +36,7 @@ from pydantic.alias_generators import to_camel
 
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
-                     Quantity, Reward, S3Uri, Size, cel, cel_rules, checked, immutable, is_qualified_name,
+                     Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
 from .errors import describe
 
@@ -334,7 +334,8 @@ class TrainerSpec(Model):
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec)
     env: unique_list(EnvVar, "name") = Field(default_factory=list, max_length=64)
     master_port: int = Field(default=29500, ge=1024, le=65535)
-    shm_size: Size = "1Gi"
+    shm_size: ShmSize = Field(default="1Gi", description="/dev/shm of each trainer pod (a memory-backed emptyDir, "
+                                                         "NCCL's shared memory); \"0\" for none")
     termination_grace_period_seconds: int = Field(default=300, ge=0, le=86400)
     node_selector: checked(dict[str, LabelValue], QUALIFIED_KEYS) = Field(default_factory=dict, max_length=32)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
@@ -426,9 +427,9 @@ class InferenceSpec(Model):
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: Resources = Field(default_factory=Resources)
-    shm_size: Size = Field(
+    shm_size: ShmSize = Field(
         default="1Gi", description="/dev/shm of the vLLM and SGLang engines (a memory-backed emptyDir): their "
-                                   "processes exchange requests and weights through it.")
+                                   "processes exchange requests and weights through it; \"0\" for none.")
     args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=64,
         description="Extra engine arguments, after the operator's (vLLM: --dtype, --max-model-len, "

@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from rft_contract import names as c
+from rft_contract.checks import parse_quantity
 from rft_contract.spec import EnvVar, RFTJobSpec
 
 Obj = dict[str, Any]
@@ -205,3 +206,12 @@ def build_user_env(e: EnvVar) -> Obj:
         return {"name": e.name, "value": e.value or ""}
     return {"name": e.name, "valueFrom": {"secretKeyRef": e.value_from.secret_key_ref.model_dump(
         by_alias=True, exclude_none=True)}}
+
+
+def build_shm(size: str) -> tuple[list[Obj], list[Obj]]:
+    """/dev/shm as a memory-backed emptyDir of `size`: (volumes, mounts); none for "0"
+    (the container keeps the runtime's default)."""
+    if (parse_quantity(size) or 0) <= 0:
+        return [], []
+    return ([{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}],
+            [{"name": "dshm", "mountPath": "/dev/shm"}])

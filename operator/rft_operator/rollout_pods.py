@@ -13,7 +13,7 @@ from __future__ import annotations
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_pod_security_context,
+from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_pod_security_context, build_shm,
                       build_resources, build_s3_env, build_user_env, labels, spec_hash)
 
 # Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
@@ -95,7 +95,7 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     if inf.engine != "reference":
         env.append({"name": "PYTHONPATH", "value": HELPERS_MOUNT})
         mounts.append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT, "readOnly": True})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # vLLM's shared-memory queues
+        mounts += build_shm(inf.shm_size)[1]  # vLLM's shared-memory queues
     if inf.engine == "vllm":
         env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # weight-update endpoints
     env += [build_user_env(e) for e in inf.env]
@@ -192,8 +192,7 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
                                                               "--install-helpers", HELPERS_MOUNT])
         fetch["volumeMounts"].append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT})
         pod_spec["initContainers"] = [fetch]
-        pod_spec["volumes"] += [{"name": "engine-helpers", "emptyDir": {}},
-                                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.inference.shm_size}}]
+        pod_spec["volumes"] += [{"name": "engine-helpers", "emptyDir": {}}, *build_shm(spec.inference.shm_size)[0]]
     return _with_hash(build_pod(ref, spec, name, lbls, pod_spec))
 
 

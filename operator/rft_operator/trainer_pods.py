@@ -11,7 +11,7 @@ from __future__ import annotations
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_user_env,
+from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_shm, build_user_env,
                       build_pod_security_context, build_resources, build_s3_env, labels)
 
 
@@ -70,7 +70,7 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
         "securityContext": build_container_security_context(spec),
         "volumeMounts": [
             {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            *build_shm(t.shm_size)[1],
             {"name": "model-cache", "mountPath": c.MODEL_CACHE_MOUNT},
             {"name": "staging", "mountPath": c.STAGING_MOUNT},
         ],
@@ -116,7 +116,7 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
         "containers": [build_trainer_container(ref, spec, attempt, rank)],
         "volumes": [
             {"name": "config", "configMap": {"name": c.configmap_name(ref.name)}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": t.shm_size}},
+            *build_shm(t.shm_size)[0],
             build_model_cache_volume(spec),
             build_staging_volume(spec),
         ],

@@ -237,6 +237,20 @@ def test_the_engine_gets_a_memory_backed_dev_shm(engine):
     assert volumes[mount]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
 
 
+def test_shm_size_zero_renders_no_dev_shm_volume(spec):
+    """shmSize "0": no memory-backed /dev/shm (the runtime's default stays), for the
+    trainer and the engine alike; the pods stay consistent (no mount without its volume)."""
+    trainer_spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "shmSize": "0"}})
+    pod = builders.build_trainer_pod(REF, trainer_spec, 1, 0)
+    assert "dshm" not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert "/dev/shm" not in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    engine = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "v:1", "shmSize": "0"}})
+    pod = builders.build_inference_pod(REF, engine, 0)
+    assert "dshm" not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert all("/dev/shm" not in {m["mountPath"] for m in x["volumeMounts"]} for x in pod["spec"]["containers"])
+    assert "dshm" in {v["name"] for v in builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["volumes"]}
+
+
 @pytest.mark.parametrize("port", [8471, 8472, 8473])
 def test_the_supervisor_port_avoids_the_engine_and_relay_ports(port):
     spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "v:1", "port": port}})
