@@ -170,6 +170,7 @@ PRINTER_COLUMNS = [
     {"name": "Synced", "type": "string", "jsonPath": ".status.weightSync.synced"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
+    {"name": "Last-Failure", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

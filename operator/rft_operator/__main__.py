@@ -26,6 +26,21 @@ from .kube import load_config
 DEFAULT_METRICS_PORT = 9090
 
 
+class RetryIsAWarning(logging.Filter):
+    """kopf logs each failed API request it will retry ("Request attempt #1/9 failed; will
+    retry", a 429 while the API server starts) at error level: a warning here, so that an
+    error line always means something needs a person. The last attempt ("escalating")
+    stays an error."""
+
+    RETRIED = ("failed; will retry", "will re-authenticate")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and record.name.startswith("kopf") \
+                and any(r in record.getMessage() for r in self.RETRIED):
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="rftjob-operator", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not args.verbose:  # one line per handled event is noise at hundreds of pods
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RetryIsAWarning())
     handlers.serve_namespaces(args.namespace)
     if args.metrics_port:
         metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))

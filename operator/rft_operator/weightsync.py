@@ -166,10 +166,16 @@ def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_syn
     prune = stale_replica_entries(replicas, pods)
     if prune:
         fields["replicas"] = {name: None for name in prune}  # merge patch: delete
+    # An event for a transition only: the first target and one a pin chose. Each routine
+    # promotion of the trainer's export is in status and metrics (16 events for a 16-step
+    # job drowned the lifecycle in `kubectl describe`).
     events: tuple[Event, ...] = ()
-    if not same_target(t.target, old_sync.get("target")):
+    old_target = old_sync.get("target")
+    if not same_target(t.target, old_target) and (old_target is None or spec.sync.pinned_version is not None):
         uri = f" ({t.target.get('uri')})" if t.target.get("uri") else ""
-        events = (Event("Normal", "WeightsTarget", f"serving target is now version {t.target['version']}{uri}"),)
+        why = "pinned by spec.sync.pinnedVersion" if spec.sync.pinned_version is not None else "the first"
+        events = (Event("Normal", "WeightsTarget",
+                        f"serving target is now version {t.target['version']}{uri} ({why})"),)
     status, reason, message = sync_condition(n, t.target, t.problem)
     cond = Cond(c.COND_WEIGHTS_SYNCED, status, reason, message)
     return WeightSync(fields if is_sync_changed(old_sync, fields) else None, cond, events,

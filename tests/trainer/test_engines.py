@@ -62,7 +62,7 @@ from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, InferenceClient, build
                                   choice_versions, replica_pod)
 from rft_rollout.tasksets import arithmetic
 from rft_contract.probe import Probe
-from rft_serving.engines import EngineBroken, ProbeMismatch, SGLangEngine, SyncError, VLLMEngine
+from rft_serving.engines import ENGINE_DOWN, EngineBroken, ProbeMismatch, SGLangEngine, SyncError, VLLMEngine
 from rft_serving.serve import COMPLETION_FIELDS, parse_sampling
 from rft_serving.sync_agent import INITIAL_LINK, SyncAgent
 from tests.conftest import wait_for
@@ -861,6 +861,27 @@ def test_an_engine_that_cannot_be_asked_after_a_load_is_reported_as_unknown(tmp_
         agent.converge(target)
     agent.report_error("engine not reachable")
     assert api.patches[-1]["version"] is None
+
+
+def test_an_engine_still_starting_is_one_info_line_and_a_lost_one_a_warning(tmp_path, weights, caplog):
+    """Expected start-up is not a warning: one info line while the engine has not answered
+    yet, one when it does; once it has, losing it is a warning each time."""
+    engine = MemoryEngine()
+    target = {"version": 0, "id": "abc", "uri": str(weights)}
+    agent, _ = make_agent(engine, tmp_path, target)
+    down = SyncError(f"{ENGINE_DOWN} at http://127.0.0.1:8000: ConnectionError")
+    with caplog.at_level(logging.INFO, logger="rft_serving.sync_agent"):
+        for attempt in (1, 2, 3):
+            agent.attempts = attempt
+            agent._log_failure(target, down, str(down))
+        agent.converge(target)  # it answers
+        agent.attempts = 1
+        agent._log_failure(target, down, str(down))
+    lines = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records if r.name == "rft_serving.sync_agent"]
+    assert lines[0] == ("INFO", "waiting for the engine to answer")
+    assert ("INFO", "the engine answers") in lines
+    assert [level for level, _ in lines].count("WARNING") == 1 and lines[-1][0] == "WARNING"
+    assert [m for _, m in lines].count("waiting for the engine to answer") == 1
 
 
 def test_no_reload_without_the_no_version_entry(tmp_path, weights):

@@ -59,7 +59,12 @@ def test_latest_weights_are_promoted_and_replicas_counted():
     ws = plan.status["weightSync"]
     assert ws["target"] == {"version": 3, "uri": W + "00000003", "id": "abc"}
     assert (ws["syncedReplicas"], ws["synced"], ws["lagSteps"]) == (1, "1/2", 2)
-    assert [e.reason for e in plan.events if e.reason == "WeightsTarget"]
+    assert [e.message for e in plan.events if e.reason == "WeightsTarget"] == [
+        f"serving target is now version 3 ({W}00000003) (the first)"]
+    # A routine promotion of the next export: status and metrics, no event.
+    plan = run(trainer, {}, old_target={"version": 2, "uri": W + "00000002", "id": "old"})
+    assert plan.status["weightSync"]["target"]["version"] == 3
+    assert not [e for e in plan.events if e.reason == "WeightsTarget"]
     plan = run(trainer, {"demo-inference-0": {"version": 3, "id": "abc"},
                          "demo-inference-1": {"version": 3, "id": "abc"}},
                old_target={"version": 3, "uri": W + "00000003", "id": "abc"})

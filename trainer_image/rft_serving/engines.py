@@ -39,6 +39,8 @@ from rft_contract.probe import Probe, Verdict, compare
 from rft_contract.versions import parse_version
 
 log = logging.getLogger("rft_serving.engines")
+# What a SyncError says when nothing answers at the engine's URL (yet).
+ENGINE_DOWN = "engine not reachable"
 
 
 class SyncError(RuntimeError):
@@ -136,7 +138,7 @@ class Engine:
         try:
             r = requests.get(self.url + path, timeout=10)
         except requests.RequestException as e:
-            raise SyncError(f"engine not reachable at {self.url}: {type(e).__name__}") from None
+            raise SyncError(f"{ENGINE_DOWN} at {self.url}: {type(e).__name__}") from None
         if r.status_code >= 400:
             raise SyncError(f"engine GET {path}: HTTP {r.status_code} {r.text[:300]}")
         try:

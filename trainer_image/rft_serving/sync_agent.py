@@ -79,7 +79,7 @@ from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.probe import read_probe
 from rft_contract.storage import get_storage
 
-from .engines import ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
+from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
 from .relay import VERIFIED, Peer, PeerServer, parent_index
 from .weights import fetch, version_dir
 
@@ -124,6 +124,7 @@ class SyncAgent:
         self.good: tuple[dict, Path, Any] | None = None
         # ((version, id), monotonic time before which that export is not tried again).
         self.broken: tuple[tuple[int, str | None], float] | None = None
+        self.engine_seen: float | None = None  # monotonic time the engine first answered
 
     # --- watching the job
     def target(self) -> dict | None:
@@ -164,12 +165,21 @@ class SyncAgent:
                     # A SyncError says what went wrong in words; anything else is a bug
                     # or an answer we did not expect: its type and text, and the trace.
                     message = str(e) if isinstance(e, SyncError) else f"{type(e).__name__}: {e}"
-                    log.warning("sync to version %s failed (attempt %d): %s", target.get("version"),
-                                self.attempts, message, exc_info=not isinstance(e, SyncError))
+                    self._log_failure(target, e, message)
                     self.report_error(message)
                     delay, backoff = backoff, min(self.max_backoff, backoff * 2)
             self._changed.wait(delay)  # a new target cuts any wait short
             self._changed.clear()
+
+    def _log_failure(self, target: dict, e: Exception, message: str) -> None:
+        """A warning, but for an engine that has not answered yet since the agent started:
+        it is still starting (vLLM takes a minute or more), which is expected: one info line."""
+        if self.engine_seen is None and isinstance(e, SyncError) and ENGINE_DOWN in message:
+            if self.attempts == 1:
+                log.info("waiting for the engine to answer (%s)", message)
+            return
+        log.warning("sync to version %s failed (attempt %d): %s", target.get("version"), self.attempts, message,
+                    exc_info=not isinstance(e, SyncError))
 
     def stop(self) -> None:
         self._stop.set()
@@ -182,6 +192,9 @@ class SyncAgent:
         except SyncError:
             self.engine_version = None
             raise
+        if self.engine_seen is None:
+            self.engine_seen = time.monotonic()
+            log.info("the engine answers (serving version %s)", serving)
         # What we loaded into it: our memory, or after an agent restart our status entry.
         known = self.served or self._entry()
         if known.get("version") is not None and serving != known.get("version"):
