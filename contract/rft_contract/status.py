@@ -67,6 +67,15 @@ class WaitStatus(Model):
     attempt: int | None = Field(default=None, description="The gang attempt that is waiting")
 
 
+class ResumeRef(Model):
+    """Where a gang attempt's trainer started: the checkpoint it resumed from, or none."""
+
+    attempt: int | None = None
+    step: int
+    checkpoint: str | None = Field(default=None, description="The checkpoint's URI; null: a fresh start")
+    time: str | None = None
+
+
 class TrainerStatus(Model):
     """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
 
@@ -83,6 +92,7 @@ class TrainerStatus(Model):
     )
     buffer: BufferStatus | None = None
     waiting: WaitStatus | None = None
+    resumed_from: ResumeRef | None = None
 
 
 class ReplicaSync(Model):
@@ -143,6 +153,19 @@ class FailureRecord(Model):
         "them as its termination message), when it failed rather than being deleted or disrupted")
 
 
+class AttemptRecord(Model):
+    """One gang attempt, for the person on call: where it started and ended, and why."""
+
+    attempt: int
+    start_step: int | None = Field(default=None, description="The step it resumed from (0: from scratch); "
+                                                              "null until its trainer reports")
+    checkpoint: str | None = Field(default=None, description="The checkpoint it resumed from")
+    end_step: int | None = Field(default=None, description="The last step its trainer reported")
+    reason: str | None = Field(default=None, description="Why it ended (lastFailure's reason, Succeeded, "
+                                                         "Suspended); null while it runs")
+    ended: str | None = None
+
+
 class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus
     phase: Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"] | None = None
     message: str | None = None
@@ -159,6 +182,8 @@ class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus
     trainer: TrainerStatus | None = None
     weight_sync: WeightSyncStatus | None = None
     progress: ProgressStatus | None = None
+    attempts: list[AttemptRecord] | None = Field(
+        default=None, description="The last few gang attempts (oldest first): start and end step, why each ended")
 
 
 # Printer columns for `kubectl get rftjobs` (jsonPath into the object).

@@ -42,6 +42,8 @@ from .metrics import OperatorMetrics
 from .model import ChildView, PodView, Refusal, managed_fields
 
 log = logging.getLogger("rft_operator")
+# Consecutive failed passes of one job before its log line is an error (about 1.5 minutes of backoff).
+RETRIES_BEFORE_ERROR = 8
 Key = tuple[str, str]  # (namespace, name)
 
 
@@ -253,7 +255,8 @@ class Controller:
                 self.metrics.reconcile_errors.inc()
                 tries = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(60.0, 0.5 * 2 ** min(tries, 7)) * (0.5 + random.random() / 2)
-                log.error("reconcile %s/%s failed (%s); retry in %.1fs", *key, _describe(e), delay)
+                log.log(retry_level(tries), "reconcile %s/%s failed (%s, %d in a row); retry in %.1fs", *key,
+                        _describe(e), tries, delay)
                 self.queue.add_after(key, delay, later=is_new(self.get_job(key)))
             finally:
                 self.queue.done(key)
@@ -461,6 +464,12 @@ class Controller:
 # The API server's PodSecurity admission refuses a pod beyond the namespace's enforced
 # level with a 403 saying this: as permanent for the spec as a 422 (no retry fixes it).
 POD_SECURITY_REFUSAL = "violates PodSecurity"
+
+
+def retry_level(tries: int) -> int:
+    """A failed pass that will be retried is a warning; an error once retrying has not
+    helped for a while (an error line should mean something needs a person)."""
+    return logging.ERROR if tries >= RETRIES_BEFORE_ERROR else logging.WARNING
 
 
 def _what(obj: dict[str, Any]) -> str:

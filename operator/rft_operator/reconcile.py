@@ -32,7 +32,7 @@ from typing import NamedTuple
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec, parse_spec
 
-from . import conditions, gang, policy, rollout, weightsync
+from . import attempts, conditions, gang, policy, rollout, weightsync
 from .children import build_static_children
 from .model import ChildView, Event, Obj, PodView, Refusal, managed_fields
 from .objects import JobRef, spec_hash
@@ -42,7 +42,7 @@ __all__ = ["OPERATOR_STATUS_KEYS", "ChildView", "Event", "Observed", "Plan", "Po
 
 OPERATOR_STATUS_KEYS = (
     "phase", "message", "observedGeneration", "attempt", "restarts", "disruptions", "startTime",
-    "completionTime", "lastFailure", "conditions", "progress",
+    "completionTime", "lastFailure", "conditions", "progress", "attempts",
 )
 
 # Fields the API server never lets change: a child whose rendered value differs is
@@ -111,6 +111,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
                                               ws.condition, generation, now, deadline)
+    history = attempts.compute_attempts(old["attempts"], g.status, trainer, now, g.failed_reason)
 
     status = old | g.status | {"observedGeneration": generation, "conditions": conds}
     if spec is not None and not trainer.get("progress"):
@@ -118,6 +119,8 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
         status["trainer"] = {"totalSteps": spec.trainer.total_steps, "progress": f"0/{spec.trainer.total_steps}"}
     if ws.status is not None:
         status["weightSync"] = ws.status
+    if history.records is not None:
+        status["attempts"] = history.records
     changed = any(status.get(k) != old.get(k) for k in OPERATOR_STATUS_KEYS)
     return Plan(
         status=status,
@@ -128,7 +131,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
         delete=static.delete,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
         force_delete_pods=list(g.force_delete),
-        events=[*g.events, *ws.events],
+        events=[*g.events, *ws.events, *history.events],
         # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
         requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
     )

@@ -242,6 +242,15 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     reasons = events(j["api"], ns, name)
     assert reasons.count(c.REASON_RESTARTING) == 1 and reasons.count(c.REASON_RESTARTED) == 1
     assert len(pods(j, c.ROLE_INFERENCE)) <= 2 and len(pods(j, c.ROLE_EXPLORER)) <= 1
+    # What the person on call reads: where each attempt started and ended and why, the
+    # resume as one event, and no event per weights version.
+    first, second = s["attempts"]
+    assert (first["attempt"], first["startStep"], first["reason"]) == (1, 0, s["lastFailure"]["reason"]), first
+    assert first["endStep"] >= ckpt_at_kill, (first, ckpt_at_kill)
+    assert (second["attempt"], second["reason"], second["endStep"]) == (2, c.SUCCEEDED, STEPS), second
+    assert ckpt_at_kill <= second["startStep"] <= resumed_at, (second, ckpt_at_kill, resumed_at)
+    assert second["checkpoint"].endswith(f"step-{second['startStep']:08d}"), second
+    assert reasons.count("ResumedFromCheckpoint") == 1 and reasons.count("WeightsTarget") <= 1, reasons
     RESULTS["trainer_sigkill"] = {"step_at_kill": at_kill, "resumed_from": resumed_at,
                                   "lost_steps": at_kill - resumed_at, "interval": INTERVAL,
                                   "seconds_to_training_again": round(recovered, 1),

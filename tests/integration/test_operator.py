@@ -78,6 +78,29 @@ def test_pod_failure_restarts_the_gang_as_attempt_2(operator, api, namespace):
     assert c.REASON_RESTARTING in events(api, namespace, "retry")
 
 
+def test_the_attempt_history_tells_where_each_attempt_started_and_ended(operator, api, namespace):
+    """What the person on call reads in `kubectl get rftjob -o yaml`: attempt 1 from step 0
+    to the step it last reported, ended by the pod failure; attempt 2 from the checkpoint
+    its trainer says it resumed from (and an event saying so)."""
+    start_running(api, namespace, "story")
+    patch_status(api, namespace, "story", {"trainer": {
+        "attempt": 1, "step": 7, "resumedFrom": {"attempt": 1, "step": 0, "checkpoint": None}}})
+    wait_status(api, namespace, "story", lambda s: (s.get("attempts") or [{}])[0].get("startStep") == 0, 60,
+                "attempt 1's start recorded")
+    end_pod(api, namespace, "story-trainer-1-0", 1)
+    wait_phase(api, namespace, "story", c.RUNNING, 90, attempt=2)
+    ckpt = "s3://ckpts/run/ckpt/step-00000005"
+    patch_status(api, namespace, "story", {"trainer": {
+        "attempt": 2, "step": 5, "resumedFrom": {"attempt": 2, "step": 5, "checkpoint": ckpt}}})
+    s = wait_status(api, namespace, "story", lambda s: len(s.get("attempts") or []) == 2
+                    and s["attempts"][1].get("startStep") == 5, 60, "attempt 2's start recorded")
+    first, second = s["attempts"]
+    assert (first["startStep"], first["endStep"], first["reason"]) == (0, 7, s["lastFailure"]["reason"])
+    assert first["ended"] == s["lastFailure"]["time"]
+    assert second == {"attempt": 2, "startStep": 5, "checkpoint": ckpt}
+    wait_for(lambda: "ResumedFromCheckpoint" in events(api, namespace, "story"), 30, "the resume event")
+
+
 def test_fatal_exit_code_fails_the_job(operator, api, namespace):
     start_running(api, namespace, "fatal")
     end_pod(api, namespace, "fatal-trainer-1-0", 78)

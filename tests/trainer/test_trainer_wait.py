@@ -75,10 +75,18 @@ def test_waiting_on_stale_experiences_is_reported_with_true_counts_and_a_stop_en
     assert not thread.is_alive() and result["batch"] is None and trainer.stopping
 
 
-def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_path, world_of_one):
+def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_path, world_of_one, monkeypatch):
     """The resumed step is committed: saving it again would first overwrite its files
-    under the old manifest (a SIGKILL then leaves the newest checkpoint corrupt)."""
+    under the old manifest (a SIGKILL then leaves the newest checkpoint corrupt). Each
+    attempt reports where it started (the operator's attempt history)."""
     import asyncio
+
+    import rft_trainer.trainer as trainer_module
+
+    resumed = []
+    recorder = Recorder()
+    recorder.report_resumed = lambda step, checkpoint: resumed.append((step, checkpoint))
+    monkeypatch.setattr(trainer_module.StatusReporter, "from_env", classmethod(lambda cls, **kw: recorder))
 
     save_tiny_model(tmp_path / "model")
     buffer = tmp_path / "buffer"
@@ -102,6 +110,7 @@ def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_
     again = Trainer(config)
     again.prepare()
     assert again.train_step_num == 2
+    assert resumed == [(0, None), (2, str(step_dir))]
     again.request_stop()
     assert asyncio.run(again.train()) == "stopped"
     again.engine.wait_on_save_thread()

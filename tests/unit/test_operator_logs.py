@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from rft_operator.__main__ import RetryIsAWarning
+from rft_operator.controller import RETRIES_BEFORE_ERROR, retry_level
 
 
 def record(name: str, level: int, message: str) -> logging.LogRecord:
@@ -41,3 +42,8 @@ def test_the_filter_is_on_the_handlers_kopf_configures(monkeypatch):
     finally:
         logger.removeHandler(handler)
     assert [r.levelname for r in seen] == ["WARNING"]
+
+
+def test_a_failed_pass_is_a_warning_until_retrying_has_not_helped_for_a_while():
+    assert [retry_level(n) for n in range(1, RETRIES_BEFORE_ERROR)] == [logging.WARNING] * (RETRIES_BEFORE_ERROR - 1)
+    assert retry_level(RETRIES_BEFORE_ERROR) == retry_level(RETRIES_BEFORE_ERROR + 5) == logging.ERROR

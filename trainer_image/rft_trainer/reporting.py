@@ -141,6 +141,12 @@ class StatusReporter:
             patch["attempt"] = self.attempt
         self._submit(patch, urgent=step >= total or not metrics, clear_waiting=True)
 
+    def report_resumed(self, step: int, checkpoint: str | None) -> None:
+        """Where this attempt starts: the committed checkpoint it resumed from, or step 0
+        without one. The operator keeps it in the job's attempt history."""
+        self._submit({"resumedFrom": {"attempt": self.attempt, "step": step, "checkpoint": checkpoint,
+                                      "time": now()}}, urgent=True)
+
     def report_checkpoint(self, step: int, uri: str, nbytes: int, save_seconds: float) -> None:
         self._submit({"lastCheckpoint": {"step": step, "uri": uri, "time": now(), "bytes": nbytes,
                                          "saveSeconds": round(save_seconds, 3)}}, urgent=True)

@@ -30,7 +30,7 @@ from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
 from rft_contract.layout import weights_uri
 
-from .checkpoint import should_save_on_stop
+from .checkpoint import should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
 from .export import apply_weights_retention
@@ -106,8 +106,11 @@ class Trainer:
         extra = self.engine.load_checkpoint()
         if extra and "buffer" in extra:
             self.buffer.load_state_dict(extra["buffer"])
-        if self.train_step_num:  # resumed: the status shows where this attempt starts
-            self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps)
+        # Where this attempt starts, for the job's attempt history (and its Resumed event).
+        step, resumed = self.train_step_num, ckpt.last_committed  # None: no checkpoint, a fresh start
+        self.reporter.report_resumed(step, None if resumed is None else step_uri(self.config.checkpoint.uri, resumed))
+        if step:  # resumed: the status shows where this attempt starts
+            self.reporter.report_step(step, self.config.trainer.total_steps)
 
     async def train(self) -> str:
         while await self.train_step():
