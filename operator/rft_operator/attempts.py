@@ -48,18 +48,23 @@ def compute_attempts(old: list[Obj] | None, gang_status: Obj, trainer: Obj, now:
         if r is not current and r.get("reason") is None:
             r["reason"] = "Unknown"
     resumed = trainer.get("resumedFrom") or {}
-    if resumed.get("attempt") == attempt and current.get("startStep") is None:
-        current["startStep"], current["checkpoint"] = resumed.get("step"), resumed.get("checkpoint")
+    if resumed.get("attempt") == attempt and resumed.get("step") is not None and "startStep" not in current:
+        _put(current, startStep=resumed["step"], checkpoint=resumed.get("checkpoint"))
         if attempt > 1 or current["startStep"]:
-            events += (_resumed_event(attempt, current["startStep"], current["checkpoint"]),)
+            events += (_resumed_event(attempt, current["startStep"], current.get("checkpoint")),)
     if current.get("reason") is None:
         reason, when = _ended(attempt, gang_status, now, failed_reason)
         if reason is not None:
             steps = trainer.get("step") if trainer.get("attempt") == attempt else None
-            current["endStep"] = steps if steps is not None else current.get("startStep")
-            current["reason"], current["ended"] = reason, when
+            _put(current, endStep=steps if steps is not None else current.get("startStep"), reason=reason, ended=when)
     records = records[-KEEP:]
     return Attempts(records if records != (old or []) else None, events)
+
+
+def _put(record: Obj, **fields: object) -> None:
+    """Only the known: the API server drops a null it stores no schema for, and a record
+    with one would differ from its stored self on every pass (a status write each time)."""
+    record.update({k: v for k, v in fields.items() if v is not None})
 
 
 def _ended(attempt: int, gang_status: Obj, now: datetime, failed_reason: str | None) -> tuple[str | None, str | None]:
