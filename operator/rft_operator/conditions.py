@@ -46,7 +46,8 @@ def build_kstatus(phase: str | None, message: str, failed_reason: str, sync_cond
         return [Cond(c.COND_READY, False, failed_reason, message),
                 Cond(c.COND_RECONCILING, False, failed_reason, ""),
                 Cond(c.COND_STALLED, True, failed_reason, message)]
-    if phase == c.RUNNING and sync_cond is not None and not sync_cond.status:
+    if phase == c.RUNNING and sync_cond is not None and not sync_cond.status \
+            and sync_cond.reason != c.REASON_NO_REPLICAS:  # inference scaled to 0: nothing to wait for
         busy = (sync_cond.reason, sync_cond.message)
     elif phase in (c.RUNNING, c.SUCCEEDED, c.SUSPENDED):
         return [Cond(c.COND_READY, True, phase, message),

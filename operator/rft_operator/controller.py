@@ -31,6 +31,7 @@ from functools import partial
 from datetime import datetime, timezone
 from typing import Any, Callable, Hashable, Iterable
 
+import urllib3
 from kubernetes.client.rest import ApiException
 
 from rft_contract import names as c
@@ -255,8 +256,9 @@ class Controller:
                 self.metrics.reconcile_errors.inc()
                 tries = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(60.0, 0.5 * 2 ** min(tries, 7)) * (0.5 + random.random() / 2)
-                log.log(retry_level(tries), "reconcile %s/%s failed (%s, %d in a row); retry in %.1fs", *key,
-                        _describe(e), tries, delay)
+                level = retry_level(tries, e)
+                log.log(level, "reconcile %s/%s failed (%s, %d in a row); retry in %.1fs", *key,
+                        _describe(e), tries, delay, exc_info=not is_transient(e))
                 self.queue.add_after(key, delay, later=is_new(self.get_job(key)))
             finally:
                 self.queue.done(key)
@@ -466,9 +468,17 @@ class Controller:
 POD_SECURITY_REFUSAL = "violates PodSecurity"
 
 
-def retry_level(tries: int) -> int:
+def is_transient(e: BaseException) -> bool:
+    """What the API server or the network said (a retry may fix it), not a bug of ours."""
+    return isinstance(e, (ApiException, urllib3.exceptions.HTTPError, OSError, asyncio.TimeoutError))
+
+
+def retry_level(tries: int, e: BaseException) -> int:
     """A failed pass that will be retried is a warning; an error once retrying has not
-    helped for a while (an error line should mean something needs a person)."""
+    helped for a while, or at once for anything but the API server's or the network's
+    answer (a bug: its trace is logged). An error line should mean a person is needed."""
+    if not is_transient(e):
+        return logging.ERROR
     return logging.ERROR if tries >= RETRIES_BEFORE_ERROR else logging.WARNING
 
 

@@ -64,7 +64,7 @@ from rft_rollout.tasksets import arithmetic
 from rft_contract.probe import Probe
 from rft_serving.engines import ENGINE_DOWN, EngineBroken, ProbeMismatch, SGLangEngine, SyncError, VLLMEngine
 from rft_serving.serve import COMPLETION_FIELDS, parse_sampling
-from rft_serving.sync_agent import INITIAL_LINK, SyncAgent
+from rft_serving.sync_agent import ENGINE_START_ATTEMPTS, INITIAL_LINK, SyncAgent
 from tests.conftest import wait_for
 from tests.fixtures.models import save_tiny_tokenizer
 
@@ -882,6 +882,14 @@ def test_an_engine_still_starting_is_one_info_line_and_a_lost_one_a_warning(tmp_
     assert ("INFO", "the engine answers") in lines
     assert [level for level, _ in lines].count("WARNING") == 1 and lines[-1][0] == "WARNING"
     assert [m for _, m in lines].count("waiting for the engine to answer") == 1
+    # One that never comes up is worth a warning again, after a while.
+    caplog.clear()
+    never, _ = make_agent(MemoryEngine(), tmp_path / "never", target)
+    with caplog.at_level(logging.INFO, logger="rft_serving.sync_agent"):
+        for attempt in range(1, ENGINE_START_ATTEMPTS + 1):
+            never.attempts = attempt
+            never._log_failure(target, down, str(down))
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
 
 
 def test_no_reload_without_the_no_version_entry(tmp_path, weights):

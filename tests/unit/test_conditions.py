@@ -93,6 +93,9 @@ SYNCING = Cond(c.COND_WEIGHTS_SYNCED, False, "Syncing", "0/2 replicas serve vers
     (c.RUNNING, None, True, False, False, c.RUNNING),  # no inference: nothing to wait for
     (c.RUNNING, Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED), True, False, False, c.RUNNING),
     (c.RUNNING, SYNCING, False, True, False, "Syncing"),
+    # Inference scaled to 0 (as Argo CD's check): no replica to wait for.
+    (c.RUNNING, Cond(c.COND_WEIGHTS_SYNCED, False, c.REASON_NO_REPLICAS, "spec.inference.replicas is 0"),
+     True, False, False, c.RUNNING),
     (c.SUSPENDED, None, True, False, False, c.SUSPENDED),
     (c.SUCCEEDED, SYNCING, True, False, False, c.SUCCEEDED),
     (c.FAILED, None, False, False, True, "WhyItFailed"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from kubernetes.client import ApiException
+
 from rft_operator.__main__ import RetryIsAWarning
 from rft_operator.controller import RETRIES_BEFORE_ERROR, retry_level
 
@@ -45,5 +47,8 @@ def test_the_filter_is_on_the_handlers_kopf_configures(monkeypatch):
 
 
 def test_a_failed_pass_is_a_warning_until_retrying_has_not_helped_for_a_while():
-    assert [retry_level(n) for n in range(1, RETRIES_BEFORE_ERROR)] == [logging.WARNING] * (RETRIES_BEFORE_ERROR - 1)
-    assert retry_level(RETRIES_BEFORE_ERROR) == retry_level(RETRIES_BEFORE_ERROR + 5) == logging.ERROR
+    api = ApiException(status=429, reason="Too Many Requests")
+    assert [retry_level(n, api) for n in range(1, RETRIES_BEFORE_ERROR)] == [logging.WARNING] * (RETRIES_BEFORE_ERROR - 1)
+    assert retry_level(RETRIES_BEFORE_ERROR, api) == retry_level(RETRIES_BEFORE_ERROR + 5, api) == logging.ERROR
+    assert retry_level(1, ConnectionResetError()) == logging.WARNING
+    assert retry_level(1, KeyError("phase")) == logging.ERROR  # a bug: an error at once

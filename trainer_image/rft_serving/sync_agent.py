@@ -84,6 +84,8 @@ from .relay import VERIFIED, Peer, PeerServer, parent_index
 from .weights import fetch, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
+# Failed attempts before an engine that has never answered is worth a warning.
+ENGINE_START_ATTEMPTS = 12
 # `<dest>/initial`: where vLLM/SGLang start from (rft_operator.rollout_pods passes
 # `--fetch-only <dest>/initial` to the init container and the same path to the engine).
 INITIAL_LINK = "initial"
@@ -173,8 +175,11 @@ class SyncAgent:
 
     def _log_failure(self, target: dict, e: Exception, message: str) -> None:
         """A warning, but for an engine that has not answered yet since the agent started:
-        it is still starting (vLLM takes a minute or more), which is expected: one info line."""
-        if self.engine_seen is None and isinstance(e, SyncError) and ENGINE_DOWN in message:
+        it is still starting (vLLM takes a minute or more), which is expected: one info line,
+        then warnings again from the ENGINE_START_ATTEMPTS-th failure (minutes of backoff:
+        an engine that never comes up)."""
+        if self.engine_seen is None and isinstance(e, SyncError) and ENGINE_DOWN in message \
+                and self.attempts < ENGINE_START_ATTEMPTS:
             if self.attempts == 1:
                 log.info("waiting for the engine to answer (%s)", message)
             return
