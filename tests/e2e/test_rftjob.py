@@ -194,6 +194,7 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     j = job()
     ns, name, op = j["ns"], j["name"], j["operator"]
     rank0 = c.pod_name(name, 1, 0)
+    logs: list[str] = []  # each operator process's log, taken before it is killed
     s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
     at_kill, ckpt_at_kill = step(s), ckpt_step(s)
     hold_pod(j["api"], ns, rank0)
@@ -205,6 +206,7 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
         held = time.monotonic()
 
         # Window 1: Restarting recorded, the old gang not gone yet.
+        logs.append(op.logs())
         op.kill()
         since = op.log_offset()
         op.start()
@@ -216,6 +218,7 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
         with refusing_trainer_pods(j["api"], ns, attempt=2, ranks_from=1):
             release_pod(j["api"], ns, rank0)
             wait_for(lambda: "CreateFailed" in events(j["api"], ns, name), 180, "rank 1 of attempt 2 refused")
+            logs.append(op.logs())
             op.kill()
             assert gang_ranks(j["api"], ns, name) == {1: [1], 2: [0]}
         op.start()
@@ -251,6 +254,12 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     assert ckpt_at_kill <= second["startStep"] <= resumed_at, (second, ckpt_at_kill, resumed_at)
     assert second["checkpoint"].endswith(f"step-{second['startStep']:08d}"), second
     assert reasons.count("ResumedFromCheckpoint") == 1 and reasons.count("WeightsTarget") <= 1, reasons
+    # A failure the operator recovered from, refused creates and two kills of its own
+    # included, is no error in its log (an error line should mean a person is needed).
+    logs.append(op.logs())
+    errors = [line for text in logs for line in text.splitlines()
+              if '"severity": "error"' in line or '"severity": "critical"' in line]
+    assert not errors and all(logs), errors[:5]
     RESULTS["trainer_sigkill"] = {"step_at_kill": at_kill, "resumed_from": resumed_at,
                                   "lost_steps": at_kill - resumed_at, "interval": INTERVAL,
                                   "seconds_to_training_again": round(recovered, 1),
