@@ -132,6 +132,11 @@ class WeightSyncStatus(Model):
     lag_steps: int | None = None
 
 
+class ResumeStart(Model):
+    step: int
+    checkpoint: str | None = Field(default=None, description="The checkpoint's URI; absent: a fresh start")
+
+
 class ProgressStatus(Model):
     """The operator's record for the progress deadline."""
 
@@ -139,6 +144,7 @@ class ProgressStatus(Model):
     step: int | None = None
     attempt: int | None = None
     since: str | None = Field(default=None, description="When step (or the attempt) last changed")
+    resumed_from: ResumeStart | None = Field(default=None, description="Where this attempt's trainer started")
 
 
 class FailureRecord(Model):

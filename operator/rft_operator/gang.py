@@ -422,11 +422,12 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
     # What an earlier attempt reported (its step, why it waited) says nothing about this
     # gang; this attempt's `waiting` (it names its attempt) does, before its first step.
     trainer = progress.trainer
+    resumed = trainer.get("resumedFrom") or {}
     if trainer.get("attempt") not in (None, g.attempt):
         waiting = trainer.get("waiting") or {}
         progress = replace(progress, trainer={"waiting": waiting} if waiting.get("attempt") == g.attempt else {})
     step = progress.trainer.get("step")
-    record = compute_progress_record(g.status.get("progress"), g.attempt, step, now)
+    record = compute_progress_record(g.status.get("progress"), g.attempt, step, now, resumed)
     g = replace(g, status={**g.status, "progress": record})
     if step is not None and step >= spec.trainer.total_steps:
         return g  # trained: the final export and save take what they take
@@ -446,12 +447,25 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
     return _handle_failure(g, spec, failure, gang, pods, now, exhausted=c.REASON_PROGRESS_DEADLINE)
 
 
-def compute_progress_record(old: Obj | None, attempt: int, step: int | None, now: datetime) -> Obj:
+def compute_progress_record(old: Obj | None, attempt: int, step: int | None, now: datetime,
+                            resumed: Obj | None = None) -> Obj:
     """`status.progress`: kept while (attempt, step) stays the same, restarted with
-    `since: now` when either moves (or on the first pass that sees the gang running)."""
+    `since: now` when either moves (or on the first pass that sees the gang running).
+    `resumedFrom` ({step, checkpoint}) once this attempt's trainer has said where it
+    started (`status.trainer.resumedFrom`; no checkpoint: a fresh start)."""
     if old and old.get("attempt") == attempt and old.get("step") == step and old.get("since"):
-        return old
-    return {"step": step, "attempt": attempt, "since": policy.format_time(now)}
+        record = old
+    else:
+        record = {"step": step, "attempt": attempt, "since": policy.format_time(now)}
+        if old and old.get("resumedFrom"):  # kept within an attempt; null (dropped) for the next
+            record["resumedFrom"] = old["resumedFrom"] if old.get("attempt") == attempt else None
+    if record.get("resumedFrom") is None and resumed and resumed.get("attempt") == attempt \
+            and resumed.get("step") is not None:
+        start = {"step": resumed["step"]}
+        if resumed.get("checkpoint"):
+            start["checkpoint"] = resumed["checkpoint"]
+        record = {**record, "resumedFrom": start}
+    return record
 
 
 def build_stall_message(record: Obj, progress: Progress, deadline: int, now: datetime) -> str:

@@ -320,3 +320,24 @@ def test_no_deadline_after_the_last_step():
     sim.report(step=100, attempt=1)  # totalSteps
     plan = sim.at(DEADLINE * 5)
     assert sim.status["phase"] == c.RUNNING and not fired(sim.plans) and plan.requeue_after is None
+
+
+def test_progress_says_where_this_attempt_resumed_from():
+    ckpt = "s3://b/ckpt/step-00000005"
+    sim = Sim()
+    sim.running(0)
+    assert "resumedFrom" not in sim.status["progress"]  # nothing reported yet
+    sim.report(attempt=1, resumedFrom={"attempt": 1, "step": 0, "checkpoint": None})
+    sim.at(1)
+    assert sim.status["progress"]["resumedFrom"] == {"step": 0}  # a fresh start
+    sim.report(attempt=1, step=3)
+    sim.at(2)  # the step moved, the record restarts: where it began stays
+    assert sim.status["progress"]["resumedFrom"] == {"step": 0} and sim.status["progress"]["step"] == 3
+    # The next attempt: nothing until its own trainer reports, then its own start.
+    sim = Sim(status={"phase": c.PENDING, "attempt": 2, "restarts": 1, "progress": sim.status["progress"],
+                      "trainer": sim.status["trainer"]})
+    sim.running(3)
+    assert "resumedFrom" not in sim.status["progress"], sim.status["progress"]
+    sim.report(attempt=2, resumedFrom={"attempt": 2, "step": 5, "checkpoint": ckpt})
+    sim.at(4)
+    assert sim.status["progress"]["resumedFrom"] == {"step": 5, "checkpoint": ckpt}
