@@ -8,7 +8,7 @@
 #   $RFT_CACHE/bin/coredns-$COREDNS_VERSION/coredns                (cluster DNS)
 #   $RFT_CACHE/bin/registry-$REGISTRY_VERSION/registry             (CNCF distribution)
 #   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
-#   $RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION/kstatus              (cli-utils' kstatus, for tests)
+#   $RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION-lua$GOPHER_LUA_VERSION/kstatus (kstatus, Argo CD's Lua; tests)
 #   $RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION/{training-operator,crds/}
 #                                   (Kubeflow's, the peer of bench/reconcile.py --peer; not
 #                                    built by default)
@@ -197,34 +197,111 @@ build_training_operator() {
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
-# kstatus (sigs.k8s.io/cli-utils), the library Flux's health checks use: a small program
-# that prints what status.Compute says of each object it reads (tests/integration/test_kstatus.py).
-
-
+# kstatus (sigs.k8s.io/cli-utils), the library Flux's health checks use, and Argo CD's Lua
+# health check run as Argo CD runs it (gopher-lua, the interpreter Argo CD embeds): a small
+# program that prints what each says of each object it reads (tests/integration/test_kstatus.py).
 build_kstatus() {
-  local out=$RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION
-  if have "$out/kstatus"; then log "kstatus (cli-utils $CLI_UTILS_VERSION): cached in $out"; return; fi
-  log "kstatus (cli-utils $CLI_UTILS_VERSION): building"
-  local work=$RFT_CACHE/src/kstatus-$CLI_UTILS_VERSION
+  local tag=$CLI_UTILS_VERSION-lua$GOPHER_LUA_VERSION
+  local out=$RFT_CACHE/bin/kstatus-$tag
+  if have "$out/kstatus"; then log "kstatus ($tag): cached in $out"; return; fi
+  log "kstatus ($tag): building"
+  local work=$RFT_CACHE/src/kstatus-$tag
   rm -rf "$work"; mkdir -p "$work"; cd "$work"
   go mod init rftjob.local/kstatus >/dev/null 2>&1
-  echo "require sigs.k8s.io/cli-utils $CLI_UTILS_VERSION" >>go.mod
+  printf 'require (\n\tsigs.k8s.io/cli-utils %s\n\tgithub.com/yuin/gopher-lua %s\n)\n' \
+    "$CLI_UTILS_VERSION" "$GOPHER_LUA_VERSION" >>go.mod
   cat >main.go <<'GO'
 // kstatus: reads a JSON array of Kubernetes objects on stdin and prints, per object, one
-// JSON line {"name", "status", "message"} from cli-utils' status.Compute.
+// JSON line {"name", "status", "message"} from cli-utils' status.Compute. With
+// -argo-health FILE it adds "argo": {"status", "message"}, what that Lua health check
+// returns when run the way Argo CD runs a resource customization: gopher-lua with only
+// the package, base and table libraries open, the object as the global `obj` (numbers
+// as Lua numbers), a 1 s limit, and a status outside Argo CD's set read as Unknown.
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"os"
+	"time"
 
+	lua "github.com/yuin/gopher-lua"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
 )
 
+var argoStatuses = map[string]bool{"Unknown": true, "Progressing": true, "Suspended": true,
+	"Healthy": true, "Degraded": true, "Missing": true}
+
+func toLua(l *lua.LState, v interface{}) lua.LValue {
+	switch x := v.(type) {
+	case bool:
+		return lua.LBool(x)
+	case float64:
+		return lua.LNumber(x)
+	case int64:
+		return lua.LNumber(x)
+	case string:
+		return lua.LString(x)
+	case []interface{}:
+		t := l.CreateTable(len(x), 0)
+		for _, item := range x {
+			t.Append(toLua(l, item))
+		}
+		return t
+	case map[string]interface{}:
+		t := l.CreateTable(0, len(x))
+		for k, item := range x {
+			t.RawSetH(lua.LString(k), toLua(l, item))
+		}
+		return t
+	}
+	return lua.LNil
+}
+
+func argoHealth(obj map[string]interface{}, script string) (map[string]string, error) {
+	l := lua.NewState(lua.Options{SkipOpenLibs: true})
+	defer l.Close()
+	for name, open := range map[string]lua.LGFunction{lua.LoadLibName: lua.OpenPackage,
+		lua.BaseLibName: lua.OpenBase, lua.TabLibName: lua.OpenTable} {
+		if err := l.CallByParam(lua.P{Fn: l.NewFunction(open), Protect: true}, lua.LString(name)); err != nil {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	l.SetContext(ctx)
+	l.SetGlobal("obj", toLua(l, obj))
+	if err := l.DoString(script); err != nil {
+		return nil, err
+	}
+	ret, ok := l.Get(-1).(*lua.LTable)
+	if !ok {
+		return nil, fmt.Errorf("expect table output from Lua script, not %s", l.Get(-1).Type())
+	}
+	out := map[string]string{"status": lua.LVAsString(ret.RawGetString("status")),
+		"message": lua.LVAsString(ret.RawGetString("message"))}
+	if !argoStatuses[out["status"]] {
+		out = map[string]string{"status": "Unknown", "message": "Lua returned an invalid health status"}
+	}
+	return out, nil
+}
+
 func main() {
+	healthFile := flag.String("argo-health", "", "an Argo CD health.lua to run on each object too")
+	flag.Parse()
+	script := ""
+	if *healthFile != "" {
+		b, err := os.ReadFile(*healthFile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		script = string(b)
+	}
 	data, err := io.ReadAll(os.Stdin)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -247,8 +324,17 @@ func main() {
 			fmt.Fprintf(os.Stderr, "%s: %v\n", u.GetName(), err)
 			os.Exit(1)
 		}
-		line, _ := json.Marshal(map[string]string{"name": u.GetName(), "status": res.Status.String(), "message": res.Message})
-		fmt.Println(string(line))
+		line := map[string]interface{}{"name": u.GetName(), "status": res.Status.String(), "message": res.Message}
+		if script != "" {
+			argo, err := argoHealth(u.Object, script)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "%s: argo health: %v\n", u.GetName(), err)
+				os.Exit(1)
+			}
+			line["argo"] = argo
+		}
+		b, _ := json.Marshal(line)
+		fmt.Println(string(b))
 	}
 }
 GO
