@@ -233,6 +233,10 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     assert ckpt_at_kill <= resumed_at <= ckpt_at_kill + 1, (ckpt_at_kill, resumed_at)
     s = wait_status(j, lambda s: step(s) > resumed_at, 300, "attempt 2 training")
     recovered = time.monotonic() - killed  # the windows held open included
+    s = wait_status(j, lambda s: (s.get("progress") or {}).get("resumedFrom"), 60, "status.progress.resumedFrom")
+    start = s["progress"]["resumedFrom"]
+    assert s["progress"]["attempt"] == 2 and ckpt_at_kill <= start["step"] <= resumed_at, s["progress"]
+    assert start["checkpoint"].endswith(f"step-{start['step']:08d}"), s["progress"]
     assert s["restarts"] == 1 and s["lastFailure"]["exitCode"] not in (None, 0)
     # The kubelet kept the failed container's log tail (FallbackToLogsOnError), whose last
     # line is the launcher's: which rank exited, and how.
