@@ -22,6 +22,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/versions.env"
 RFT_CACHE=${RFT_CACHE:-$HOME/.cache/rftjob}
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+# Go's build and module caches serve only these builds (the binaries are cached by version,
+# above), and a cold build leaves about 12 GB in them that a CI machine's disk needs for the
+# images and the tests: they live in a temp dir of this invocation, removed when it ends.
+# RFT_KEEP_GO_CACHE=1 keeps Go's own (for work on these builds).
+if [ -z "${RFT_KEEP_GO_CACHE:-}" ]; then
+  gotmp=$(mktemp -d "${TMPDIR:-/tmp}/rft-go.XXXXXX")
+  export GOCACHE=$gotmp/build GOMODCACHE=$gotmp/mod
+  trap 'chmod -R u+w "$gotmp" 2>/dev/null; rm -rf "$gotmp"' EXIT
+fi
 
 log() { echo "[build-binaries] $*" >&2; }
 

@@ -47,13 +47,28 @@ def s3_env(s3_server, monkeypatch):
 
 @pytest.fixture
 def bucket(s3_env, request):
-    import uuid
-
+    """A fresh bucket, emptied and removed after the test (each bucket is a SeaweedFS
+    collection, so its volumes go and their disk with them)."""
     import boto3
 
     name = f"t-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3").create_bucket(Bucket=name)
-    return name
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=name)
+    yield name
+    remove_bucket(client, name)
+
+
+def remove_bucket(client, name: str) -> None:
+    """Deletes every object of `name`, then the bucket; best effort (a test that stopped
+    the server, or removed the bucket itself, leaves nothing to do)."""
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+        client.delete_bucket(Bucket=name)
+    except Exception:  # noqa: BLE001 - cleanup; the test's own outcome stands
+        pass
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60, message: str = "condition",
              interval: float = 0.5) -> Any:

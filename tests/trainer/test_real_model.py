@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,10 @@ def run(tmp_path, nproc: int, *args: str) -> dict:
            "RFT_CKPT_STAGING": str(tmp_path / "staging")}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    try:
+        return torch.load(out, weights_only=False)
+    finally:
+        out.unlink()  # ~1 GB each (actor and critic in float32): a CI machine's disk is shared
 
 
 def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -63,8 +67,10 @@ def test_smollm2_trains_resumes_exports_and_serves(model_uri, bucket, tmp_path, 
     # export go through S3.
     ckpt, export = str(tmp_path / "run"), f"s3://{bucket}/run/weights/step-00000004"
     one = run(tmp_path, 1, model_uri, str(tmp_path / "run-one"), "ppo", str(STEPS))
+    shutil.rmtree(tmp_path / "run-one", ignore_errors=True)
     two = run(tmp_path, 2, model_uri, ckpt, "ppo", str(STEPS), "--save-at", "3", "--export", export)
     resumed = run(tmp_path, 1, model_uri, ckpt, "ppo", str(STEPS), "--resume")
+    shutil.rmtree(ckpt)  # a PPO checkpoint of a 135M model with its optimizer state: 3 GB
 
     # The tie survives FSDP2 on both world sizes, and training moved the weights.
     assert one["tied"] and two["tied"] and resumed["tied"]
