@@ -81,8 +81,15 @@ integration: setup
 e2e: setup images
 	$(PYTHON) -m pytest tests/e2e -v -s
 
+# The CRD and the admission policies are generated; the Helm chart carries copies (a chart
+# cannot read files outside itself), kept equal by tests/unit/test_chart.py.
+CHART := charts/rftjob-operator
 crd:
 	$(PYTHON) -m rft_operator.crdgen > crds/rftjob.yaml
+	$(PYTHON) -m rft_operator.policygen > manifests/base/admission-policies.yaml
+	cp crds/rftjob.yaml $(CHART)/crds/rftjob.yaml
+	{ echo '{{- if .Values.admissionPolicies.enabled }}'; cat manifests/base/admission-policies.yaml; \
+	  echo '{{- end }}'; } > $(CHART)/templates/admission-policies.yaml
 
 bench: setup
 	$(PYTHON) bench/reconcile.py

@@ -9,6 +9,7 @@
 #   $RFT_CACHE/bin/registry-$REGISTRY_VERSION/registry             (CNCF distribution)
 #   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
 #   $RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION-lua$GOPHER_LUA_VERSION/kstatus (kstatus, Argo CD's Lua; tests)
+#   $RFT_CACHE/bin/helm-$HELM_VERSION/{helm,untt-$HELM_UNITTEST_VERSION}  (Helm v4, helm-unittest; tests)
 #   $RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION/{training-operator,crds/}
 #                                   (Kubeflow's, the peer of bench/reconcile.py --peer; not
 #                                    built by default)
@@ -174,6 +175,33 @@ build_seaweedfs() {
   go mod tidy >/dev/null
   mkdir -p "$out.tmp"
   go build -trimpath -ldflags "-s -w" -o "$out.tmp/weed" github.com/seaweedfs/seaweedfs/weed
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+# Helm v4 (its go.mod has no replace directives: `go install` builds it) and the
+# helm-unittest plugin's binary `untt`, whose go.mod replaces a module, which `go install`
+# refuses: built from a wrapper module that carries the replace over. `untt` runs as the
+# plugin would (`untt CHART`); tests/unit/test_chart.py and tests/e2e/test_helm.py use both.
+build_helm() {
+  local out=$RFT_CACHE/bin/helm-$HELM_VERSION
+  if have "$out/helm" "$out/untt-$HELM_UNITTEST_VERSION"; then log "helm $HELM_VERSION: cached in $out"; return; fi
+  log "helm $HELM_VERSION, helm-unittest $HELM_UNITTEST_VERSION: building (a few minutes on 2 cores)"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v4/cmd/helm@$HELM_VERSION"
+  local mod=github.com/helm-unittest/helm-unittest
+  local work=$RFT_CACHE/src/helm-unittest-$HELM_UNITTEST_VERSION
+  rm -rf "$work"; mkdir -p "$work"; cd "$work"
+  go mod init rftjob.local/helm-unittest-build >/dev/null 2>&1
+  go mod download -json "$mod@$HELM_UNITTEST_VERSION" >download.json
+  local gomod
+  gomod=$(python3 -c 'import json; print(json.load(open("download.json"))["GoMod"])')
+  { echo "require $mod $HELM_UNITTEST_VERSION"
+    grep -E '^replace ' "$gomod" || true; } >>go.mod
+  printf '//go:build tools\n\npackage tools\n\nimport _ "%s/cmd/helm-unittest"\n' "$mod" >tools.go
+  go mod tidy >/dev/null
+  go build -trimpath -ldflags "-s -w" -o "$out.tmp/untt-$HELM_UNITTEST_VERSION" "$mod/cmd/helm-unittest"
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
@@ -353,7 +381,7 @@ GO
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
-want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus}
+want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus helm}
 mkdir -p "$RFT_CACHE/bin"
 for w in $want; do
   # One build of a component at a time (`make -j`, or a demo and tests started together);
