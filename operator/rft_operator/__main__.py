@@ -4,7 +4,8 @@
                     [--metrics-port 9090]
 
 Without --namespace it watches the whole cluster. Credentials: in a pod, its
-ServiceAccount; elsewhere $KUBECONFIG. Prometheus metrics are served at
+ServiceAccount; elsewhere $KUBECONFIG. With --leader-elect, replicas elect one leader
+through a Lease (`leader.py`); only it runs the handlers, the others wait. Prometheus metrics are served at
 http://0.0.0.0:<metrics-port>/metrics (0 disables them). With --webhook-port, the owner
 webhook (`ownerhook.py`) is served over HTTPS there with the pair in --webhook-cert-dir.
 """
@@ -19,7 +20,7 @@ from urllib.parse import urlsplit
 import kopf
 
 from . import handlers  # noqa: F401  (registers the kopf handlers)
-from . import metrics, ownerhook
+from . import leader, metrics, ownerhook
 from .kube import load_config
 
 # Not 8080: the image's default --liveness endpoint already listens there.
@@ -55,11 +56,32 @@ def main(argv: list[str] | None = None) -> None:
                          f"manifests/webhook uses {ownerhook.DEFAULT_PORT})")
     ap.add_argument("--webhook-cert-dir", default=ownerhook.CERT_DIR,
                     help="the webhook's tls.crt and tls.key (default %(default)s)")
+    ap.add_argument("--leader-elect", action="store_true",
+                    help="run as one of several replicas: only the holder of the Lease acts")
+    ap.add_argument("--leader-elect-namespace", default=None,
+                    help="the Lease's namespace (default: $POD_NAMESPACE, else the ServiceAccount's)")
+    ap.add_argument("--leader-elect-lease-name", default=leader.LEASE_NAME)
+    timing = leader.Timing()
+    ap.add_argument("--leader-elect-lease-duration", type=float, default=timing.lease_duration,
+                    help="seconds a waiting replica waits for a renewal before it takes over (%(default)s)")
+    ap.add_argument("--leader-elect-renew-deadline", type=float, default=timing.renew_deadline,
+                    help="seconds without a renewal after which the leader exits; less than the "
+                         "lease duration (%(default)s)")
+    ap.add_argument("--leader-elect-retry-period", type=float, default=timing.retry_period,
+                    help="seconds between tries to take or renew the Lease (%(default)s)")
     ap.add_argument("--log-format", choices=["plain", "json"], default="plain")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.metrics_port and args.liveness and urlsplit(args.liveness).port == args.metrics_port:
         ap.error(f"--metrics-port {args.metrics_port} is the --liveness port; pick another")
+    elector = None
+    if args.leader_elect:
+        try:
+            timing = leader.Timing(args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                                   args.leader_elect_retry_period)
+            namespace = leader.own_namespace(args.leader_elect_namespace)
+        except leader.LeaderElectionError as e:
+            ap.error(str(e))
 
     kopf.configure(
         verbose=args.verbose,
@@ -72,18 +94,31 @@ def main(argv: list[str] | None = None) -> None:
     handlers.serve_namespaces(args.namespace)
     if args.metrics_port:
         metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))
-    if args.webhook_port:
+    if args.webhook_port or args.leader_elect:
+        load_config()
+    if args.webhook_port:  # on every replica: the API server calls whichever the Service picks
         import kubernetes
 
-        load_config()
         ownerhook.OwnerWebhook(args.webhook_port, args.webhook_cert_dir,
                                ownerhook.api_get_job(kubernetes.client.ApiClient()))
-    asyncio.run(kopf.operator(
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        standalone=True,
-        liveness_endpoint=args.liveness,
-    ))
+    if args.leader_elect:
+        elector = leader.Elector(leader.LeaseClient(namespace, args.leader_elect_lease_name,
+                                                    timing.request_timeout), leader.identity(), timing)
+        health = leader.FollowerHealth(args.liveness) if args.liveness else None
+        elector.acquire()  # blocks while another replica leads
+        if health is not None:
+            health.close()
+        elector.keep()  # exits the process if leadership is lost
+    try:
+        asyncio.run(kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=True,
+            liveness_endpoint=args.liveness,
+        ))
+    finally:
+        if elector is not None:
+            elector.release()
 
 
 if __name__ == "__main__":

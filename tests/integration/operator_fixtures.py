@@ -49,7 +49,9 @@ class OperatorProcess:
             o.stop()
         return others
 
-    def start(self) -> None:
+    def start(self, ready: str = "rftjob-operator started") -> None:
+        """Starts it and waits for the log line `ready` (a regular expression; a replica
+        that waits for the leader Lease logs no start)."""
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "RFT_RESYNC_SECONDS": "10",
                "PYTHONUNBUFFERED": "1"}
         since = self.log_offset()  # the log is appended to: only this start's marker counts
@@ -59,7 +61,7 @@ class OperatorProcess:
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )
         log.close()
-        wait_for(lambda: self.logged("rftjob-operator started", since) or self._died(), 60, "operator start")
+        wait_for(lambda: self.logged(ready, since) or self._died(), 60, "operator start")
         assert self.proc.poll() is None, f"operator exited:\n{self.tail()}"
 
     def log_offset(self) -> int:

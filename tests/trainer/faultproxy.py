@@ -100,13 +100,17 @@ class TcpProxy:
     """Forwards TCP connections on a loopback port to `host:port`, bytes untouched (TLS
     clients still verify the upstream's certificate, which must name 127.0.0.1).
     `down()` cuts every open connection and closes new ones at once until `up()`: to a
-    client, the server is unreachable."""
+    client, the server is unreachable. `hang()` is the quieter partition: connections stay
+    open, and nothing more crosses in either direction (new ones are accepted and held),
+    so a client's requests wait until their own timeouts."""
 
     def __init__(self, host: str, port: int):
         self.upstream = (host, port)
         self.connections = 0  # forwarded
         self.refused = 0  # closed at once while down
         self._down = False
+        self._hang = False
+        self._held: list[socket.socket] = []  # accepted while hanging, never forwarded
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -126,9 +130,17 @@ class TcpProxy:
             for s in self._open:
                 _shutdown(s)
 
+    def hang(self) -> None:
+        with self._lock:
+            self._hang = True
+
     def up(self) -> None:
         with self._lock:
-            self._down = False
+            self._down = self._hang = False
+            held, self._held = self._held, []
+        for s in held:
+            _shutdown(s)
+            s.close()
 
     def stop(self) -> None:
         _shutdown(self._listener)
@@ -146,6 +158,9 @@ class TcpProxy:
                     self.refused += 1
                     client.close()
                     continue
+                if self._hang:
+                    self._held.append(client)
+                    continue
             try:
                 upstream = socket.create_connection(self.upstream, timeout=10)
                 upstream.settimeout(None)
@@ -161,7 +176,8 @@ class TcpProxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self._hang:  # hanging: read and drop, so neither side learns anything
+                    dst.sendall(data)
         except OSError:
             pass
         finally:  # either side gone: end both, so the client sees the cut
