@@ -109,10 +109,12 @@ def install_api(cluster: Cluster) -> None:
 
 
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
-            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, webhook: bool = True) -> None:
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, webhook: bool = True,
+            replicas: int | None = None) -> None:
     """manifests/ as a user installs it (CRD, RBAC, admission policies, the Deployment),
     with the operator image from the local registry and the pod placed on the real node;
-    `extra_args` and `env` go to the operator container (the tests log at debug level).
+    `extra_args` and `env` go to the operator container (the tests log at debug level);
+    `replicas` overrides the Deployment's two (the tests that kill "the" operator run one).
     With `webhook`, the owner webhook too, as README says to install it: the
     manifests/webhook component, and the Secret and configuration from
     `python -m rft_operator.ownerhook install`."""
@@ -125,6 +127,8 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
     template = {"apiVersion": "apps/v1", "kind": "Deployment",
                 "metadata": {"name": "rftjob-operator", "namespace": "rftjob-system"},
                 "spec": {"template": {"spec": pod_spec}}}
+    if replicas is not None:
+        template["spec"]["replicas"] = replicas
     patches = [{"patch": yaml.safe_dump(template)}]
     if extra_args:  # appended, so that the component's arguments stay
         patches.append({"target": {"kind": "Deployment", "name": "rftjob-operator"}, "patch": json.dumps(

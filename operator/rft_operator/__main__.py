@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from urllib.parse import urlsplit
 
 import kopf
@@ -40,6 +41,11 @@ class RetryIsAWarning(logging.Filter):
                 and any(r in record.getMessage() for r in self.RETRIED):
             record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         return True
+
+
+def _stop_waiting(signum: int, frame: object) -> None:
+    logging.getLogger(__name__).info("stopping: SIGTERM while waiting for the leader lease")
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,10 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.leader_elect:
         elector = leader.Elector(leader.LeaseClient(namespace, args.leader_elect_lease_name,
                                                     timing.request_timeout), leader.identity(), timing)
-        health = leader.FollowerHealth(args.liveness) if args.liveness else None
-        elector.acquire()  # blocks while another replica leads
+        # As PID 1 in its container the process ignores SIGTERM until kopf handles it: a
+        # waiting replica would hold every rollout and drain for the grace period.
+        signal.signal(signal.SIGTERM, _stop_waiting)
+        health = leader.FollowerHealth(args.liveness, elector.waiting_healthy) if args.liveness else None
+        leading = elector.acquire()  # blocks while another replica leads
         if health is not None:
             health.close()
+        if not leading:
+            return
         elector.keep()  # exits the process if leadership is lost
     try:
         asyncio.run(kopf.operator(

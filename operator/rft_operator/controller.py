@@ -197,6 +197,7 @@ WRITES_PER_WORKER = 4
 MAX_WRITES_IN_FLIGHT = 96
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
 PREVIOUS_OWNER_RETRY_SECONDS = 2.0
+STOP_WAIT_SECONDS = 10.0  # for writes in flight when the operator stops
 WRITE_FAILED = {"creating": "CreateFailed", "patching": "PatchFailed"}  # event reasons
 
 
@@ -242,7 +243,13 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # Writes already on their way finish before this returns (bounded): a replica that
+        # hands the leader Lease over afterwards must have stopped writing first.
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True),
+                                   STOP_WAIT_SECONDS)
+        except asyncio.TimeoutError:
+            log.warning("stopping with API writes still in flight after %ss", STOP_WAIT_SECONDS)
 
     async def _worker(self, n: int) -> None:
         kept = n < kept_workers(self.num_workers)  # for jobs in flight (`WorkQueue`)

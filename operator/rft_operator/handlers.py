@@ -129,7 +129,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.peering.standalone = True  # one replica; the Deployment uses Recreate
+    settings.peering.standalone = True  # no kopf peering: one leader by Lease (leader.py)
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.enabled = False  # we post our own, fewer, events
     # No runtime discovery of CRDs and namespaces: the operator's RBAC grants neither (kopf

@@ -27,6 +27,7 @@ import dataclasses
 import http.server
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 LEASE_NAME = "rftjob-operator"
+MARGIN = 1.0  # lease duration - renew deadline, at least: the watchdog's period and the exit fit in it
 PATH = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -59,15 +61,22 @@ class Timing:
     watchdog_period: float = 0.25
 
     def __post_init__(self) -> None:
-        if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
+        if not (0 < self.retry_period < self.renew_deadline
+                and self.renew_deadline + MARGIN <= self.lease_duration):
             raise LeaderElectionError(
                 f"leader election needs 0 < retry period ({self.retry_period:g}s) < renew deadline "
-                f"({self.renew_deadline:g}s) < lease duration ({self.lease_duration:g}s): a leader cut off "
-                f"from the API server must stop before another replica may take over")
+                f"({self.renew_deadline:g}s) <= lease duration ({self.lease_duration:g}s) - {MARGIN:g}s: a "
+                f"leader cut off from the API server must stop before another replica may take over")
+
+    @property
+    def lease_seconds(self) -> int:
+        """The Lease's leaseDurationSeconds (whole seconds: rounded up, never shorter)."""
+        return math.ceil(self.lease_duration)
 
     @property
     def request_timeout(self) -> float:
-        """Per request: a renewal that hangs gives up in time for a retry before the deadline."""
+        """Per request (one try, no retries): a renewal that hangs gives up in time for a
+        retry before the deadline."""
         return max(0.5, min(self.retry_period * 2, self.renew_deadline / 3))
 
 
@@ -105,7 +114,13 @@ class LeaseClient:
     def __init__(self, namespace: str, name: str = LEASE_NAME, timeout: float = 4.0,
                  api_client: kubernetes.client.ApiClient | None = None):
         self.namespace, self.name, self.timeout = namespace, name, timeout
-        self.client = api_client or kubernetes.client.ApiClient()
+        if api_client is None:
+            # One try per request: urllib3 retries a timed-out GET or PUT three times by
+            # default, which would stretch one request to four timeouts.
+            config = kubernetes.client.Configuration.get_default_copy()
+            config.retries = False
+            api_client = kubernetes.client.ApiClient(config)
+        self.client = api_client
 
     def _send(self, method: str, path: str, body: Obj | None = None) -> Obj:
         headers = {**self.client.default_headers, "Accept": "application/json"}
@@ -164,8 +179,11 @@ class Elector:
         self._seen_at = 0.0  # when it last changed, by our clock
         self._told: str | None = None  # the holder we last logged
         self.renewed_at: float | None = None  # start of our last successful write
+        self.answered_at = clock()  # when the API server last answered us (or we started)
         self.leading = threading.Event()
         self._stop = threading.Event()
+        self._lost = threading.Lock()
+        self._renewer: threading.Thread | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -173,6 +191,9 @@ class Elector:
         """One round: True when we hold the Lease after it (taken or renewed)."""
         started, now = self.clock(), self.now()
         lease = self.client.get()
+        # A waiter dates what it read by when the answer came, not when it asked: the
+        # record may be a renewal that landed while the request was on its way.
+        read_at = self.answered_at = self.clock()
         if lease is None:
             if self.client.create({**self._spec(now, None), "leaseTransitions": 0}) is None:
                 return False
@@ -181,12 +202,12 @@ class Elector:
         holder = spec.get("holderIdentity") or ""
         seen = (holder, spec.get("renewTime"), lease["metadata"].get("resourceVersion"))
         if seen != self._seen:
-            self._seen, self._seen_at = seen, started
+            self._seen, self._seen_at = seen, read_at
         if holder and holder != self.identity:
             if self.leading.is_set():
                 return False  # someone took it from us: lost, whatever the clock says
-            duration = spec.get("leaseDurationSeconds") or self.timing.lease_duration
-            if started < self._seen_at + duration:
+            duration = spec.get("leaseDurationSeconds") or self.timing.lease_seconds
+            if read_at < self._seen_at + duration:
                 if holder != self._told:
                     log.info("leader election: %s leads; this replica (%s) waits", holder, self.identity)
                     self._told = holder
@@ -201,50 +222,60 @@ class Elector:
 
     def _spec(self, now: datetime, held: Obj | None) -> Obj:
         """Our record: `held` is the spec we already hold (renewal), None for a take-over."""
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.timing.lease_duration),
+        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": self.timing.lease_seconds,
                 "acquireTime": (held or {}).get("acquireTime") or micro_time(now), "renewTime": micro_time(now)}
         if held is not None:
             spec["leaseTransitions"] = held.get("leaseTransitions") or 0
         return spec
 
     def _won(self, started: float, now: datetime) -> bool:
+        # The leader counts its deadline from before it asked: the earliest its write
+        # could have been seen.
         self.renewed_at = started
         self._seen, self._seen_at = (self.identity, micro_time(now), None), started
         return True
 
     # ------------------------------------------------------------------ the loops
 
-    def acquire(self) -> None:
-        """Blocks until this candidate holds the Lease."""
+    def acquire(self) -> bool:
+        """Blocks until this candidate holds the Lease (True), or `release()` stopped it."""
         log.info("leader election: candidate %s for lease %s/%s", self.identity, self.client.namespace,
                  self.client.name)
+        failures = 0
         while not self._stop.is_set():
             try:
                 if self.try_acquire_or_renew():
                     self.leading.set()
                     log.info("leader election: %s leads", self.identity)
-                    return
+                    return True
+                failures = 0
             except Exception as e:  # noqa: BLE001 - the API server away: try again
-                log.warning("leader election: %s", _short(e))
+                if failures % 30 == 0:  # once, then about once a minute
+                    log.warning("leader election: cannot read or write the lease %s/%s: %s",
+                                self.client.namespace, self.client.name, _short(e))
+                failures += 1
             self.sleep(self.timing.retry_period)
+        return False
+
+    def waiting_healthy(self) -> bool:
+        """A waiting replica is healthy while the API server answers it: one that has not
+        heard back for two lease durations (403, 5xx, no route) fails its probe and is
+        restarted, rather than standing Ready with no chance to lead."""
+        return self.clock() - self.answered_at <= 2 * self.timing.lease_duration
 
     def keep(self, on_lost: Callable[[str], None] | None = None) -> None:
         """Renews in a thread; a watchdog thread calls `on_lost(why)` once leadership ends
         (another holder, or no renewal within the renew deadline)."""
         lost = on_lost or exit_now
-        fired = threading.Event()
 
         def fire(why: str) -> None:
-            if not fired.is_set() and not self._stop.is_set():
-                fired.set()
-                self.leading.clear()
-                lost(why)
+            if self._stop.is_set() or not self._lost.acquire(blocking=False):
+                return  # stopping on purpose, or already fired
+            self.leading.clear()
+            lost(why)
 
         def renew() -> None:
-            while not self._stop.is_set() and not fired.is_set():
-                self.sleep(self.timing.retry_period)
-                if self._stop.is_set():
-                    return
+            while not self._stop.wait(self.timing.retry_period) and self.leading.is_set():
                 try:
                     if not self.try_acquire_or_renew():
                         holder = (self._seen or ("",))[0]
@@ -255,22 +286,25 @@ class Elector:
                     log.warning("leader election: renewing the lease failed: %s", _short(e))
 
         def watchdog() -> None:
-            while not self._stop.is_set() and not fired.is_set():
+            while not self._stop.is_set() and self.leading.is_set():
                 assert self.renewed_at is not None
                 late = self.clock() - self.renewed_at
                 if late > self.timing.renew_deadline:
                     fire(f"no renewal of the lease for {late:.1f}s (renew deadline "
                          f"{self.timing.renew_deadline:g}s)")
                     return
-                self.sleep(self.timing.watchdog_period)
+                self._stop.wait(self.timing.watchdog_period)
 
-        for target in (renew, watchdog):
-            threading.Thread(target=target, name=f"leader-{target.__name__}", daemon=True).start()
+        self._renewer = threading.Thread(target=renew, name="leader-renew", daemon=True)
+        self._renewer.start()
+        threading.Thread(target=watchdog, name="leader-watchdog", daemon=True).start()
 
     def release(self) -> None:
         """A clean shutdown: stop renewing and hand the Lease back (holder emptied), so a
         waiting replica need not wait out the lease duration. Best effort."""
         self._stop.set()
+        if self._renewer is not None:  # a renewal in flight would race the release
+            self._renewer.join(self.timing.request_timeout * 2 + 1)
         if not self.leading.is_set():
             return
         self.leading.clear()
@@ -281,15 +315,26 @@ class Elector:
                         "renewTime": micro_time(self.now())}
                 if self.client.replace({**lease, "spec": spec}) is not None:
                     log.info("leader election: %s released the lease", self.identity)
+                    return
+            log.warning("leader election: could not release the lease (it changed); the next "
+                        "leader waits out its duration")
         except Exception as e:  # noqa: BLE001 - the next leader waits out the lease instead
             log.warning("leader election: releasing the lease failed: %s", _short(e))
 
 
 def exit_now(why: str) -> None:
     """Leadership lost: stop at once, mid-write or not (another replica may be about to
-    take over, and two leaders must never write); the kubelet restarts the container."""
-    log.error("leader election: leadership lost (%s); exiting so that only one replica acts", why)
-    logging.shutdown()
+    take over, and two leaders must never write); the kubelet restarts the container. The
+    log line gets a fifth of a second: a stuck log handler must not hold the exit back."""
+    line = threading.Thread(target=log.error, daemon=True, args=(
+        "leader election: leadership lost (%s); exiting so that only one replica acts", why))
+    line.start()
+    line.join(0.2)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
     os._exit(1)
 
 
@@ -301,18 +346,21 @@ def _short(e: Exception) -> str:
 
 class FollowerHealth:
     """While this replica waits for the Lease, its liveness endpoint (the one kopf serves
-    once it leads) answers 200, so the kubelet neither restarts nor unreadies a healthy
-    standby. Closed before kopf binds the same address."""
+    once it leads) answers 200 while `healthy()`, so the kubelet neither restarts nor
+    unreadies a healthy standby, and 503 otherwise. Closed before kopf binds the same
+    address."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, healthy: Callable[[], bool] = lambda: True):
         parts = urlsplit(url)
         path = parts.path or "/"
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - the stdlib's name
                 ok = self.path.split("?")[0] == path
-                body = b'{"leader": false}' if ok else b"not found"
-                self.send_response(200 if ok else 404)
+                well = ok and healthy()
+                body = (b'{"leader": false}' if well else b'{"leader": false, "apiServer": "unreachable"}') \
+                    if ok else b"not found"
+                self.send_response(200 if well else 503 if ok else 404)
                 self.send_header("Content-Type", "application/json" if ok else "text/plain")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

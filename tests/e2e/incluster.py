@@ -44,8 +44,8 @@ class InClusterOperator:
     nothing is flushed or handed over, as when its node dies); start() brings it back and
     waits until it logs its start. Log positions are times (`kubectl logs --since-time`)."""
 
-    def __init__(self, cluster, image: str):
-        self.cluster, self.image = cluster, image
+    def __init__(self, cluster, image: str, replicas: int = 1):
+        self.cluster, self.image, self.replicas = cluster, image, replicas
 
     def _kubectl(self, *args: str, check: bool = True) -> str:
         return demo.kubectl(self.cluster, *args, check=check)
@@ -53,7 +53,14 @@ class InClusterOperator:
     def install(self) -> None:
         # Debug logging (the tests wait on reconcile lines) and a short resync, as the
         # integration tests run it.
-        demo.install(self.cluster, self.image, extra_args=("--verbose",), env={"RFT_RESYNC_SECONDS": "10"})
+        # One replica unless asked: most tests kill, hold and read the log of "the"
+        # operator (the replicas' takeover has a test of its own, tests/e2e/test_ha.py).
+        # A single replica killed and started again waits out its old Lease: a short one
+        # (6 s; the Deployment's is 15) keeps those tests quick.
+        short = ("--leader-elect-lease-duration=6", "--leader-elect-renew-deadline=4",
+                 "--leader-elect-retry-period=1") if self.replicas == 1 else ()
+        demo.install(self.cluster, self.image, extra_args=("--verbose", *short),
+                     env={"RFT_RESYNC_SECONDS": "10"}, replicas=self.replicas)
         self.start(since="")
 
     def pods(self) -> list[dict]:
@@ -83,7 +90,7 @@ class InClusterOperator:
 
     def start(self, since: str | None = None) -> None:
         since = self.log_offset() if since is None else since
-        self._kubectl("scale", "deployment", DEPLOYMENT, "-n", NAMESPACE, "--replicas=1")
+        self._kubectl("scale", "deployment", DEPLOYMENT, "-n", NAMESPACE, f"--replicas={self.replicas}")
         self._kubectl("rollout", "status", f"deployment/{DEPLOYMENT}", "-n", NAMESPACE, "--timeout=120s")
         self.wait_logged("rftjob-operator started", since)
 
@@ -96,11 +103,11 @@ class InClusterOperator:
         return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
     def logs(self, since: str = "", tail: int | None = None) -> str:
-        args = ["logs", f"deployment/{DEPLOYMENT}", "-n", NAMESPACE]
+        """Every replica's log (one after the other)."""
+        args = ["logs", "-l", f"app.kubernetes.io/name={DEPLOYMENT}", "-n", NAMESPACE, "--max-log-requests=10",
+                f"--tail={tail or -1}"]  # with a selector kubectl shows 10 lines unless told
         if since:
             args.append(f"--since-time={since}")
-        if tail:
-            args.append(f"--tail={tail}")
         res = subprocess.run(["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", *args],
                              capture_output=True, text=True, timeout=60)
         return res.stdout

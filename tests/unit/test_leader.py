@@ -14,6 +14,7 @@ import pytest
 
 from rft_operator import leader
 from rft_operator.leader import Elector, LeaderElectionError, Timing
+from tests.conftest import wait_for
 
 T0 = datetime(2026, 12, 4, 12, 0, tzinfo=timezone.utc)
 
@@ -172,7 +173,7 @@ def test_release_leaves_a_lease_someone_else_holds():
     assert holder(store) == "b"
 
 
-@pytest.mark.parametrize("timing", [(10, 10, 2), (15, 20, 2), (15, 10, 10), (15, 10, 0)])
+@pytest.mark.parametrize("timing", [(10, 10, 2), (15, 20, 2), (15, 10, 10), (15, 10, 0), (15, 14.5, 2)])
 def test_timings_that_could_let_two_lead_are_refused(timing):
     with pytest.raises(LeaderElectionError, match="renew deadline"):
         Timing(*timing)
@@ -209,7 +210,7 @@ def test_a_partitioned_leader_gives_up_before_a_waiter_may_take_over():
 def test_keep_calls_on_lost_within_the_renew_deadline_when_the_api_server_is_gone():
     """The real threads, on short timings: renewals start failing, and the watchdog ends
     leadership once the renew deadline has passed (not before)."""
-    timing = Timing(lease_duration=1.5, renew_deadline=0.6, retry_period=0.1, watchdog_period=0.02)
+    timing = Timing(lease_duration=2.0, renew_deadline=0.8, retry_period=0.1, watchdog_period=0.02)
     store = Store()
     a = Elector(store.client(), "a", timing)
     a.acquire()
@@ -228,18 +229,21 @@ def test_keep_calls_on_lost_within_the_renew_deadline_when_the_api_server_is_gon
 
 
 def test_keep_calls_on_lost_at_once_when_another_holder_took_the_lease():
-    timing = Timing(lease_duration=1.5, renew_deadline=1.0, retry_period=0.05, watchdog_period=0.02)
+    timing = Timing(lease_duration=2.0, renew_deadline=1.0, retry_period=0.05, watchdog_period=0.02)
     store = Store()
     a = Elector(store.client(), "a", timing)
     a.acquire()
     lost = threading.Event()
     why: list[str] = []
     a.keep(on_lost=lambda w: (why.append(w), lost.set()))
-    lease = store.client().get()
-    lease["spec"]["holderIdentity"] = "intruder"
-    store.client().replace(lease)
+    def intrude() -> bool:  # retried: a renewal may land between our read and write
+        lease = store.client().get()
+        lease["spec"]["holderIdentity"] = "intruder"
+        return store.client().replace(lease) is not None
+
+    wait_for(intrude, 5, "the intruder's write", interval=0.01)
     assert lost.wait(0.9), "a lease taken by another went unnoticed until the deadline"
-    assert "taken by intruder" in why[0]
+    assert why == [why[0]] and "taken by intruder" in why[0]  # once
     a.release()
     assert holder(store) == "intruder"  # release never hands back what we no longer hold
 
@@ -277,3 +281,51 @@ def test_a_waiting_replica_answers_its_liveness_probe():
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_a_waiter_dates_a_record_by_when_its_read_came_back():
+    """A slow read (here 6 s) may return a renewal that landed while it was on its way:
+    the waiter counts the lease duration from the answer, so it cannot take over before
+    the leader, cut off right after that renewal, has given up."""
+    timing = Timing()
+    store, clock = Store(), Clock()
+    a, b = candidate(store, "a", clock, timing), candidate(store, "b", clock, timing)
+    a.try_acquire_or_renew()
+    b.try_acquire_or_renew()
+    clock.t += 5
+    real_get = b.client.get
+
+    def slow_get():
+        clock.t += 3
+        assert a.try_acquire_or_renew()  # a's last renewal, in the middle of b's read
+        clock.t += 3
+        return real_get()
+
+    b.client.get = slow_get
+    b.try_acquire_or_renew()
+    b.client.get = real_get
+    gives_up = a.renewed_at + timing.renew_deadline + timing.watchdog_period
+    while not b.try_acquire_or_renew():
+        clock.t += 0.1
+    assert clock() >= a.renewed_at + timing.lease_duration and clock() > gives_up, (clock(), gives_up)
+
+
+def test_the_lease_says_whole_seconds_rounded_up():
+    store, clock = Store(), Clock()
+    candidate(store, "a", clock, Timing(lease_duration=10.2, renew_deadline=8)).try_acquire_or_renew()
+    assert store.lease["spec"]["leaseDurationSeconds"] == 11
+
+
+def test_a_waiter_that_cannot_reach_the_api_server_turns_unhealthy():
+    store, clock = Store(), Clock()
+    a, b = candidate(store, "a", clock), candidate(store, "b", clock)
+    a.try_acquire_or_renew()
+    b.try_acquire_or_renew()
+    store.down = True
+    clock.t += 29
+    assert b.waiting_healthy()
+    clock.t += 2
+    assert not b.waiting_healthy()
+    store.down = False
+    b.try_acquire_or_renew()
+    assert b.waiting_healthy()

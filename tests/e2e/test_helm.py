@@ -1,0 +1,138 @@
+"""The Helm chart on the local cluster's real node, as a platform team uses it: `helm
+install` (the real Helm v4; two replicas electing a leader, a PodDisruptionBudget), a sample
+RFTJob trained with the operator it installed, `helm upgrade` with changed values while
+that job runs (the job goes on: no restart, no pod replaced), and `helm uninstall`, which keeps the CRD and every RFTJob (Helm never deletes
+what it installed from crds/)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+
+import kubernetes
+import pytest
+import yaml
+
+from e2e import demo
+from e2e.node import GATEWAY, LOCAL_NODE_LABEL, LOCAL_TAINT
+from rft_contract import names as c
+from tests.conftest import wait_for
+from tests.integration.operator_fixtures import OperatorProcess
+from tests.trainer.faultproxy import FaultProxy
+from tests.unit.test_chart import CHART, run_helm
+
+pytestmark = pytest.mark.e2e
+RELEASE, NAMESPACE = "rftjob-operator", "rftjob-system"
+SAMPLE = yaml.safe_load((CHART.parents[1] / "manifests/samples/rftjob.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server, node):
+    """The S3 server where pods reach it (the bridge gateway), with the tiny model."""
+    proxy = FaultProxy(s3_server, host=GATEWAY).start()
+    demo.prepare_data(proxy.url, bucket="rft-helm", num_tasks=64)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def helm(cluster, node, images, tmp_path_factory):
+    """Runs helm against this cluster; the release is uninstalled at the end whatever
+    happened (the other modules install the operator with kustomize)."""
+    paused = [o for o in OperatorProcess.started if o.running()]  # one operator at a time
+    for other in paused:
+        other.stop()
+    demo.uninstall_webhook(cluster)  # the chart has no webhook; one left would refuse creates
+    name, digest = images["operator"].split("@")
+    values = tmp_path_factory.mktemp("helm") / "values.yaml"
+    # The operator's pod on the real node (KWOK's nodes run nothing), its image by digest.
+    values.write_text(yaml.safe_dump({
+        "image": {"repository": name, "digest": digest},
+        "nodeSelector": {LOCAL_NODE_LABEL: "true"},
+        "tolerations": [{"key": LOCAL_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}]}))
+
+    def run(*args: str, check: bool = True):
+        return run_helm(*args, "--kubeconfig", str(cluster.kubeconfig), check=check)
+
+    try:
+        yield run, values
+    finally:
+        run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
+        for other in paused:
+            other.start()
+
+
+def operator_pods(api) -> list[kubernetes.client.V1Pod]:
+    """The operator's ready replicas."""
+    pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(
+        NAMESPACE, label_selector="app.kubernetes.io/name=rftjob-operator").items
+    return [p for p in pods if p.metadata.deletion_timestamp is None and p.status.phase == "Running"
+            and all(cs.ready for cs in p.status.container_statuses or [])]
+
+
+@pytest.mark.timeout(900)
+def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images):
+    run, values = helm
+    api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+    custom = kubernetes.client.CustomObjectsApi(api)
+    # The integration tests applied the kustomize install's objects to this cluster before:
+    # --take-ownership adopts them (--force-conflicts: kubectl owns their fields by
+    # server-side apply), as for a team moving from kustomize to Helm. The Deployment goes
+    # first: fields only kubectl set (the webhook component's volume) would stay in it.
+    kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
+    run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace", "--take-ownership",
+        "--force-conflicts", "-f", str(values), "--wait", "--timeout", "240s")
+    first = wait_for(lambda: len(p := operator_pods(api)) == 2 and p, 120, "both operator replicas ready")
+    assert all("--log-format=json" in p.spec.containers[0].args for p in first)
+    kubectl("get", "poddisruptionbudget", "rftjob-operator", "-n", NAMESPACE)
+
+    ns = f"helm-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", ns)
+    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("apply", "-n", ns, "-f", str(CHART.parents[1] / "manifests/samples/s3-secret.example.yaml"))
+    job = copy.deepcopy(SAMPLE)
+    spec = job["spec"]
+    spec["model"]["path"] = "s3://rft-helm/models/tiny"
+    spec["explorer"]["tasksetUri"] = "s3://rft-helm/data/arith.jsonl"
+    spec["checkpoint"].update(uri=f"s3://rft-helm/runs/{ns}", endpoint=s3.url, interval=3)
+    spec["trainer"].update(image=images["trainer"], totalSteps=10)
+    name = job["metadata"]["name"]
+    custom.create_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL, job)
+
+    def status() -> dict:
+        return custom.get_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL, name).get("status") or {}
+
+    def trainer_pods() -> dict[str, str]:
+        pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(
+            ns, label_selector=f"{c.LABEL_JOB}={name},{c.LABEL_ROLE}={c.ROLE_TRAINER}").items
+        return {p.metadata.name: p.metadata.uid for p in pods}
+
+    wait_for(lambda: ((status().get("trainer") or {}).get("step") or 0) >= 2, 400, "the job training")
+    before = trainer_pods()
+
+    # An upgrade with changed values while the job trains: new replicas roll in (the leader
+    # hands the Lease over as it stops), the metrics Service is added; the job carries on
+    # as if nothing happened.
+    run("upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values), "--set", "logFormat=plain",
+        "--set", "metrics.service.enabled=true", "--wait", "--timeout", "300s")
+    old = {p.metadata.uid for p in first}
+    second = wait_for(lambda: len(p := operator_pods(api)) == 2 and not {x.metadata.uid for x in p} & old and p,
+                      120, "the upgraded replicas ready")
+    assert all("--log-format=plain" in p.spec.containers[0].args for p in second)
+    kubectl("get", "service", "rftjob-operator-metrics", "-n", NAMESPACE)
+    s = wait_for(lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 600, "the job to end")
+    assert s["phase"] == "Succeeded", s
+    assert (s.get("restarts") or 0, s.get("attempt")) == (0, 1), s
+    assert trainer_pods() == before  # not one trainer pod replaced across the upgrade
+
+    # Uninstall: the operator goes; the CRD and the job stay (Helm keeps crds/).
+    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait")
+    wait_for(lambda: not kubernetes.client.AppsV1Api(api).list_namespaced_deployment(NAMESPACE).items, 60,
+             "the Deployment gone")
+    assert not kubectl("get", "clusterrole", "rftjob-operator", "--ignore-not-found", "-o", "name").stdout.strip()
+    kubectl("get", "crd", "rftjobs.rft.dev")
+    assert status()["phase"] == "Succeeded"
+    listed = json.loads(run("list", "-A", "-o", "json").stdout)
+    assert not [r for r in listed if r["name"] == RELEASE], listed
+    kubectl("delete", "namespace", ns, "--wait=false", check=False)
