@@ -2,11 +2,15 @@
 deadline) on the real node, 20 jobs in flight on KWOK's nodes. The leader's process is
 SIGKILLed (the kubelet restarts its container, which comes back as a candidate): the other
 replica leads within the lease duration (takeover seconds printed), and no child is
-created twice, no restart counted twice, no status write lost. The partitioned leader, and
-the step-by-step rules: tests/integration/test_leader.py, tests/unit/test_leader.py."""
+created twice, no restart counted twice, no status write lost. Then the leader's pod is cut
+off from the API server (an iptables rule in its network namespace): it exits before the
+other takes the Lease. The step-by-step rules: tests/unit/test_leader.py; with short
+timings between host processes: tests/integration/test_leader.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import kubernetes
@@ -116,3 +120,49 @@ def test_the_other_replica_takes_over_when_the_leader_is_sigkilled(replicas, kub
         assert holder(api) == new
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _lease(api):
+    return kubernetes.client.CoordinationV1Api(api).read_namespaced_lease("rftjob-operator", NAMESPACE)
+
+
+@pytest.mark.timeout(600)
+def test_a_leader_cut_off_from_the_api_server_exits_before_the_other_leads(replicas, kubectl):
+    """The leader pod's own network namespace drops its packets to the API server (an
+    iptables rule there, as a partition between its node and the control plane would):
+    it exits past its renew deadline, before the other replica takes the Lease."""
+    api, op = replicas
+    wait_for(lambda: len(ready_pods(api)) == 2 and holder(api).rsplit("_", 1)[0]
+             in {p.metadata.name for p in ready_pods(api)}, 180, "two replicas, one of them leading")
+    leader = holder(api)
+    pod = next(p for p in ready_pods(api) if p.metadata.name == leader.rsplit("_", 1)[0])
+    (status,) = pod.status.container_statuses
+    restarts = status.restart_count
+    pid = container_processes(status.container_id)[0].pid
+    # The API server as pods reach it: the `kubernetes` Service (kube-proxy DNATs it on the host).
+    svc = kubernetes.client.CoreV1Api(api).read_namespaced_service("kubernetes", "default").spec.cluster_ip
+    rule = ["-p", "tcp", "-d", svc, "--dport", "443", "-j", "DROP"]
+    # The pod's network namespace outlives the container (the kubelet restarts it there):
+    # held open by a descriptor, for taking the rule out after.
+    netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    nsenter = ["nsenter", f"--net=/proc/self/fd/{netns}", "iptables"]
+    subprocess.run([*nsenter, "-I", "OUTPUT", *rule], check=True, timeout=30, pass_fds=(netns,))
+    cut = time.time()
+    try:
+        def exited():
+            p = kubernetes.client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, NAMESPACE)
+            cs = p.status.container_statuses[0]
+            term = cs.last_state.terminated if cs.restart_count > restarts else None
+            return term
+        term = wait_for(exited, 60, "the cut-off leader's container to exit")
+        new = wait_for(lambda: (h := holder(api)) not in ("", leader) and h, 60, "a new lease holder")
+        acquired = _lease(api).spec.acquire_time.timestamp()
+        gone = term.finished_at.timestamp()
+        print(f"[ha] cut-off leader exited {gone - cut:.1f}s after the cut (code {term.exit_code}); "
+              f"{new} took the lease {acquired - cut:.1f}s after it")
+        assert term.exit_code == 1, term
+        assert gone < acquired, (gone, acquired)
+    finally:
+        subprocess.run([*nsenter, "-D", "OUTPUT", *rule], timeout=30, pass_fds=(netns,))
+        os.close(netns)
+    wait_for(lambda: len(ready_pods(api)) == 2, 180, "the cut-off replica back")
