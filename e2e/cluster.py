@@ -50,13 +50,16 @@ from typing import Any, Callable
 import psutil
 import yaml
 
-from .pki import _write_private, write_client_cert, write_kubeconfig, write_pki
+from .host import (  # noqa: F401  (E2E_DIR, VERSIONS_FILE, free_port: re-exported for callers)
+    E2E_DIR, REPO_ROOT, VERSIONS_FILE, ClusterError, ProcessRecord, cache_dir, free_port, log_tail, read_versions,
+    stop_processes,
+)
+from .node import BRIDGE, NODE_COMPONENTS, NodeBinaries, RealNode, kill_shims, restore_host
+from .host import write_private
+from .pki import write_client_cert, write_kubeconfig, write_pki
 
 log = logging.getLogger("e2e.cluster")
 
-E2E_DIR = Path(__file__).resolve().parent
-REPO_ROOT = E2E_DIR.parent
-VERSIONS_FILE = E2E_DIR / "versions.env"
 STAGES_FILE = E2E_DIR / "kwok-stages.yaml"
 DEFAULT_STATE_DIR = REPO_ROOT / ".local" / "cluster"
 
@@ -69,7 +72,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # Start order.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 # With the real node (e2e/node.py), started after these and stopped before them.
-NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")
 # Stop order, tier by tier: the node's services, the kubelet before the runtime it
 # drives; the API server drains in ~1s once its clients are gone, and etcd once the API
 # server is (stopping all at once takes 10s or more).
@@ -83,27 +85,7 @@ COREDNS_USER = "rft-coredns"
 KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"
 
 
-class ClusterError(RuntimeError):
-    """The local control plane could not be started, reached or stopped."""
-
-
 # --------------------------------------------------------------------------- binaries
-
-
-def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
-    """Parses the KEY=VALUE pins shared with e2e/build-binaries.sh."""
-    versions = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            versions[key.strip()] = value.strip()
-    return versions
-
-
-def cache_dir() -> Path:
-    """Where build-binaries.sh caches its output (same default as the script)."""
-    return Path(os.environ.get("RFT_CACHE") or Path.home() / ".cache" / "rftjob")
 
 
 @dataclass(frozen=True)
@@ -142,13 +124,6 @@ class Binaries:
 # --------------------------------------------------------------------------- host facts
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def advertise_address() -> str:
     """A non-loopback IPv4 address of this host.
 
@@ -156,7 +131,6 @@ def advertise_address() -> str:
     node reach the API server there) and rejects loopback. The real node's bridge is
     skipped: its address goes away with the node.
     """
-    from .node import BRIDGE
 
     for name, addrs in psutil.net_if_addrs().items():
         if name == BRIDGE:
@@ -231,68 +205,6 @@ def _client_context(ca_file: Path | None, insecure: bool = False) -> ssl.SSLCont
 # --------------------------------------------------------------------------- processes
 
 
-@dataclass
-class ProcessRecord:
-    """Enough about a started process to recognise it later (PIDs get reused)."""
-
-    name: str
-    pid: int
-    create_time: float
-    exe: str
-
-    def find(self) -> psutil.Process | None:
-        """The live process if it is still the one we started, else None."""
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > 0.5:
-                return None
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                _reap(proc)
-                return None
-            # exe, not cmdline: /proc/<pid>/cmdline reads empty while exec is loading a
-            # big binary, and a PID can be recycled by anything.
-            if os.path.realpath(proc.exe()) != self.exe:
-                return None
-            return proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return None
-
-
-def _reap(proc: psutil.Process) -> None:
-    """Collects a dead child of this process, so it does not linger as a zombie."""
-    try:
-        proc.wait(timeout=0)
-    except (psutil.TimeoutExpired, psutil.Error, ChildProcessError):
-        pass  # not our child: its parent (or init) reaps it
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _stop_processes(records: list[ProcessRecord], grace: float = 10.0) -> None:
-    """SIGTERM, wait up to `grace` seconds, then SIGKILL; only verified processes."""
-    procs = [p for p in (r.find() for r in records) if p is not None]
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    # psutil.wait_procs also reaps the ones that are our children (no zombies left).
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    _, still = psutil.wait_procs(alive, timeout=5)
-    if still:
-        raise ClusterError(f"could not stop processes {[p.pid for p in still]}")
-
-
 # --------------------------------------------------------------------------- clusters
 
 
@@ -353,7 +265,7 @@ class ExistingCluster(_KubeconfigAccess):
         """A PEM file for `key`, whether given as a path or as embedded `key-data`."""
         if section.get(f"{key}-data"):
             path = self._tmp / filename
-            _write_private(path, base64.b64decode(section[f"{key}-data"]))
+            write_private(path, base64.b64decode(section[f"{key}-data"]))
             return path
         if section.get(key):
             return (self.kubeconfig.parent / section[key]).resolve()
@@ -442,7 +354,6 @@ class Cluster(_KubeconfigAccess):
         """
         binaries = Binaries.locate()
         if real_node:
-            from .node import NodeBinaries
 
             NodeBinaries.locate()  # fail before starting anything
         if self.status()["healthy"]:
@@ -457,7 +368,7 @@ class Cluster(_KubeconfigAccess):
             self._start(binaries)
             self._create_gpu_nodes(num_gpu_nodes, gpus_per_node)
             self._wait_nodes_ready(num_gpu_nodes)
-            self._wait(lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
+            self.wait(lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
                        60, "the default ServiceAccount", "kube-controller-manager")
             if real_node:
                 self.start_node(gpus_per_node, registry)
@@ -473,16 +384,16 @@ class Cluster(_KubeconfigAccess):
         With the real node, its pods are deleted through the API first (the kubelet
         tears down their sandboxes), and every host change it made is undone last."""
         self.stop_node()
-        records = self._read_records()
+        records = self.read_records()
         for tier in STOP_TIERS:
-            _stop_processes([r for r in records if r.name in tier])
+            stop_processes([r for r in records if r.name in tier])
         if records:
             log.info("stopped %s", ", ".join(r.name for r in records))
         self._pids_file.unlink(missing_ok=True)
 
     def status(self) -> dict[str, Any]:
         """Which recorded components are alive, and whether the API server is ready."""
-        records = {r.name: r for r in self._read_records()}
+        records = {r.name: r for r in self.read_records()}
         components = {
             name: ("running" if records[name].find() else "dead") if name in records else "absent"
             for name in COMPONENTS + (NODE_COMPONENTS if self.has_real_node else ())
@@ -511,16 +422,16 @@ class Cluster(_KubeconfigAccess):
         # only what start_node binds to it (system:kubelet-api-admin), not system:masters.
         cert, key = write_client_cert(pki, "apiserver-kubelet-client", KUBELET_CLIENT_USER, "")
 
-        self._spawn("etcd", [
+        self.spawn("etcd", [
             str(b.etcd), "--name=rft", f"--data-dir={self.state_dir / 'etcd-data'}",
             f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
             f"--listen-peer-urls={etcd_peer}", f"--initial-advertise-peer-urls={etcd_peer}",
             f"--initial-cluster=rft={etcd_peer}", "--initial-cluster-state=new",
             "--unsafe-no-fsync", "--log-level=warn",
         ])
-        self._wait(lambda: self._http_ok(etcd_url + "/health"), 30, "etcd /health", "etcd")
+        self.wait(lambda: self.http_ok(etcd_url + "/health"), 30, "etcd /health", "etcd")
 
-        self._spawn("kube-apiserver", [
+        self.spawn("kube-apiserver", [
             str(b.kube_apiserver),
             f"--etcd-servers={etcd_url}",
             # Every address: pods reach it at the advertise address, through the
@@ -555,12 +466,12 @@ class Cluster(_KubeconfigAccess):
             f"--kubelet-client-certificate={cert}", f"--kubelet-client-key={key}",
             "--profiling=false",
         ])
-        self._wait(self._readyz_ok, 120, "kube-apiserver /readyz", "kube-apiserver")
+        self.wait(self._readyz_ok, 120, "kube-apiserver /readyz", "kube-apiserver")
 
         common = ["--leader-elect=false", "--bind-address=127.0.0.1", "--profiling=false"]
         kcm_port, sched_port = free_port(), free_port()
         kcm = kubeconfigs["kube-controller-manager"]
-        self._spawn("kube-controller-manager", [
+        self.spawn("kube-controller-manager", [
             str(b.kube_controller_manager), *common,
             f"--kubeconfig={kcm}", f"--authentication-kubeconfig={kcm}",
             f"--authorization-kubeconfig={kcm}",
@@ -572,21 +483,21 @@ class Cluster(_KubeconfigAccess):
             f"--cluster-signing-key-file={pki / 'ca.key'}",
         ])
         sched = kubeconfigs["kube-scheduler"]
-        self._spawn("kube-scheduler", [
+        self.spawn("kube-scheduler", [
             str(b.kube_scheduler), *common,
             f"--kubeconfig={sched}", f"--authentication-kubeconfig={sched}",
             f"--authorization-kubeconfig={sched}",
             f"--secure-port={sched_port}", f"--cert-dir={self.state_dir / 'scheduler-certs'}",
         ])
-        self._spawn("kwok", [
+        self.spawn("kwok", [
             str(b.kwok), f"--kubeconfig={kubeconfigs['kwok']}", f"--config={STAGES_FILE}",
             "--manage-nodes-with-annotation-selector=" + "=".join(KWOK_NODE_ANNOTATION),
             f"--cidr={POD_CIDR}",
             "--node-lease-duration-seconds=40",  # kubelet-style leases, renewed every ~10s
         ], env={"HOME": str(self.state_dir / "kwok-home")})  # ignore any ~/.kwok/kwok.yaml
-        self._wait(lambda: self._http_ok(f"https://127.0.0.1:{kcm_port}/healthz", insecure=True),
+        self.wait(lambda: self.http_ok(f"https://127.0.0.1:{kcm_port}/healthz", insecure=True),
                    60, "kube-controller-manager /healthz", "kube-controller-manager")
-        self._wait(lambda: self._http_ok(f"https://127.0.0.1:{sched_port}/healthz", insecure=True),
+        self.wait(lambda: self.http_ok(f"https://127.0.0.1:{sched_port}/healthz", insecure=True),
                    60, "kube-scheduler /healthz", "kube-scheduler")
 
     def _write_credentials(self, server: str) -> dict[str, Path]:
@@ -614,14 +525,13 @@ class Cluster(_KubeconfigAccess):
             rows.append(f'{token},{user},{user},"{groups}"' if groups else f"{token},{user},{user}")
             path = self.kubeconfig if name == "admin" else self.state_dir / "kubeconfigs" / f"{name}.kubeconfig"
             paths[name] = write_kubeconfig(path, server, ca_pem, user, token)
-        _write_private(pki / "tokens.csv", ("\n".join(rows) + "\n").encode())
+        write_private(pki / "tokens.csv", ("\n".join(rows) + "\n").encode())
         return paths
 
     def start_node(self, gpus: int = 8, registry: str | None = None) -> None:
         """Starts the real node `local` (e2e/node.py) on this running cluster; with
         `registry` (host:port) its containerd pulls the project's images from there.
         When the node already runs, only the registry address is updated."""
-        from .node import RealNode
 
         node = RealNode(self)
         if self.has_real_node and all(self.status()["components"][n] == "running"
@@ -652,23 +562,22 @@ class Cluster(_KubeconfigAccess):
             raise
         finally:
             if node.owns_host():
-                node.record_processes([r for r in self._read_records() if r.name in NODE_COMPONENTS])
+                node.record_processes([r for r in self.read_records() if r.name in NODE_COMPONENTS])
 
     def kill_node(self) -> None:
         """The node dies: its processes and every container SIGKILLed at once, no drain
         (pods stay bound to it in the API), then the host cleaned up as after a reboot."""
         if not self.has_real_node:
             return
-        from .node import RealNode, kill_shims, restore_host
 
         node = RealNode(self)
-        records = self._read_records()
+        records = self.read_records()
         for r in records:
             if r.name in NODE_COMPONENTS and (proc := r.find()) is not None:
                 proc.kill()
         if node.owns_host():  # the shims are found by the host-wide socket path
             kill_shims()
-        _stop_processes([r for r in records if r.name in NODE_COMPONENTS], grace=0)
+        stop_processes([r for r in records if r.name in NODE_COMPONENTS], grace=0)
         self._write_records([r for r in records if r.name not in NODE_COMPONENTS])
         if node.owns_host():
             restore_host()
@@ -680,17 +589,16 @@ class Cluster(_KubeconfigAccess):
         is undone. The control plane keeps running; the Node object stays NotReady."""
         if not self.has_real_node:
             return
-        from .node import RealNode, restore_host
 
         node = RealNode(self)
-        records = self._read_records()
+        records = self.read_records()
         if any(r.name == "kubelet" and r.find() for r in records) and self._readyz_ok():
             node.drain()
         for tier in STOP_TIERS:
             if tier == ("containerd",) and any(r.name == "containerd" and r.find() for r in records):
                 node.forget_containers()
-            _stop_processes([r for r in records if r.name in tier and r.name in NODE_COMPONENTS])
-        self._write_records([r for r in self._read_records() if r.name not in NODE_COMPONENTS])
+            stop_processes([r for r in records if r.name in tier and r.name in NODE_COMPONENTS])
+        self._write_records([r for r in self.read_records() if r.name not in NODE_COMPONENTS])
         if node.owns_host():
             restore_host()
         shutil.rmtree(node.dir, ignore_errors=True)
@@ -723,11 +631,11 @@ class Cluster(_KubeconfigAccess):
         def ready() -> bool:
             nodes = self.api().get("/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
             return len(nodes) >= count and all(_node_schedulable(n) for n in nodes)
-        self._wait(ready, 90, f"{count} Ready KWOK nodes", "kwok")
+        self.wait(ready, 90, f"{count} Ready KWOK nodes", "kwok")
 
     # -- processes
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         """Starts a component in its own session, logging to logs/<name>.log."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         if env and "HOME" in env:
@@ -739,10 +647,10 @@ class Cluster(_KubeconfigAccess):
             )
         record = ProcessRecord(name, proc.pid, psutil.Process(proc.pid).create_time(),
                                os.path.realpath(argv[0]))
-        self._write_records(self._read_records() + [record])
+        self._write_records(self.read_records() + [record])
         log.info("started %s (pid %d)", name, proc.pid)
 
-    def _read_records(self) -> list[ProcessRecord]:
+    def read_records(self) -> list[ProcessRecord]:
         try:
             data = json.loads(self._pids_file.read_text())
         except (OSError, ValueError):
@@ -765,16 +673,16 @@ class Cluster(_KubeconfigAccess):
 
     # -- probes
 
-    def _wait(self, predicate: Callable[[], bool], timeout: float, what: str, component: str) -> None:
+    def wait(self, predicate: Callable[[], bool], timeout: float, what: str, component: str) -> None:
         """Polls `predicate`; fails fast if a component died, else after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         last_error = None
         while True:
-            for record in self._read_records():
+            for record in self.read_records():
                 if record.find() is None:
                     raise ClusterError(
                         f"{record.name} exited while waiting for {what}; tail of "
-                        f"{self.logs_dir / (record.name + '.log')}:\n{_log_tail(self.logs_dir / (record.name + '.log'))}"
+                        f"{self.logs_dir / (record.name + '.log')}:\n{log_tail(self.logs_dir / (record.name + '.log'))}"
                     )
             try:
                 if predicate():
@@ -787,11 +695,11 @@ class Cluster(_KubeconfigAccess):
                 raise ClusterError(
                     f"timed out after {timeout:.0f}s waiting for {what} ({component})"
                     + (f"; last error: {last_error}" if last_error else "")
-                    + f"\ntail of {log_file}:\n{_log_tail(log_file)}"
+                    + f"\ntail of {log_file}:\n{log_tail(log_file)}"
                 )
             time.sleep(0.5)
 
-    def _http_ok(self, url: str, insecure: bool = False) -> bool:
+    def http_ok(self, url: str, insecure: bool = False) -> bool:
         """A plain GET answering 200 (health endpoints need no credentials)."""
         return KubeApi(url, _client_context(None, insecure)).request("GET", "", timeout=5) is not None
 

@@ -30,16 +30,16 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cluster import Cluster
+from .host import E2E_DIR, REPO_ROOT, ProcessRecord, cache_dir, free_port, read_versions
 
 log = logging.getLogger("e2e.node")
 
 NODE_NAME = "local"
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")  # host processes, as the cluster records them
 LOCAL_NODE_LABEL = "rft.dev/local-node"
 LOCAL_TAINT = {"key": "rft.dev/local", "value": "true", "effect": "NoSchedule"}
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -80,7 +80,6 @@ CGROUP_TOPS = ("kubepods", "k8s.io")  # kubelet's QoS tree; containerd's for non
 def containerd_root() -> Path:
     """containerd's root: its image store is a cache, kept across node restarts like the
     registry's storage (a real node keeps its images too); containers are not kept."""
-    from .cluster import cache_dir
 
     return cache_dir() / "containerd"
 
@@ -192,7 +191,6 @@ class NodeBinaries:
 
     @classmethod
     def locate(cls) -> "NodeBinaries":
-        from .cluster import E2E_DIR, REPO_ROOT, cache_dir, read_versions
 
         v = read_versions()
         bin_dir = cache_dir() / "bin"
@@ -217,7 +215,6 @@ class NodeBinaries:
 def pause_archive(buildah: str) -> Path:
     """The pod sandbox image (Kubernetes' own pause.c, static), built once and cached as
     a docker-archive: it is never pulled, so no registry is needed for it."""
-    from .cluster import cache_dir, read_versions
 
     version = read_versions()["K8S_VERSION"]
     out = cache_dir() / "images" / f"pause-{version}.tar"
@@ -261,7 +258,7 @@ def pause_archive(buildah: str) -> Path:
 class RealNode:
     """The node's files and lifecycle; its processes are spawned through the cluster."""
 
-    def __init__(self, cluster: "Cluster"):
+    def __init__(self, cluster):  # an e2e.cluster.Cluster (which imports this module)
         self.cluster = cluster
         self.dir = cluster.state_dir / "node"
 
@@ -285,7 +282,7 @@ class RealNode:
         self._bridge()
         self._write_containerd_config(registry)
         self._spawn("containerd", [b.containerd, "--config", str(self.dir / "containerd.toml")])
-        self.cluster._wait(lambda: self._ctr(b, "version").returncode == 0, 30,
+        self.cluster.wait(lambda: self._ctr(b, "version").returncode == 0, 30,
                            "containerd's socket", "containerd")
         self.forget_containers()  # what a node that died (kill_node) left in the store
         res = self._ctr(b, "images", "import", str(pause_archive(b.buildah)))
@@ -299,15 +296,15 @@ class RealNode:
             f"--root-dir={NODE_ROOT / 'kubelet'}", f"--cert-dir={NODE_ROOT / 'kubelet' / 'pki'}",
             f"--node-labels={LOCAL_NODE_LABEL}=true", "--v=1",
         ])
-        self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{healthz}/healthz"),
+        self.cluster.wait(lambda: self.cluster.http_ok(f"http://127.0.0.1:{healthz}/healthz"),
                            60, "kubelet /healthz", "kubelet")
         proxy_healthz = self._spawn_kube_proxy(b, tokens["kube-proxy"])
         dns_ready = self._spawn_coredns(b, tokens["coredns"])
-        self.cluster._wait(self._ready, 90, f"node {NODE_NAME} Ready", "kubelet")
+        self.cluster.wait(self._ready, 90, f"node {NODE_NAME} Ready", "kubelet")
         # Services and DNS answer before the first pod needs them.
-        self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{proxy_healthz}/healthz"),
+        self.cluster.wait(lambda: self.cluster.http_ok(f"http://127.0.0.1:{proxy_healthz}/healthz"),
                            60, "kube-proxy's first sync", "kube-proxy")
-        self.cluster._wait(lambda: self.cluster._http_ok(f"http://127.0.0.1:{dns_ready}/ready"),
+        self.cluster.wait(lambda: self.cluster.http_ok(f"http://127.0.0.1:{dns_ready}/ready"),
                            60, "CoreDNS ready", "coredns")
         # A Node object kept from an earlier start is still cordoned by its drain.
         self.cluster.api().request("PATCH", f"/api/v1/nodes/{NODE_NAME}", {"spec": {"unschedulable": None}},
@@ -320,10 +317,9 @@ class RealNode:
     def _spawn(self, name: str, argv: list) -> None:
         """Through the cluster (pids.json), and into the host-wide owner file at once, so
         another cluster never takes a starting node for a dead one."""
-        from .cluster import NODE_COMPONENTS
 
-        self.cluster._spawn(name, argv)
-        self.record_processes([r for r in self.cluster._read_records() if r.name in NODE_COMPONENTS])
+        self.cluster.spawn(name, argv)
+        self.record_processes([r for r in self.cluster.read_records() if r.name in NODE_COMPONENTS])
 
     def set_registry(self, registry: str) -> None:
         """Points `REGISTRY_HOST` at the registry's current address (read on every pull)."""
@@ -338,7 +334,6 @@ class RealNode:
         claim is under a minute old and names no process yet: it is starting)."""
         import fcntl
 
-        from .cluster import ProcessRecord
 
         NODE_ROOT.mkdir(parents=True, exist_ok=True)
         with open(NODE_ROOT.parent / "rftjob-node.lock", "w") as lock:
@@ -439,7 +434,6 @@ state = "{NODE_RUN / 'state'}"
             self.set_registry(registry)
 
     def _write_kubelet_config(self, advertise_ip: str) -> tuple[Path, int]:
-        from .cluster import free_port
 
         healthz = free_port()
         config = {
@@ -470,7 +464,6 @@ state = "{NODE_RUN / 'state'}"
         return path, healthz
 
     def _spawn_kube_proxy(self, b: NodeBinaries, kubeconfig: Path) -> int:
-        from .cluster import free_port
 
         config = {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
@@ -490,7 +483,6 @@ state = "{NODE_RUN / 'state'}"
         return int(config["healthzBindAddress"].rsplit(":", 1)[1])
 
     def _spawn_coredns(self, b: NodeBinaries, kubeconfig: Path) -> int:
-        from .cluster import free_port
 
         ready = free_port()
         corefile = self.dir / "Corefile"

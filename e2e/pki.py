@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import ipaddress
-import os
 from pathlib import Path
 
 import yaml
@@ -13,6 +12,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .host import write_private
 
 SERVICE_IP = "10.96.0.1"  # first address of the service CIDR: the `kubernetes` Service
 
@@ -31,13 +32,6 @@ def _key_pem(key: rsa.RSAPrivateKey) -> bytes:
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Writes a secret (key, token) readable by the owner only."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _certificate(subject: str, key, issuer_cert, issuer_key, *, ca: bool, sans=(),
@@ -103,10 +97,10 @@ def write_pki(pki: Path, advertise_ip: str) -> None:
 
     (pki / "front-proxy-ca.crt").write_bytes(_cert_pem(front_proxy_ca))
     (pki / "ca.crt").write_bytes(_cert_pem(ca_cert))
-    _write_private(pki / "ca.key", _key_pem(ca_key))
+    write_private(pki / "ca.key", _key_pem(ca_key))
     (pki / "apiserver.crt").write_bytes(_cert_pem(server_cert))
-    _write_private(pki / "apiserver.key", _key_pem(server_key))
-    _write_private(pki / "sa.key", _key_pem(sa_key))
+    write_private(pki / "apiserver.key", _key_pem(server_key))
+    write_private(pki / "sa.key", _key_pem(sa_key))
     (pki / "sa.pub").write_bytes(
         sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -122,7 +116,7 @@ def write_client_cert(pki: Path, name: str, user: str, group: str) -> tuple[Path
     key = _new_key()
     cert = _certificate(user, key, ca_cert, ca_key, ca=False, client_org=group)
     (pki / f"{name}.crt").write_bytes(_cert_pem(cert))
-    _write_private(pki / f"{name}.key", _key_pem(key))
+    write_private(pki / f"{name}.key", _key_pem(key))
     return pki / f"{name}.crt", pki / f"{name}.key"
 
 
@@ -140,5 +134,5 @@ def write_kubeconfig(path: Path, server: str, ca_pem: bytes, user: str, token: s
         "current-context": "rftjob-local",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_private(path, yaml.safe_dump(config, sort_keys=False).encode())
+    write_private(path, yaml.safe_dump(config, sort_keys=False).encode())
     return path

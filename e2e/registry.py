@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import psutil
 import yaml
 
-from .cluster import REPO_ROOT, ProcessRecord, _log_tail, _stop_processes, cache_dir, free_port, read_versions
+from .host import REPO_ROOT, ProcessRecord, cache_dir, free_port, log_tail, read_versions, stop_processes
 
 log = logging.getLogger("e2e.registry")
 
@@ -194,7 +194,7 @@ class Registry:
     def _stop_recorded(self) -> None:
         record = self._read_record()
         if record is not None:
-            _stop_processes([record[0]])
+            stop_processes([record[0]])
             log.info("stopped the registry (pid %d)", record[0].pid)
         self.record_file.unlink(missing_ok=True)
 
@@ -210,10 +210,10 @@ class Registry:
         while not self._v2_ok(port):
             if record.find() is None:
                 raise RegistryError(f"the registry exited at startup; tail of {self.log_file}:\n"
-                                    + _log_tail(self.log_file))
+                                    + log_tail(self.log_file))
             if time.monotonic() > deadline:
                 raise RegistryError(f"the registry did not answer GET /v2/ on port {port} within "
-                                    f"{timeout:.0f}s; tail of {self.log_file}:\n" + _log_tail(self.log_file))
+                                    f"{timeout:.0f}s; tail of {self.log_file}:\n" + log_tail(self.log_file))
             time.sleep(0.1)
 
     @contextlib.contextmanager

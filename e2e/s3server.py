@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from .cluster import ProcessRecord, cache_dir, read_versions
+from .host import ProcessRecord, cache_dir, log_tail, read_versions, write_private
 
 RECORD_FILE = "server.json"
 CONFIG_FILE = "s3.json"
@@ -116,23 +116,6 @@ def _clean_env(data_dir: Path) -> dict[str, str]:
     return {**env, **WEED_ENV, "HOME": str(data_dir)}
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)  # O_CREAT's mode does not apply to an existing file
-
-
-def _log_tail(path: Path, offset: int = 0, lines: int = 40) -> str:
-    """The last `lines` lines written to `path` after byte `offset`."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _keep_master_state(master_dir: Path, port: int) -> None:
     """The master keeps its state (topology id, volume id bound) in <master.dir>/m<port>.
     A restart gets fresh ports, so the previous directory is renamed to the new port:
@@ -185,7 +168,7 @@ class S3Server:
         for d in ("volume", "master"):
             (self.data_dir / d).mkdir(parents=True, exist_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        _write_private(self.data_dir / CONFIG_FILE, json.dumps(build_identities(self.credentials)).encode())
+        write_private(self.data_dir / CONFIG_FILE, json.dumps(build_identities(self.credentials)).encode())
         for attempt in range(attempts):
             try:
                 self._launch(binary)
@@ -193,10 +176,10 @@ class S3Server:
                 return self
             except S3ServerError as e:
                 self.stop()
-                run_log = _log_tail(self.log_file, self._log_offset, lines=10_000)
+                run_log = log_tail(self.log_file, lines=10_000, offset=self._log_offset)
                 if "address already in use" not in run_log or attempt == attempts - 1:
                     raise S3ServerError(f"{e}\n--- {self.log_file} (last lines) ---\n"
-                                        f"{_log_tail(self.log_file, self._log_offset)}") from None
+                                        f"{log_tail(self.log_file, lines=40, offset=self._log_offset)}") from None
             except BaseException:  # Ctrl-C, or a failure to launch: leave nothing running
                 self.stop()
                 raise

@@ -7,7 +7,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Fetched:
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
+        for chunk in iter(lambda: f.read(CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Protocol, runtime_checkable
 
-from .hashing import _CHUNK, Fetched, HashingReader, sha256_file  # noqa: F401 (re-exported)
+from .hashing import CHUNK, Fetched, HashingReader, sha256_file  # noqa: F401 (re-exported)
 
 @runtime_checkable
 class Storage(Protocol):
@@ -94,7 +94,7 @@ class LocalStorage:
         """The file's bytes in order, 1 MiB at a time (`size`, the expected one, is for
         backends that plan their reads with it)."""
         with open(self._path(uri), "rb") as f:
-            yield from iter(lambda: f.read(_CHUNK), b"")
+            yield from iter(lambda: f.read(CHUNK), b"")
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         with atomic_write(self._path(uri), fsync=True) as f:
@@ -107,7 +107,7 @@ class LocalStorage:
         """Copy a local file to `uri` atomically (as `write_bytes`), 1 MiB at a time,
         hashing what it copies."""
         with open(path, "rb") as src, atomic_write(self._path(uri), fsync=True) as f:
-            return copy_hashed(iter(lambda: src.read(_CHUNK), b""), f)
+            return copy_hashed(iter(lambda: src.read(CHUNK), b""), f)
 
 
 @contextlib.contextmanager

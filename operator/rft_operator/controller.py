@@ -265,7 +265,7 @@ class Controller:
                 delay = min(60.0, 0.5 * 2 ** min(tries, 7)) * (0.5 + random.random() / 2)
                 level = retry_level(tries, e)
                 log.log(level, "reconcile %s/%s failed (%s, %d in a row); retry in %.1fs", *key,
-                        _describe(e), tries, delay, exc_info=not is_transient(e))
+                        describe_error(e), tries, delay, exc_info=not is_transient(e))
                 self.queue.add_after(key, delay, later=is_new(self.get_job(key)))
             finally:
                 self.queue.done(key)
@@ -340,7 +340,7 @@ class Controller:
             except ApiException as e:
                 out[name] = policy.NODE_UNREADABLE
                 log.log(logging.INFO if e.status == 403 else logging.WARNING,
-                        "node %s: %s; its stuck pods are not force-deleted", name, _describe(e))
+                        "node %s: %s; its stuck pods are not force-deleted", name, describe_error(e))
         return out
 
     async def _apply(self, key: Key, body: dict[str, Any], plan: rc.Plan) -> None:
@@ -464,7 +464,7 @@ class Controller:
             return write(obj)
         except ApiException as e:
             what = _what(obj)
-            self.kube.post_event(body, "Warning", WRITE_FAILED[verb], f"{verb} {what}: {_describe(e)}")
+            self.kube.post_event(body, "Warning", WRITE_FAILED[verb], f"{verb} {what}: {describe_error(e)}")
             if e.status == 422 or (e.status == 403 and POD_SECURITY_REFUSAL in (api_message(e) or "")):
                 raise Refused(Refusal(c.REASON_INVALID_SPEC, f"{verb} {what}: {api_message(e) or e.reason}")) from None
             raise
@@ -493,7 +493,7 @@ def _what(obj: dict[str, Any]) -> str:
     return f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
 
-def _describe(e: Exception) -> str:
+def describe_error(e: Exception) -> str:
     """An error in words for logs and events: the status and the API server's message
     (which names the field), never a request body."""
     if isinstance(e, ApiException):

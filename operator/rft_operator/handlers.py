@@ -73,7 +73,7 @@ async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: 
 # ---------------------------------------------------------------- the children
 
 
-def _on_child_event(ctl: Controller, is_pod: bool):
+def on_child_event(ctl: Controller, is_pod: bool):
     def on_change(key: Key, type_: str | None) -> None:
         # Every pod event counts (its phase is the gang's state); a static child's ADDED is
         # our own create coming back (news only to a pass waiting for it), MODIFIED or
@@ -92,7 +92,7 @@ def build_informers(kube: Kube, ctl: Controller, namespaces: list[str]) -> list[
         store = _state["stores"][kind] = Store(c.LABEL_JOB, view)
         for ns in namespaces or [None]:
             out.append(Informer(f"{kind.lower()}s" + (f"/{ns}" if ns else ""), kube.list_method(kind, ns),
-                                CHILD_SELECTOR, store, _on_child_event(ctl, is_pod)))
+                                CHILD_SELECTOR, store, on_child_event(ctl, is_pod)))
     return out
 
 

@@ -26,7 +26,7 @@ from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401
     api, create_job, get_job, installed, job_manifest, namespace,
 )
-from .test_rbac import OPERATOR_NS, OPERATOR_SA, _managed, client_as, patch_status_as, refusal
+from .test_rbac import OPERATOR_NS, OPERATOR_SA, managed_meta, client_as, patch_status_as, refusal
 
 pytestmark = pytest.mark.integration
 DRY = {"dry_run": "All"}
@@ -60,7 +60,7 @@ def refused_by_policy(code: int, message: str) -> bool:
 def trainer_pod(job: dict, namespace: str, name: str = "", **spec) -> dict:
     job_name = job["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {**_managed(job, name or f"{job_name}-trainer-9-0", "trainer"), "namespace": namespace},
+            "metadata": {**managed_meta(job, name or f"{job_name}-trainer-9-0", "trainer"), "namespace": namespace},
             "spec": {"serviceAccountName": f"{job_name}-rft-trainer", "containers": [BOX], **spec}}
 
 
@@ -81,10 +81,10 @@ def test_a_job_that_does_not_exist_gets_nothing(operator_api, api, kubectl, name
     kubectl("create", "secret", "generic", "app-db", "-n", namespace, "--from-literal=password=hunter2")
     ghost = {"metadata": {"name": "ghost", "uid": str(uuid.uuid4())}}
     kubectl("create", "serviceaccount", "ghost-rft-trainer", "-n", namespace)  # as if it had got that far
-    refused(lambda: core.create_namespaced_service_account(namespace, {"metadata": _managed(ghost, "ghost-rft-x")}),
+    refused(lambda: core.create_namespaced_service_account(namespace, {"metadata": managed_meta(ghost, "ghost-rft-x")}),
             "rftjob-operator-owner", "no params found", code=422)
     # A second owner (a ConfigMap the garbage collector cannot delete) does not help.
-    meta = _managed(ghost, "ghost-trainer-1-0", "trainer")
+    meta = managed_meta(ghost, "ghost-trainer-1-0", "trainer")
     admin = kubernetes.client.CoreV1Api(api)
     ca = wait_for(lambda: next((m.metadata.uid for m in admin.list_namespaced_config_map(namespace).items
                                 if m.metadata.name == "kube-root-ca.crt"), None), 60, "kube-root-ca.crt")

@@ -25,7 +25,7 @@ from rft_operator import ownerhook
 from .conftest import wait_for
 from .operator_fixtures import api, create_job, get_job, installed, job_manifest, namespace  # noqa: F401
 from .test_operator_token import BOX, DRY, accounts, refused, trainer_pod
-from .test_rbac import OPERATOR_NS, OPERATOR_SA, _managed, client_as, refusal
+from .test_rbac import OPERATOR_NS, OPERATOR_SA, managed_meta, client_as, refusal
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def webhook(api, operator_api, namespace, certs):  # noqa: F811
 
 
 def ghost_account(ghost: dict) -> dict:
-    return {"metadata": _managed(ghost, f"{ghost['metadata']['name']}-rft-x")}
+    return {"metadata": managed_meta(ghost, f"{ghost['metadata']['name']}-rft-x")}
 
 
 def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl, namespace, certs):  # noqa: F811
@@ -82,7 +82,7 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
     core = kubernetes.client.CoreV1Api(operator_api)
     ghost = {"metadata": {"name": "ghost", "uid": str(uuid.uuid4())}}
     reader = {**BOX, "env": [{"name": "P", "valueFrom": {"secretKeyRef": {"name": "app-db", "key": "password"}}}]}
-    ghost_pod = {"metadata": {**_managed(ghost, "ghost-trainer-1-0", "trainer"), "namespace": namespace},
+    ghost_pod = {"metadata": {**managed_meta(ghost, "ghost-trainer-1-0", "trainer"), "namespace": namespace},
                  "spec": {"serviceAccountName": "ghost-rft-trainer", "containers": [reader]}}
     # Without the webhook: the policies admit it (dry run), once they see `real`.
     wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, ghost_pod, **DRY)) == (200, ""), 30,
@@ -107,7 +107,7 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
         # The real job's children pass; its name with another uid does not.
         assert refusal(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY)) == (200, "")
         assert refusal(lambda: core.create_namespaced_service_account(
-            namespace, {"metadata": _managed(job, "real-rft-x")}, **DRY)) == (200, "")
+            namespace, {"metadata": managed_meta(job, "real-rft-x")}, **DRY)) == (200, "")
         forged = {"metadata": {"name": "real", "uid": str(uuid.uuid4())}}
         refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(forged), **DRY),
                 "rftjob-operator-owner")
@@ -139,11 +139,11 @@ def test_other_identities_and_unlabelled_objects_never_wait_on_it(webhook, opera
     core = kubernetes.client.CoreV1Api(operator_api)
     real = get_job(api, namespace, "real")
     got, message = refusal(lambda: core.create_namespaced_service_account(
-        namespace, {"metadata": _managed(real, "real-rft-x")}, **DRY))
+        namespace, {"metadata": managed_meta(real, "real-rft-x")}, **DRY))
     assert got >= 500 and "failed calling webhook" in message, (got, message)  # called, and fails closed
     admin = kubernetes.client.CoreV1Api(api)
     ghost = {"metadata": {"name": "ghost", "uid": str(uuid.uuid4())}}
-    labelled = {"metadata": {**_managed(ghost, "admin-made")}}
+    labelled = {"metadata": {**managed_meta(ghost, "admin-made")}}
     assert refusal(lambda: admin.create_namespaced_config_map(namespace, labelled, **DRY)) == (200, "")
     assert refusal(lambda: admin.create_namespaced_config_map(
         namespace, {"metadata": {"name": "plain"}}, **DRY)) == (200, "")
@@ -153,7 +153,7 @@ def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api,
     ghost_refused(operator_api, api, namespace)
     job = get_job(api, namespace, "real")
     core = kubernetes.client.CoreV1Api(operator_api)
-    account = {"metadata": _managed(job, "real-rft-x")}
+    account = {"metadata": managed_meta(job, "real-rft-x")}
     assert refusal(lambda: core.create_namespaced_service_account(namespace, account, **DRY)) == (200, "")
 
     # A new pair on disk: the next handshake presents it (no restart).

@@ -133,7 +133,7 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
 # ------------------------------------------------------------------ the operator
 
 
-def _managed(job: dict, name: str, role: str | None = None) -> dict:
+def managed_meta(job: dict, name: str, role: str | None = None) -> dict:
     labels = {c.LABEL_JOB: job["metadata"]["name"], c.LABEL_MANAGED_BY: c.MANAGED_BY}
     if role:
         labels[c.LABEL_ROLE] = role
@@ -171,7 +171,7 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
                                                     {"data": {"x": "y"}}, **dry), "kube-* namespaces", no_job)
     refused(lambda: core.delete_namespaced_service("kubernetes", "default", **dry), "objects it manages", no_job)
     refused(lambda: rbac.create_namespaced_role("kube-system", {
-        "metadata": _managed(job, "owner-status-writer"), "rules": []}, **dry), "kube-* namespaces", no_job)
+        "metadata": managed_meta(job, "owner-status-writer"), "rules": []}, **dry), "kube-* namespaces", no_job)
     # A user's own ConfigMap in a job namespace is not ours either.
     kubectl("create", "configmap", "users", "-n", namespace, "--from-literal=a=b")
     refused(lambda: core.patch_namespaced_config_map("users", namespace, {"data": {"a": "c"}}, **dry),
@@ -182,13 +182,13 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     for sa in ("owner-rft-trainer", "owner-rft-inference"):  # (an operator may have made the first)
         kubectl("create", "serviceaccount", sa, "-n", namespace, check=False)
     refused(lambda: core.create_namespaced_pod("kube-system", _pod(
-        _managed(job, "owner-trainer-9-0", "trainer"), "clusterrole-aggregation-controller", "kube-system"),
+        managed_meta(job, "owner-trainer-9-0", "trainer"), "clusterrole-aggregation-controller", "kube-system"),
         **dry), "kube-* namespaces", no_job)
     refused(lambda: core.create_namespaced_pod(namespace, _pod(
-        _managed(job, "owner-trainer-9-0", "trainer"), "default", namespace), **dry), "own ServiceAccount")
+        managed_meta(job, "owner-trainer-9-0", "trainer"), "default", namespace), **dry), "own ServiceAccount")
     refused(lambda: core.create_namespaced_pod(namespace, _pod(
-        _managed(job, "owner-trainer-9-0", "trainer"), "owner-rft-inference", namespace), **dry), "own ServiceAccount")
-    trainer_pod = lambda **spec: {**_pod(_managed(job, "owner-trainer-9-0", "trainer"),  # noqa: E731
+        managed_meta(job, "owner-trainer-9-0", "trainer"), "owner-rft-inference", namespace), **dry), "own ServiceAccount")
+    trainer_pod = lambda **spec: {**_pod(managed_meta(job, "owner-trainer-9-0", "trainer"),  # noqa: E731
                                          "owner-rft-trainer", namespace),
                                   "spec": {"serviceAccountName": "owner-rft-trainer", **spec}}
     box = {"name": "x", "image": "busybox"}
@@ -229,11 +229,11 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     unowned = {"name": "loose", "labels": {c.LABEL_JOB: "owner", c.LABEL_MANAGED_BY: c.MANAGED_BY}}
     refused(lambda: core.create_namespaced_pod(namespace, _pod(unowned, "owner-rft-trainer", namespace), **dry),
             "objects it manages")
-    core.create_namespaced_pod(namespace, _pod(_managed(job, "owner-trainer-9-0", "trainer"), "owner-rft-trainer",
+    core.create_namespaced_pod(namespace, _pod(managed_meta(job, "owner-trainer-9-0", "trainer"), "owner-rft-trainer",
                                                namespace), **dry)
 
     # Services: ClusterIP without external IPs.
-    service = {"metadata": _managed(job, "owner-probe"), "spec": {"ports": [{"port": 80}]}}
+    service = {"metadata": managed_meta(job, "owner-probe"), "spec": {"ports": [{"port": 80}]}}
     refused(lambda: core.create_namespaced_service(namespace, {
         **service, "spec": {**service["spec"], "externalIPs": ["203.0.113.7"]}}, **dry), "externalIPs")
     refused(lambda: core.create_namespaced_service(namespace, {
@@ -244,13 +244,13 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     rules = [{"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"], "resourceNames": ["owner"],
               "verbs": ["get", "patch"]}]
     refused(lambda: rbac.create_namespaced_role(namespace, {
-        "metadata": _managed(job, "owner-status-probe"),
+        "metadata": managed_meta(job, "owner-status-probe"),
         "rules": [{**rules[0], "resourceNames": ["someone-else"]}]}, **dry), "reach only the RFTJob")
-    role = {"metadata": _managed(job, "owner-status-probe"), "rules": rules}
+    role = {"metadata": managed_meta(job, "owner-status-probe"), "rules": rules}
     rbac.create_namespaced_role(namespace, role, **dry)
     # A binding is checked against its Role, which must exist: made for real, as admin.
     kubernetes.client.RbacAuthorizationV1Api(api).create_namespaced_role(namespace, role)
-    binding = {"metadata": _managed(job, "owner-status-probe"),
+    binding = {"metadata": managed_meta(job, "owner-status-probe"),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "owner-status-probe"},
                "subjects": [{"kind": "ServiceAccount", "name": "owner-rft-trainer", "namespace": namespace}]}
     # The API server checks a binding against its Role from a cache: wait until it has the Role.
@@ -283,7 +283,7 @@ def test_blocking_owner_deletion_needs_the_finalizers_right(installed, api, clus
     kubectl("create", "role", "maker", "--verb=create", "--resource=configmaps", "-n", namespace)
     kubectl("create", "rolebinding", "maker", "--role=maker", f"--serviceaccount={namespace}:maker", "-n", namespace)
     maker = kubernetes.client.CoreV1Api(client_as(cluster, tmp_path, namespace, "maker"))
-    meta = _managed(job, "owner-extra")
+    meta = managed_meta(job, "owner-extra")
     code, message = refusal(lambda: maker.create_namespaced_config_map(namespace, {"metadata": meta}, dry_run="All"))
     assert code == 403 and "blockOwnerDeletion" in message, (code, message)
     meta["ownerReferences"][0]["blockOwnerDeletion"] = False

@@ -14,7 +14,7 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from rft_contract import names as c
-from rft_operator.controller import Controller, _describe
+from rft_operator.controller import Controller, describe_error
 from rft_operator.model import ChildView, PodView
 from rft_operator.objects import JobRef, owner_reference
 
@@ -238,13 +238,13 @@ def test_recreate_and_force_deletions_are_applied():
     (RuntimeError("boom"), "RuntimeError: boom"),
 ])
 def test_describe_carries_the_servers_message(error, want):
-    assert _describe(error) == want
+    assert describe_error(error) == want
 
 
 def test_describe_never_shows_the_request():
     e = api_error(422, "ConfigMap \"c\" is invalid: data: Too long")
     e.headers = {"Authorization": "Bearer secret"}
-    assert "secret" not in _describe(e) and "data: Too long" in _describe(e)
+    assert "secret" not in describe_error(e) and "data: Too long" in describe_error(e)
 
 
 def _cond(status, type_):

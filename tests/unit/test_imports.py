@@ -1,6 +1,7 @@
 """The package layout's rules, read from the source with `ast` (nothing is imported):
 
-- no import cycles between the project's modules;
+- no import cycles between the project's modules (the local cluster's `e2e`, the tests and
+  the benchmarks included), and no private name (`_x`) imported from another module;
 - the contract, the operator and the sync agent never import torch (directly or through
   another project module), so the operator image and the sync-agent sidecar stay slim;
 - the contract imports no kopf, and no deployable's package imports another's except
@@ -17,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"rft_contract": ROOT / "contract", "rft_operator": ROOT / "operator",
             "rft_trainer": ROOT / "trainer_image", "rft_rollout": ROOT / "trainer_image",
-            "rft_serving": ROOT / "trainer_image"}
+            "rft_serving": ROOT / "trainer_image", "e2e": ROOT, "tests": ROOT, "bench": ROOT}
 SLIM = ("rft_contract", "rft_operator", "rft_serving.sync_agent")
 
 
@@ -163,3 +164,23 @@ def test_operator_uses_only_the_contract():
     for m in (m for m in g if m.startswith("rft_operator")):
         bad = {i for i in g[m] if i.split(".")[0] in ("rft_trainer", "rft_rollout", "rft_serving")}
         assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A leading underscore says "this module's own": another module that needs it should
+    get it under a public name (or from a module both can import)."""
+    files = module_files()
+    bad = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.split(".")[0] not in PACKAGES:
+                    continue
+                bad += [f"{path.relative_to(ROOT)}: from {base} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)

@@ -159,7 +159,7 @@ def test_a_too_old_watch_lists_again():
 
 def test_every_pod_event_enqueues_its_job_a_static_childs_own_create_does_not():
     from rft_operator.controller import WorkQueue
-    from rft_operator.handlers import _on_child_event
+    from rft_operator.handlers import on_child_event
 
     class Ctl:
         queue = WorkQueue()
@@ -168,7 +168,7 @@ def test_every_pod_event_enqueues_its_job_a_static_childs_own_create_does_not():
             return key == ("ns", "f")
 
     ctl = Ctl()
-    pods, children = _on_child_event(ctl, is_pod=True), _on_child_event(ctl, is_pod=False)
+    pods, children = on_child_event(ctl, is_pod=True), on_child_event(ctl, is_pod=False)
     pods(("ns", "a"), "ADDED")
     children(("ns", "b"), "ADDED")  # our create coming back
     children(("ns", "c"), "MODIFIED")  # a hand edit to repair
