@@ -4,16 +4,19 @@ repository's images (`make images`) from the local registry."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
 
 import pytest
 
+from e2e import demo
 from e2e import node as real_node
 from e2e.cluster import ExistingCluster, free_port
 from e2e.registry import DEFAULT_STATE_DIR as IMAGES_STATE_DIR
 from e2e.registry import Registry
+from tests.trainer.faultproxy import FaultProxy
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +69,15 @@ def host_http(node):
     yield f"http://{real_node.GATEWAY}:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
+
+
+@contextlib.contextmanager
+def s3_for_pods(s3_server: str, bucket: str, num_tasks: int):
+    """The session's S3 server behind a fault proxy on the node's bridge gateway, where
+    pods reach it, with the tiny model and a taskset in `bucket`."""
+    proxy = FaultProxy(s3_server, host=real_node.GATEWAY).start()
+    try:
+        demo.prepare_data(proxy.url, bucket=bucket, num_tasks=num_tasks)
+        yield proxy
+    finally:
+        proxy.stop()

@@ -22,7 +22,7 @@ from rft_contract import names as c
 from tests.conftest import wait_for
 from tests.e2e.incluster import NAMESPACE, InClusterOperator, container_processes
 from tests.integration.operator_fixtures import (
-    OperatorProcess, create_job, end_pod, get_job, job_manifest, pods, wait_phase, wait_status,
+    OperatorProcess, assert_takeover_kept_every_job, end_pod, jobs_in_flight,
 )
 
 pytestmark = pytest.mark.e2e
@@ -74,12 +74,7 @@ def test_the_other_replica_takes_over_when_the_leader_is_sigkilled(replicas, kub
         leader_pod = by_name[leader.rsplit("_", 1)[0]]  # identity: <pod name>_<random>
         (other_pod,) = [p for n, p in by_name.items() if n != leader_pod.metadata.name]
 
-        names = [f"j{i:02d}" for i in range(20)]
-        for n in names:  # on KWOK's nodes: pods that "run" without running anything
-            create_job(api, ns, job_manifest(n, trainer={"nodes": 1, "gpusPerNode": 1}))
-        for n in names:
-            wait_phase(api, ns, n, c.RUNNING, 180)
-        children = {p.metadata.name: p.metadata.uid for n in names for p in pods(api, ns, n)}
+        children = jobs_in_flight(api, ns, 20, 180)  # on KWOK's nodes: pods that "run" idle
 
         end_pod(api, ns, "j00-trainer-1-0", 1)  # a failure the dying leader may or may not handle
         (status,) = [cs for cs in leader_pod.status.container_statuses]
@@ -101,18 +96,7 @@ def test_the_other_replica_takes_over_when_the_leader_is_sigkilled(replicas, kub
         # renewal late. Either way a new candidate, within the lease duration.
         assert took <= LEASE_DURATION + 2 * RETRY, took
 
-        s = wait_status(api, ns, "j00", lambda s: s.get("attempt") == 2 and s.get("phase") == c.RUNNING, 180,
-                        "j00 restarted by the new leader")
-        assert s["restarts"] == 1, s
-        create_job(api, ns, job_manifest("late", trainer={"nodes": 1, "gpusPerNode": 1}))
-        wait_phase(api, ns, "late", c.RUNNING, 120)
-        for n in names[1:]:
-            st = get_job(api, ns, n)["status"]
-            assert (st["phase"], st.get("restarts", 0), st["attempt"]) == (c.RUNNING, 0, 1), (n, st)
-        now = {p.metadata.name: p.metadata.uid for n in names[1:] for p in pods(api, ns, n)}
-        assert now == {k: v for k, v in children.items() if not k.startswith("j00-")}
-        j00 = sorted(p.metadata.name for p in pods(api, ns, "j00") if "-trainer-" in p.metadata.name)
-        assert j00 == ["j00-trainer-1-0", "j00-trainer-2-0"], j00
+        assert_takeover_kept_every_job(api, ns, children, 180)
         # The killed replica's container came back, as a waiting candidate.
         wait_for(lambda: len(ready_pods(api)) == 2, 120, "the killed replica back")
         restarted = kubernetes.client.CoreV1Api(api).read_namespaced_pod(leader_pod.metadata.name, NAMESPACE)

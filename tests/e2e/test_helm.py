@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from e2e import demo
-from e2e.node import GATEWAY, LOCAL_NODE_LABEL, LOCAL_TAINT
+from e2e.node import LOCAL_NODE_LABEL, LOCAL_TAINT
 from rft_contract import names as c
 from tests.conftest import wait_for
+from tests.e2e.conftest import s3_for_pods
 from tests.integration.operator_fixtures import OperatorProcess
-from tests.trainer.faultproxy import FaultProxy
 from tests.unit.test_chart import CHART, run_helm
 
 pytestmark = pytest.mark.e2e
@@ -29,11 +29,8 @@ SAMPLE = yaml.safe_load((CHART.parents[1] / "manifests/samples/rftjob.yaml").rea
 
 @pytest.fixture(scope="module")
 def s3(s3_server, node):
-    """The S3 server where pods reach it (the bridge gateway), with the tiny model."""
-    proxy = FaultProxy(s3_server, host=GATEWAY).start()
-    demo.prepare_data(proxy.url, bucket="rft-helm", num_tasks=64)
-    yield proxy
-    proxy.stop()
+    with s3_for_pods(s3_server, "rft-helm", 64) as proxy:
+        yield proxy
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,15 @@ import pytest
 import yaml
 
 from e2e import demo
-from e2e.node import GATEWAY
 from rft_contract import names as c
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
 from tests.e2e.incluster import InClusterOperator, pod_processes
+from tests.e2e.conftest import s3_for_pods
 from tests.integration.operator_fixtures import (
     OperatorProcess, events, gang_ranks, hold_pod, job_manifest, pod_deleting, refusing_trainer_pods, release_pod,
 )
-from tests.trainer.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +45,8 @@ RESULTS: dict[str, dict] = {}
 
 @pytest.fixture(scope="module")
 def s3(s3_server, node):
-    """The S3 server behind a fault proxy on the node's bridge gateway, where pods reach it."""
-    proxy = FaultProxy(s3_server, host=GATEWAY).start()
-    demo.prepare_data(proxy.url, bucket="rft-e2e", num_tasks=128)
-    yield proxy
-    proxy.stop()
+    with s3_for_pods(s3_server, "rft-e2e", 128) as proxy:
+        yield proxy
 
 
 @pytest.fixture(scope="module")

@@ -292,3 +292,36 @@ def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
         adm.delete_validating_admission_policy_binding(name)
         adm.delete_validating_admission_policy(name)
         wait_for(lambda: not refused(), 30, "the admission policy to be gone")
+
+
+# ------------------------------------------------------------------ leader takeover
+
+
+def jobs_in_flight(api, namespace: str, count: int = 20, timeout: float = 180) -> dict[str, str]:
+    """`count` one-pod jobs j00, j01, ... Running on KWOK's nodes; their pods' name -> uid."""
+    names = [f"j{i:02d}" for i in range(count)]
+    for n in names:
+        create_job(api, namespace, job_manifest(n, trainer={"nodes": 1, "gpusPerNode": 1}))
+    for n in names:
+        wait_phase(api, namespace, n, c.RUNNING, timeout)
+    return {p.metadata.name: p.metadata.uid for n in names for p in pods(api, namespace, n)}
+
+
+def assert_takeover_kept_every_job(api, namespace: str, children: dict[str, str], timeout: float = 120) -> None:
+    """After a new leader took over from one killed right after j00's pod failed: j00 is
+    restarted once (whether or not the old leader saw the failure), the others' pods are
+    the same objects (none replaced or added, no restart counted), and new work is done."""
+    s = wait_status(api, namespace, "j00", lambda s: s.get("attempt") == 2 and s.get("phase") == c.RUNNING,
+                    timeout, "j00 restarted by the new leader")
+    assert s["restarts"] == 1, s
+    create_job(api, namespace, job_manifest("late", trainer={"nodes": 1, "gpusPerNode": 1}))
+    wait_phase(api, namespace, "late", c.RUNNING, timeout)
+    names = sorted({k.split("-")[0] for k in children} - {"j00"})
+    for n in names:
+        st = get_job(api, namespace, n)["status"]
+        assert (st["phase"], st.get("restarts", 0), st["attempt"]) == (c.RUNNING, 0, 1), (n, st)
+    now = {p.metadata.name: p.metadata.uid for n in names for p in pods(api, namespace, n)}
+    assert now == {k: v for k, v in children.items() if not k.startswith("j00-")}
+    # j00: attempt 1's failed pod kept for its logs, one gang for attempt 2, nothing more.
+    j00 = sorted(p.metadata.name for p in pods(api, namespace, "j00") if "-trainer-" in p.metadata.name)
+    assert j00 == ["j00-trainer-1-0", "j00-trainer-2-0"], j00

@@ -27,8 +27,8 @@ from tests.conftest import wait_for
 from tests.trainer.faultproxy import TcpProxy
 
 from .operator_fixtures import (  # noqa: F401  (fixtures)
-    OperatorProcess, api, create_job, end_pod, get_job, installed, job_manifest, namespace, pods, wait_phase,
-    wait_status,
+    OperatorProcess, api, assert_takeover_kept_every_job, create_job, end_pod, installed, job_manifest,
+    jobs_in_flight, namespace, wait_phase, wait_status,
 )
 
 pytestmark = pytest.mark.integration
@@ -114,13 +114,8 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_dies(replicas, api, 
     assert not b.logged("rftjob-operator started")  # no handlers, no controller on the follower
 
     # 20 jobs in flight under the leader.
-    names = [f"j{i:02d}" for i in range(20)]
-    for n in names:
-        create_job(api, namespace, job_manifest(n, trainer={"nodes": 1, "gpusPerNode": 1}))
-    for n in names:
-        wait_phase(api, namespace, n, c.RUNNING, 120)
+    children = jobs_in_flight(api, namespace, 20, 120)
     assert not b.logged(r"pods seen")  # the follower never reconciled anything
-    children = {p.metadata.name: p.metadata.uid for n in names for p in pods(api, namespace, n)}
 
     # A pod fails and the leader dies at once: the failure may or may not have been
     # handled; either way it is counted once.
@@ -136,20 +131,7 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_dies(replicas, api, 
     assert took <= DURATION + 2 * RETRY, took
     assert lease_holder(api) != leader
 
-    s = wait_status(api, namespace, "j00", lambda s: s.get("attempt") == 2 and s.get("phase") == c.RUNNING, 120,
-                    "j00 restarted by the new leader")
-    assert s["restarts"] == 1, s
-    # The new leader acts on new work too.
-    create_job(api, namespace, job_manifest("late", trainer={"nodes": 1, "gpusPerNode": 1}))
-    wait_phase(api, namespace, "late", c.RUNNING, 120)
-    for n in names[1:]:
-        st = get_job(api, namespace, n)["status"]
-        assert (st["phase"], st.get("restarts", 0), st["attempt"]) == (c.RUNNING, 0, 1), (n, st)
-    now = {p.metadata.name: p.metadata.uid for n in names[1:] for p in pods(api, namespace, n)}
-    assert now == {k: v for k, v in children.items() if not k.startswith("j00-")}  # none replaced or added
-    # j00: attempt 1's failed pod kept for its logs, one gang for attempt 2, nothing more.
-    j00 = sorted(p.metadata.name for p in pods(api, namespace, "j00") if "-trainer-" in p.metadata.name)
-    assert j00 == ["j00-trainer-1-0", "j00-trainer-2-0"], j00
+    assert_takeover_kept_every_job(api, namespace, children)
 
 
 def test_a_leader_cut_off_from_the_api_server_exits_before_the_other_takes_over(
