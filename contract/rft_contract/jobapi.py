@@ -10,13 +10,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .names import GROUP, PLURAL, VERSION
+from .times import now_text
 
 SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 MERGE_PATCH = "application/merge-patch+json"
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now_text()
 
 
 def merge(into: dict, patch: dict) -> dict:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rft_contract import names as c
+from rft_contract.times import format_time
 
 from .model import Event, Obj
-from .policy import format_time
 
 KEEP = 5  # attempts kept in status: enough for a story, a bounded status
 REASON_RESUMED_FROM = "ResumedFromCheckpoint"

@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 
 from rft_contract import names as c
 from rft_contract.spec import FailurePolicy, RFTJobSpec
+from rft_contract.times import format_time, parse_time
 
 from . import policy
 from .model import Event, Obj, PodView, Refusal, compute_deletions
@@ -86,7 +87,7 @@ class Failure:
     def record(self, attempt: int, now: datetime) -> Obj:
         """`status.lastFailure`."""
         out = {"attempt": attempt, "pod": self.pod, "exitCode": self.exit_code, "reason": self.reason,
-               "message": self.message, "time": policy.format_time(now)}
+               "message": self.message, "time": format_time(now)}
         if self.log:
             out["log"] = self.log
         return out
@@ -314,7 +315,7 @@ def _restart_when_due(g: Gang, ref: JobRef, spec: RFTJobSpec, pods: list[PodView
     active = [x for x in pods if x.active or x.deleting]
     g = _force_stuck(_delete(g, active), active, now, nodes, ref.namespace)
     g = _report_stuck(g, g.status.get("message"))
-    failed_at = policy.parse_time((g.status.get("lastFailure") or {}).get("time"))
+    failed_at = parse_time((g.status.get("lastFailure") or {}).get("time"))
     wait = policy.backoff_remaining(failed_at, spec.failure_policy.backoff_seconds, now)
     if wait > 0:
         return _requeue(g, wait)
@@ -337,10 +338,10 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
         return _handle_failure(g, spec, failure, list(gang.values()), pods, now)
     if len(gang) == nodes and all(x.phase == "Succeeded" for x in gang.values()):
         g = _set_phase(g, c.SUCCEEDED, f"all {nodes} trainer pods succeeded", c.REASON_SUCCEEDED)
-        return replace(g, status={**g.status, "completionTime": policy.format_time(now)})
+        return replace(g, status={**g.status, "completionTime": format_time(now)})
     if len(gang) == nodes and all(x.phase in ("Running", "Succeeded") for x in gang.values()):
         g = _set_phase(g, c.RUNNING, f"all {nodes} trainer pods running", c.REASON_ALL_RUNNING)
-        g = replace(g, status={**g.status, "startTime": g.status.get("startTime") or policy.format_time(now)})
+        g = replace(g, status={**g.status, "startTime": g.status.get("startTime") or format_time(now)})
         return _check_progress(g, spec, progress, list(gang.values()), pods, now)
     if not stale:  # a new gang starts only once the previous one is gone
         missing = [build_trainer_pod(ref, spec, attempt, r) for r in range(nodes) if r not in gang]
@@ -436,7 +437,7 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
         # No step from this attempt yet and the trainer says it is still loading the model
         # (bounded by its own timeout) and resuming: the deadline counts from there.
         deadline += spec.model.cache.download_timeout_seconds
-    left = policy.progress_deadline_remaining(policy.parse_time(record["since"]), deadline, now)
+    left = policy.progress_deadline_remaining(parse_time(record["since"]), deadline, now)
     if left is None:
         return g
     if left >= 0:  # not past it yet: come back when it would be
@@ -456,7 +457,7 @@ def compute_progress_record(old: Obj | None, attempt: int, step: int | None, now
     if old and old.get("attempt") == attempt and old.get("step") == step and old.get("since"):
         record = old
     else:
-        record = {"step": step, "attempt": attempt, "since": policy.format_time(now)}
+        record = {"step": step, "attempt": attempt, "since": format_time(now)}
         if old and old.get("resumedFrom"):  # kept within an attempt; null (dropped) for the next
             record["resumedFrom"] = old["resumedFrom"] if old.get("attempt") == attempt else None
     if record.get("resumedFrom") is None and resumed and resumed.get("attempt") == attempt \
@@ -471,7 +472,7 @@ def compute_progress_record(old: Obj | None, attempt: int, step: int | None, now
 def build_stall_message(record: Obj, progress: Progress, deadline: int, now: datetime) -> str:
     """Why the deadline fired, from what the pods report: the trainer's own account
     (`status.trainer.waiting`), then the other concerns' hints."""
-    idle = int((now - policy.parse_time(record["since"])).total_seconds())
+    idle = int((now - parse_time(record["since"])).total_seconds())
     step = record.get("step")
     head = (f"attempt {record['attempt']} reported no step in {idle}s" if step is None
             else f"step {step} has not moved for {idle}s")
@@ -486,7 +487,7 @@ def describe_trainer_wait(trainer: Obj, now: datetime) -> str:
     waiting = trainer.get("waiting") or {}
     if not waiting.get("reason"):
         return ""
-    since = _parse_time_or_none(waiting.get("since"))
+    since = parse_time(waiting.get("since"))
     seconds = (now - since).total_seconds() if since else waiting.get("seconds")
     words = WAIT_WORDS.get(waiting["reason"], f"waiting ({waiting['reason']})")
     out = f"trainer {words}" + (f" for {int(seconds)}s" if seconds is not None else "")
@@ -494,14 +495,6 @@ def describe_trainer_wait(trainer: Obj, now: datetime) -> str:
     if dropped:
         out += f" ({dropped} stale dropped)"
     return out + (f": {waiting['message']}" if waiting.get("message") else "")
-
-
-def _parse_time_or_none(value: object) -> datetime | None:
-    """A time another writer reported; one this operator cannot read is no time at all."""
-    try:
-        return policy.parse_time(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
 
 
 def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Failure, gang: list[PodView],
@@ -542,5 +535,5 @@ def _restart(g: Gang, spec: RFTJobSpec, gang: list[PodView], message: str, reaso
 def _fail(g: Gang, pods: list[PodView], now: datetime, reason: str, message: str) -> Gang:
     """Terminal: stop every live trainer pod; keep the first completion time."""
     g = _set_phase(_delete(g, [x for x in pods if x.active]), c.FAILED, message, reason, warn=True)
-    done = g.status.get("completionTime") or policy.format_time(now)
+    done = g.status.get("completionTime") or format_time(now)
     return replace(g, status={**g.status, "completionTime": done}, failed_reason=reason)

@@ -27,8 +27,9 @@ from typing import Any, Callable, Hashable, Iterable
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from .model import Obj
+
 log = logging.getLogger("rft_operator")
-Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace, job name)
 
 WATCH_TIMEOUT_SECONDS = 300  # the server ends a watch after this; the loop resumes it

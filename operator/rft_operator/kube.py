@@ -19,8 +19,9 @@ from kubernetes.client.rest import ApiException
 
 from rft_contract import names as c
 
+from .model import Obj
+
 log = logging.getLogger(__name__)
-Obj = dict[str, Any]
 
 
 class Conflict(Exception):

@@ -34,14 +34,15 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import quote, urlsplit
 
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from .model import Obj
+
 log = logging.getLogger(__name__)
-Obj = dict[str, Any]
 
 LEASE_NAME = "rftjob-operator"
 MARGIN = 1.0  # lease duration - renew deadline, at least: the watchdog's period and the exit fit in it

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
 
 from rft_contract import names as c
+from rft_contract.times import parse_time
 
 Obj = dict[str, Any]
 
@@ -63,7 +64,7 @@ class PodView:
             term = (cs.get("state") or {}).get("terminated")
             if term and (cs.get("name") == TRAINER_CONTAINER or exit_code is None):
                 exit_code, reason = term.get("exitCode"), term.get("reason") or reason
-                finished, said = parse_api_time(term.get("finishedAt")), term.get("message") or ""
+                finished, said = parse_time(term.get("finishedAt")), term.get("message") or ""
         disruption = next((x for x in status.get("conditions") or []
                            if x.get("type") == DISRUPTION_TARGET and x.get("status") == "True"), None)
         return cls(
@@ -79,10 +80,10 @@ class PodView:
             finished_at=finished,
             termination_message=said,
             disruption=(disruption.get("reason") or DISRUPTION_TARGET) if disruption else None,
-            disrupted_at=parse_api_time(disruption.get("lastTransitionTime")) if disruption else None,
+            disrupted_at=parse_time(disruption.get("lastTransitionTime")) if disruption else None,
             disruption_message=(disruption.get("message") or "") if disruption else "",
             status_reason=status.get("reason"),
-            deletion_deadline=parse_api_time(meta.get("deletionTimestamp")),
+            deletion_deadline=parse_time(meta.get("deletionTimestamp")),
             deletion_grace_seconds=meta.get("deletionGracePeriodSeconds"),
             owner_uid=controller_uid(meta),
             node_name=(pod.get("spec") or {}).get("nodeName") or "",
@@ -181,15 +182,3 @@ def managed_fields(obj: Obj) -> Obj:
     meta = obj.get("metadata") or {}
     out["metadata"] = {"labels": dict(meta.get("labels") or {}), "annotations": dict(meta.get("annotations") or {})}
     return out
-
-
-def parse_api_time(value: object) -> datetime | None:
-    """An RFC 3339 time as the API server writes it ("2026-11-30T12:00:00Z"); None when
-    absent or unreadable (a time this operator cannot read is no time at all)."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)

@@ -21,7 +21,8 @@ from rft_contract import names as c
 from rft_contract.checks import parse_quantity
 from rft_contract.spec import EnvVar, RFTJobSpec
 
-Obj = dict[str, Any]
+from .model import Obj
+
 
 # Non-root user of the trainer image (trainer_image/Dockerfile creates it).
 IMAGE_UID = 1000

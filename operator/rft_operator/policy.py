@@ -12,6 +12,7 @@ from typing import Any
 
 from rft_contract.names import ANNOTATION_MANAGED_KEYS, GROUP, LABEL_MANAGED_BY
 from rft_contract.spec import FailurePolicy
+from rft_contract.times import format_time
 
 FATAL = "fatal"
 RETRYABLE = "retryable"
@@ -184,19 +185,6 @@ def build_managed_keys(meta: dict[str, Any]) -> str:
     keys = {part: sorted(k for k in meta.get(part) or {} if not is_our_key(k)) for part in ("labels", "annotations")}
     keys = {part: v for part, v in keys.items() if v}
     return json.dumps(keys, sort_keys=True, separators=(",", ":")) if keys else ""
-
-
-# ------------------------------------------------------------------ time
-
-
-def format_time(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(s: str | None) -> datetime | None:
-    if not s:
-        return None
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
 
 
 # ------------------------------------------------------------------ conditions

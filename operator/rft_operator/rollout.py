@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rft_contract import names as c
+from rft_contract.times import parse_time
 from rft_contract.spec import RFTJobSpec
 
 from . import policy
@@ -68,7 +69,7 @@ def compute_final_sync_wait(sync_cond: Cond | None, completion_time: str | None,
     0 once every replica is synced (or nothing syncs), or once the grace is spent."""
     if sync_cond is None or sync_cond.status:
         return 0.0
-    done_at = policy.parse_time(completion_time)
+    done_at = parse_time(completion_time)
     return policy.backoff_remaining(done_at, c.FINAL_SYNC_GRACE_SECONDS, now)
 
 

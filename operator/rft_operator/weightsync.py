@@ -14,16 +14,14 @@ export, and `spec.sync.pinnedVersion: 0` rolls back to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from rft_contract import names as c
 from rft_contract.layout import weights_uri
 from rft_contract.spec import RFTJobSpec
 
-from .model import Event
+from .model import Event, Obj
 from .policy import Cond
 
-Obj = dict[str, Any]
 
 
 def base_target(spec: RFTJobSpec) -> Obj:

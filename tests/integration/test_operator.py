@@ -7,7 +7,7 @@ import kubernetes
 import pytest
 
 from rft_contract import names as c
-from rft_operator.policy import parse_time
+from rft_contract.times import parse_time
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401  (fixtures)

@@ -14,7 +14,8 @@ from rft_contract.spec import parse_spec
 from rft_operator import gang, policy
 from rft_operator.model import PodView
 from rft_operator.objects import JobRef
-from rft_operator.policy import FORCE_DELETE_MARGIN_SECONDS, format_time
+from rft_contract.times import format_time
+from rft_operator.policy import FORCE_DELETE_MARGIN_SECONDS
 from rft_operator.reconcile import Observed, reconcile
 
 from .conftest import NOW, SPEC, make_job

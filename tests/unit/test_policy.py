@@ -3,6 +3,7 @@ from datetime import timedelta
 import pytest
 
 from rft_operator import policy
+from rft_contract import times
 from rft_contract.spec import FailurePolicy
 from rft_operator.policy import Cond
 
@@ -51,8 +52,9 @@ def test_progress_deadline_remaining(ago, deadline, left):
 
 
 def test_time_roundtrip():
-    assert policy.parse_time(policy.format_time(NOW)) == NOW
-    assert policy.parse_time(None) is None
+    assert times.parse_time(times.format_time(NOW)) == NOW
+    assert times.parse_time(None) is None and times.parse_time("not a time") is None
+    assert times.parse_time("2026-11-30T12:00:00.250+01:00") == NOW.replace(hour=11, microsecond=250000)
 
 
 def test_conditions_transition_time_moves_only_on_flip():
@@ -62,7 +64,7 @@ def test_conditions_transition_time_moves_only_on_flip():
     flipped = policy.compute_conditions(same, [Cond("Running", True, "AllPodsRunning")], 2, later)
     assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
     assert same[0]["message"] == "still" and same[0]["observedGeneration"] == 2
-    assert flipped[0]["lastTransitionTime"] == policy.format_time(later)
+    assert flipped[0]["lastTransitionTime"] == times.format_time(later)
     assert flipped[0]["status"] == "True"
 
 

@@ -62,6 +62,7 @@ from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, 
 from rft_contract.manifest import apply_retention as manifest_retention
 from rft_contract.names import ENV_STAGING_DIR
 from rft_contract.storage import Storage, get_storage, join, upload_file
+from rft_contract.times import now_text
 
 from .parallelize import Runtime
 
@@ -379,7 +380,7 @@ class CheckpointManager:
                 return f"two ranks wrote {sorted(dup)}"
             merged.update(files)
         manifest = {"step": step, "world_size": self.rt.world_size, "format": "torch.distributed.checkpoint",
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": merged}
+                    "created": now_text(), "files": merged}
         if self.config_hash:
             manifest["config_hash"] = self.config_hash
         try:

@@ -49,13 +49,13 @@ import json
 import re
 import time
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
 
 import safetensors.torch
 import torch
 
 from rft_contract.storage import Storage, get_storage, join
+from rft_contract.times import now_text
 
 FORMAT = "rft.experiences/v1"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -206,7 +206,7 @@ def write_shard(directory: str, name: str, exp: Experiences, storage: Storage | 
         "info": exp.info,
         "weights_version_min": None if versions is None else int(versions.min()),
         "weights_version_max": None if versions is None else int(versions.max()),
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": now_text(),
     }
     uri = join(directory, f"{name}.json")
     storage.write_bytes(uri, json.dumps(meta, separators=(",", ":")).encode())

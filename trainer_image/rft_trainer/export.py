@@ -26,6 +26,7 @@ from torch import nn
 from rft_contract import layout
 from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
 from rft_contract.storage import Storage, join, upload_file
+from rft_contract.times import now_text
 
 from .parallelize import Runtime, tied_parameters
 
@@ -116,7 +117,7 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
         # the steps it replays): sync agents reload when (version, id) changes.
         manifest = {"step": step, "id": uuid.uuid4().hex[:16], "format": "hf-safetensors", "dtype": dtype,
                     "files": writer.files, "bytes": writer.total_bytes,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "created": now_text(),
                     "export_seconds": round(time.perf_counter() - start, 3)}
         # Written last: readers treat a weights directory without it as absent.
         write_manifest(storage, dest, manifest)
