@@ -56,7 +56,12 @@ def helm(cluster, node, images, tmp_path_factory):
         yield run, values
     finally:
         run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
+        # The release took the kustomize install's ServiceAccount and RBAC over and removed
+        # them: back they come, and the host operators get new tokens (a token is bound to
+        # its ServiceAccount's uid).
+        demo.install_api(cluster)
         for other in paused:
+            cluster.service_account_kubeconfig(NAMESPACE, "rftjob-operator", other.kubeconfig)
             other.start()
 
 
