@@ -378,7 +378,7 @@ class FailurePolicy(Model):
     rules = (Check(
         "!has(self.fatalExitCodes) || !has(self.retryableExitCodes) || "
         "self.fatalExitCodes.all(c, !(c in self.retryableExitCodes))",
-        None,  # admission only: policy.classify_exit_code still lets fatal win if both list a code
+        None,  # admission only: failure_policy.classify_exit_code still lets fatal win if both list a code
         "failurePolicy.fatalExitCodes and failurePolicy.retryableExitCodes must not overlap"),)
 
     max_restarts: int = Field(default=3, ge=0, le=10_000)

@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RetryIsAWarning())
-    handlers.serve_namespaces(args.namespace)
+    memo = handlers.Memo(namespaces=list(args.namespace))
     if args.metrics_port:
-        metrics.serve(args.metrics_port, lambda: getattr(handlers.controller(), "metrics", None))
+        metrics.serve(args.metrics_port, lambda: getattr(memo.controller, "metrics", None))
     if args.webhook_port or args.leader_elect:
         load_config()
     if args.webhook_port:  # on every replica: the API server calls whichever the Service picks
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             namespaces=args.namespace,
             standalone=True,
             liveness_endpoint=args.liveness,
+            memo=memo,
         ))
     finally:
         if elector is not None:

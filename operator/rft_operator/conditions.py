@@ -3,18 +3,30 @@ Progressing, WeightsSynced when the job serves inference, and kstatus' Ready, Re
 and Stalled (what Flux and cli-utils read). Pure, no I/O.
 
 Every condition the operator manages is written on every pass, True or False, so
-`kubectl wait --for=condition=...` works both ways; the merge (`policy.compute_conditions`)
+`kubectl wait --for=condition=...` works both ways; the merge (`compute_conditions`)
 moves `lastTransitionTime` only when a status flips and keeps conditions others own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from rft_contract import names as c
+from rft_contract.times import format_time
 
 from .model import Obj
-from .policy import Cond, compute_conditions
+
+
+@dataclass(frozen=True)
+class Cond:
+    """One condition as a concern wants it; `compute_conditions` merges it into the stored list."""
+
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
 
 
 def compute_job_conditions(old_conditions: list[Obj] | None, gang_status: Obj, failed_reason: str | None,
@@ -116,3 +128,27 @@ def build_progressing(gang_status: Obj, failed_reason: str, deadline: int) -> Co
             or (phase == c.FAILED and failed_reason == c.REASON_PROGRESS_DEADLINE)):
         return Cond(c.COND_PROGRESSING, False, c.REASON_PROGRESS_DEADLINE, failure.get("message") or "")
     return Cond(c.COND_PROGRESSING, False, phase, "")
+
+
+def compute_conditions(
+    old: list[dict[str, Any]] | None, new: list[Cond], generation: int | None, now: datetime
+) -> list[dict[str, Any]]:
+    """Merge desired conditions into the old list, Kubernetes-style.
+
+    `lastTransitionTime` moves only when `status` flips; reason/message/generation update
+    freely. Conditions we do not manage (e.g. ones the trainer adds) are kept.
+    """
+    by_type = {x["type"]: dict(x) for x in (old or [])}
+    for cond in new:
+        status = "True" if cond.status else "False"
+        prev = by_type.get(cond.type)
+        changed = prev is None or prev.get("status") != status
+        by_type[cond.type] = {
+            "type": cond.type,
+            "status": status,
+            "reason": cond.reason,
+            "message": cond.message,
+            "lastTransitionTime": format_time(now) if changed else prev.get("lastTransitionTime"),
+            "observedGeneration": generation,
+        }
+    return sorted(by_type.values(), key=lambda x: x["type"])

@@ -1,10 +1,11 @@
-"""The controller loop: a deduplicating work queue of RFTJob keys, fed by watch events,
+"""The controller loop: RFTJob keys fed by watch events into the work queue (`workqueue.py`),
 drained by a few workers that run the pure reconcile and apply its plan.
 
 Why not kopf's on.create/on.update/daemon handlers: change handlers chain logic through
 events (a missed one leaves a job stuck), and daemons/timers require a finalizer on every
 RFTJob (deletion would hang while the operator is down). Watch events only *enqueue*; the
-reconcile always reads the current level from kopf's watch-fed indexes.
+reconcile always reads the current level: the RFTJob from kopf's index, its children from
+the informers' stores (`informer.py`).
 
 Errors: what a retry may fix (5xx, 429, timeouts, a 403 from a webhook that may be down)
 is retried with backoff. What it cannot, a child the API server refuses as invalid (422)
@@ -21,7 +22,6 @@ their Nodes (no node watch), so the gang can tell whether a force delete is safe
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import random
 import threading
@@ -29,135 +29,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from datetime import datetime, timezone
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Iterable
 
 import urllib3
 from kubernetes.client.rest import ApiException
 
 from rft_contract import names as c
 
-from . import policy
+from . import drift, terminating
 from . import reconcile as rc
 from .kube import Conflict, Kube, api_message
 from .metrics import OperatorMetrics
 from .model import ChildView, PodView, Refusal, managed_fields
+from .workqueue import WorkQueue, is_new, kept_workers
 
 log = logging.getLogger("rft_operator")
 # Consecutive failed passes of one job before its log line is an error (about 1.5 minutes of backoff).
 RETRIES_BEFORE_ERROR = 8
 Key = tuple[str, str]  # (namespace, name)
-
-
-class WorkQueue:
-    """client-go semantics: a key is queued at most once, and never processed by two
-    workers at the same time; a key added while being processed is re-queued after.
-
-    Two lanes, like controller-runtime's priority queue: `add(key, later=True)` (a job seen
-    for the first time, a periodic resync) waits behind every plain `add` (a change to a
-    job or its children). A burst of new jobs then no longer holds up the jobs already in
-    flight: a gang whose last pod runs gets its status pass before the next new job gets its
-    first. A key added plainly while it waits in the later lane moves up. Order within a
-    lane is first come, first served.
-
-    Workers that call `get(now_only=True)` take only plain adds: kept for jobs in flight,
-    they are free when a gang's last pod starts even while every other worker waits on a
-    burst of new jobs' slowest writes (Roles and RoleBindings)."""
-
-    NOW, LATER = 0, 1
-
-    def __init__(self) -> None:
-        self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
-        self._dirty: dict[Hashable, int] = {}  # key -> the lane it waits in
-        self._processing: set[Hashable] = set()
-        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
-        # Idle workers by what they take: [NOW] plain adds only, [LATER] any key.
-        self._waiters: tuple[collections.deque[asyncio.Future], ...] = (collections.deque(), collections.deque())
-
-    def add(self, key: Hashable, later: bool = False) -> None:
-        lane = self.LATER if later else self.NOW
-        queued = self._dirty.get(key)
-        if queued is not None and queued <= lane:
-            return
-        self._dirty[key] = lane  # new, or moving up from the later lane
-        if key not in self._processing:
-            self._put(key, lane)
-
-    def _put(self, key: Hashable, lane: int) -> None:
-        self._lanes[lane].append(key)
-        self._wake_for(lane)
-
-    def add_after(self, key: Hashable, delay: float, later: bool = False) -> None:
-        """Schedule `key` (into the later lane with `later`); an earlier pending schedule
-        for the same key wins."""
-        loop = asyncio.get_running_loop()
-        due = loop.time() + delay
-        old = self._timers.get(key)
-        if old is not None and not old.cancelled() and old.when() <= due:
-            return
-        if old is not None:
-            old.cancel()
-        self._timers[key] = loop.call_at(due, self._fire, key, later)
-
-    def _fire(self, key: Hashable, later: bool) -> None:
-        self._timers.pop(key, None)
-        self.add(key, later=later)
-
-    def _pop(self, lanes: int) -> Hashable | None:
-        for lane, queue in enumerate(self._lanes[:lanes]):
-            while queue:
-                key = queue.popleft()
-                # Skip what moved up to the other lane, or went to a worker from there.
-                if self._dirty.get(key) == lane and key not in self._processing:
-                    return key
-        return None
-
-    async def get(self, now_only: bool = False) -> Hashable:
-        lane = self.NOW if now_only else self.LATER
-        while (key := self._pop(lane + 1)) is None:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters[lane].append(waiter)
-            await waiter
-        del self._dirty[key]
-        self._processing.add(key)
-        self._wake()
-        return key
-
-    def _wake(self) -> None:
-        """Hand what is still queued to idle workers: the wake-up meant for it may have gone
-        to a worker that took another key (from the lane it checks first) or none."""
-        for lane, queue in enumerate(self._lanes):
-            if queue:
-                self._wake_for(lane)
-
-    def _wake_for(self, lane: int) -> None:
-        """Wake one idle worker that takes `lane`'s keys: for a plain add a kept worker
-        first, leaving the others to later keys."""
-        for waiters in self._waiters[lane:]:
-            while waiters:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    return
-
-    def done(self, key: Hashable) -> None:
-        self._processing.discard(key)
-        if key in self._dirty:
-            self._put(key, self._dirty[key])
-
-    def __len__(self) -> int:
-        return sum(1 for k in self._dirty if k not in self._processing)
-
-
-def is_new(body: dict[str, Any] | None) -> bool:
-    """A job the operator has not written a status for yet: its passes, retries included,
-    wait in the later lane (`WorkQueue`), so creating its children never delays a status
-    pass of a job in flight."""
-    return not ((body or {}).get("status") or {}).get("phase")
-
-
-def kept_workers(workers: int) -> int:
-    """How many of `workers` take only jobs in flight: a quarter; none of fewer than 4."""
-    return workers // 4
 
 
 def write_threads(workers: int) -> int:
@@ -219,6 +108,7 @@ class Controller:
         self.metrics.track_writes(kube)
         self.get_job, self.get_pods, self.get_children = get_job, get_pods, get_children
         self.queue = WorkQueue()
+        self.renders = rc.RenderCache()  # the last render of each job's spec
         self.num_workers = workers
         self._tasks: list[asyncio.Task] = []
         # API writes get threads of their own, apart from kopf's default executor: a few
@@ -277,7 +167,7 @@ class Controller:
             self._stale_rv.pop(key, None)
             self._refusals.pop(key, None)
             self._expected.pop(key, None)
-            rc.forget(*key)
+            self.renders.forget(*key)
             return
         rv = body["metadata"].get("resourceVersion")
         if self._stale_rv.get(key) == rv:
@@ -294,7 +184,7 @@ class Controller:
         nodes = rc.nodes_to_read(body, observed, now)
         if nodes:
             observed.nodes = await asyncio.get_running_loop().run_in_executor(self._pool, self.read_nodes, nodes)
-        plan = rc.reconcile(body, observed, now)
+        plan = rc.reconcile(body, observed, now, self.renders)
         self.reconciles += 1
         self.metrics.reconciles.inc()
         log.debug("%s/%s: %d pods seen, phase %s -> %s, %d creates, %d deletes", *key,
@@ -330,15 +220,15 @@ class Controller:
                                       [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
 
     def read_nodes(self, names: Iterable[str]) -> dict[str, str]:
-        """What each Node says about the pods on it (`policy.classify_node`). A Node that
+        """What each Node says about the pods on it (`terminating.classify_node`). A Node that
         cannot be read is unknown (`NODE_UNREADABLE`): its pods are not force-deleted, and
         the next pass asks again."""
         out = {}
         for name in sorted(names):
             try:
-                out[name] = policy.classify_node(self.kube.read_node(name))
+                out[name] = terminating.classify_node(self.kube.read_node(name))
             except ApiException as e:
-                out[name] = policy.NODE_UNREADABLE
+                out[name] = terminating.NODE_UNREADABLE
                 log.log(logging.INFO if e.status == 403 else logging.WARNING,
                         "node %s: %s; its stuck pods are not force-deleted", name, describe_error(e))
         return out
@@ -444,13 +334,13 @@ class Controller:
             return True
         meta, what = body["metadata"], _what(obj)
         live = self.kube.read(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        owner = policy.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), c.KIND)
-        if owner == policy.OURS:
+        owner = drift.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), c.KIND)
+        if owner == drift.OURS:
             # Ours, yet not in the index: someone took our labels off. Put them back.
-            if obj["kind"] != "Pod" and not policy.covers(managed_fields(live), managed_fields(obj)):
-                self._write(body, policy.compute_patch(obj, live), "patching", self.kube.replace)
+            if obj["kind"] != "Pod" and not drift.covers(managed_fields(live), managed_fields(obj)):
+                self._write(body, drift.compute_patch(obj, live), "patching", self.kube.replace)
             return False
-        if owner == policy.PREVIOUS:
+        if owner == drift.PREVIOUS:
             raise Retry(f"{what} still belongs to a deleted {c.KIND} of the same name; waiting for the "
                         "garbage collector", PREVIOUS_OWNER_RETRY_SECONDS)
         holder = next((r for r in live["metadata"].get("ownerReferences") or [] if r.get("controller")), None)

@@ -1,5 +1,6 @@
 """kopf wiring: the RFTJobs' watch-fed index and the event handler that only enqueues,
-the children's informers (`informer.py`), startup and cleanup.
+the children's informers (`informer.py`), startup and cleanup. What they share lives in
+kopf's operator memo (`Memo`), none of it at module level.
 
 Nothing here decides anything: `reconcile.py` does, `controller.py` schedules it.
 No change handlers, daemons or timers, so kopf adds no finalizers or annotations to
@@ -12,12 +13,14 @@ import asyncio
 import copy
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from rft_contract import names as c
-from .controller import Controller, Key, is_new, write_threads
+from .controller import Controller, Key, write_threads
+from .workqueue import is_new
 from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
@@ -37,14 +40,17 @@ CHILD_SELECTOR = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
 RESYNC_SECONDS = float(os.environ.get("RFT_RESYNC_SECONDS", "60"))
 SYNC_WAIT_LOG_SECONDS = 10.0  # how often startup says it still waits for a first listing
 
-# The controller, the RFTJob index view, the children's stores and informers, set at
-# startup; `namespaces` (empty: all) before it, by __main__.
-_state: dict[str, Any] = {"namespaces": []}
 
+@dataclass
+class Memo:
+    """kopf's operator memo (`kopf.operator(memo=...)`): what the handlers share. kopf hands
+    each object's handlers a shallow copy, so what startup sets is seen by all of them."""
 
-def serve_namespaces(namespaces: list[str]) -> None:
-    """The namespaces the operator serves (empty: all); the children's informers watch the same."""
-    _state["namespaces"] = list(namespaces)
+    namespaces: list[str] = field(default_factory=list)  # served (empty: all), set by __main__
+    controller: Controller | None = None
+    stores: dict[str, Store] = field(default_factory=dict)  # the children's, by kind
+    informers: list[Informer] = field(default_factory=list)
+    resync: asyncio.Task | None = None
 
 
 def _one(index: kopf.Index, key: Key) -> Any:
@@ -63,11 +69,9 @@ async def rftjobs_by_key(namespace: str, name: str, body: kopf.Body, **_: Any) -
 
 
 @kopf.on.event(*JOB)
-async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, **kwargs: Any) -> None:
-    if "jobs" not in _state:  # index views arrive as handler kwargs; keep a live reference
-        _state["jobs"] = kwargs["rftjobs_by_key"]
+async def on_rftjob_event(namespace: str, name: str, body: kopf.Body, memo: Memo, **_: Any) -> None:
     # A job the operator has not written a status for yet waits behind the jobs in flight.
-    _state["controller"].queue.add((namespace, name), later=is_new(body))
+    memo.controller.queue.add((namespace, name), later=is_new(body))
 
 
 # ---------------------------------------------------------------- the children
@@ -83,13 +87,15 @@ def on_child_event(ctl: Controller, is_pod: bool):
     return on_change
 
 
-def build_informers(kube: Kube, ctl: Controller, namespaces: list[str]) -> list[Informer]:
-    """One informer per child kind and namespace (one for all namespaces when none)."""
+def build_informers(kube: Kube, ctl: Controller, namespaces: list[str],
+                    stores: dict[str, Store]) -> list[Informer]:
+    """One informer per child kind and namespace (one for all namespaces when none), each
+    kind's into its store in `stores`."""
     out = []
     for kind in ["Pod", *(k for _, k in CHILD_KINDS.values())]:
         is_pod = kind == "Pod"
         view = PodView.from_pod if is_pod else (lambda obj, k=kind: ChildView.from_object(k, obj))
-        store = _state["stores"][kind] = Store(c.LABEL_JOB, view)
+        store = stores[kind] = Store(c.LABEL_JOB, view)
         for ns in namespaces or [None]:
             out.append(Informer(f"{kind.lower()}s" + (f"/{ns}" if ns else ""), kube.list_method(kind, ns),
                                 CHILD_SELECTOR, store, on_child_event(ctl, is_pod)))
@@ -97,19 +103,6 @@ def build_informers(kube: Kube, ctl: Controller, namespaces: list[str]) -> list[
 
 
 # ---------------------------------------------------------------- lifecycle
-
-
-def _get_job(key: Key) -> dict | None:
-    jobs = _state.get("jobs")
-    return _one(jobs, key) if jobs is not None else None
-
-
-def _get_pods(key: Key) -> list[PodView]:
-    return _state["stores"]["Pod"].get(key)
-
-
-def _get_children(key: Key) -> list[ChildView]:
-    return [x for kind, store in _state["stores"].items() if kind != "Pod" for x in store.get(key)]
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -128,7 +121,7 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: Memo, rftjobs_by_key: kopf.Index, **_: Any) -> None:
     settings.peering.standalone = True  # no kopf peering: one leader by Lease (leader.py)
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.posting.enabled = False  # we post our own, fewer, events
@@ -142,10 +135,17 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # more of them than cores: 16 left new jobs queued behind the RBAC writes of others.
     workers = int(os.environ.get("RFT_WORKERS", "48"))
     kube = Kube(connections=write_threads(workers))
-    _state["stores"] = {}
-    ctl = Controller(kube, _get_job, _get_pods, _get_children, workers=workers)
-    _state["controller"] = ctl
-    informers = _state["informers"] = build_informers(kube, ctl, _state["namespaces"])
+    stores = memo.stores
+
+    def get_job(key: Key) -> dict | None:  # the index is a live view kopf keeps filled
+        return _one(rftjobs_by_key, key)
+
+    def get_children(key: Key) -> list[ChildView]:
+        return [x for kind, store in stores.items() if kind != "Pod" for x in store.get(key)]
+
+    ctl = memo.controller = Controller(kube, get_job, lambda key: stores["Pod"].get(key), get_children,
+                                       workers=workers)
+    informers = memo.informers = build_informers(kube, ctl, memo.namespaces, stores)
     for informer in informers:
         informer.start()
     # A pass before the children are listed would take a running gang's pods for lost ones.
@@ -157,25 +157,25 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
             log.warning("still waiting for the first listing of %s",
                         ", ".join(i.name for i in informers if not i.synced.is_set()))
     ctl.start()
-    _state["resync"] = asyncio.create_task(_resync(ctl))
+    memo.resync = asyncio.create_task(_resync(ctl, rftjobs_by_key))
     log.info("rftjob-operator started")
 
 
-async def _resync(ctl: Controller) -> None:
+async def _resync(ctl: Controller, jobs: kopf.Index) -> None:
     """Level-triggered safety net: revisit every job periodically even without events."""
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
-        for key in list(_state.get("jobs") or []):
+        for key in list(jobs):
             ctl.queue.add(key, later=True)
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
-    if "resync" in _state:
-        _state["resync"].cancel()
-    for informer in _state.get("informers", []):
+async def cleanup(memo: Memo, **_: Any) -> None:
+    if memo.resync is not None:
+        memo.resync.cancel()
+    for informer in memo.informers:
         informer.stop()
-    ctl = _state.get("controller")
+    ctl = memo.controller
     if ctl:
         await ctl.stop()
         log.info("rftjob-operator stopped: reconciles=%d api_writes=%d errors=%d write_seconds=%.1f (%s)",
@@ -184,10 +184,5 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.on.probe(id="queue")
-def queue_depth(**_: Any) -> int:
-    ctl = _state.get("controller")
-    return len(ctl.queue) if ctl else 0
-
-
-def controller() -> Controller | None:
-    return _state.get("controller")
+def queue_depth(memo: Memo, **_: Any) -> int:
+    return len(memo.controller.queue) if memo.controller else 0

@@ -1,6 +1,7 @@
-"""The one module that talks to the Kubernetes API server: writes, and the few reads kopf's
-watch-fed indexes cannot answer (the object holding a child's name on 409, the Node of a
-pod stuck terminating). Everything else takes and returns plain dicts."""
+"""The one module that writes to the Kubernetes API server, plus the few reads the watches
+cannot answer (the object holding a child's name on 409, the Node of a pod stuck
+terminating) and the informers' list/watch calls. Everything else takes and returns plain
+dicts."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ class Kube:
     def replace(self, obj: Obj) -> None:
         """Bring a drifted child back to its rendered form. A merge patch: rendered keys win,
         lists (ports, subjects, rules) are replaced whole, keys set to null go (labels and
-        annotations we no longer render: `policy.compute_patch`), what the server added is kept."""
+        annotations we no longer render: `drift.compute_patch`), what the server added is kept."""
         meta = obj["metadata"]
         # Not a strategic merge: it merges a Service's ports by port number, so a
         # hand-edited port would stay beside ours (and clash on the name).

@@ -6,10 +6,12 @@ operator restart converges to the same result. The status is the record of inten
 written first (with a resourceVersion precondition); the side effects in the plan are
 derived from it and idempotent (create-by-name, delete-if-present).
 
-One module per concern, each a pure function of explicit inputs: `gang` (trainer pods,
-failure policy, progress deadline), `weightsync` (serving target, replica counts),
-`rollout` (inference and explorer pods), `conditions`. This module only composes them into
-a Plan (docs/design.md), and keeps the static children as rendered: every one carries a
+One module per concern, each a pure function of explicit inputs: `gang` (the trainer
+gang's lifecycle, which applies `failure_policy`, `progress_deadline` and `terminating`),
+`weightsync` (serving target, replica counts), `rollout` (inference and explorer pods),
+`conditions`, `attempts`; `drift` compares live children with their render. This module
+only composes them into a Plan (docs/design.md), and keeps the static children as
+rendered (`render`, or the controller's `RenderCache`): every one carries a
 spec hash, and one whose hash or live fields drifted is patched back, labels and
 annotations it no longer renders removed (or, when a field that cannot change did, deleted
 and created again); one the spec no longer renders (spec.explorer or spec.inference
@@ -32,7 +34,7 @@ from typing import NamedTuple
 from rft_contract import names as c
 from rft_contract.spec import RFTJobSpec, parse_spec
 
-from . import attempts, conditions, gang, policy, rollout, weightsync
+from . import attempts, conditions, drift, gang, progress_deadline, rollout, terminating, weightsync
 from .children import build_static_children
 from .model import ChildView, Event, Obj, PodView, Refusal, managed_fields
 from .objects import JobRef, spec_hash
@@ -61,7 +63,7 @@ class Observed:
     # A child the API server refused for this job's current generation.
     refusal: Refusal | None = None
     # What the controller read of the nodes of trainer pods stuck terminating
-    # (`nodes_to_read`): node name -> policy.NODE_*. A node missing here is unknown.
+    # (`nodes_to_read`): node name -> terminating.NODE_*. A node missing here is unknown.
     nodes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -85,8 +87,10 @@ class Plan:
     requeue_after: float | None = None
 
 
-def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
-    """One pass of the checklist. See module docstring."""
+def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache | None = None) -> Plan:
+    """One pass of the checklist. See module docstring. `renders` spares a pass the
+    rendering of a spec it has seen (the controller keeps one); without it, every pass
+    renders afresh."""
     ref, old_status = JobRef.from_body(body), body.get("status") or {}
     old = {k: old_status.get(k) for k in OPERATOR_STATUS_KEYS}
     trainer, old_sync = old_status.get("trainer") or {}, old_status.get("weightSync") or {}
@@ -101,10 +105,10 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
     # go yet). Conditions summarise all of it. Static children come first in the plan:
     # pods mount the ConfigMap and resolve the Services; a job that ends in this pass
     # needs none.
-    rendered = render(ref, body.get("spec") or {})
+    rendered = (renders.render if renders is not None else render)(ref, body.get("spec") or {})
     spec, spec_error = rendered.spec, rendered.error
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
-    progress = gang.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
+    progress = progress_deadline.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
     g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes)
     static = compute_static_children(ref, spec, g.phase, observed.children, observed.live, rendered.static)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
@@ -139,10 +143,10 @@ def reconcile(body: Obj, observed: Observed, now: datetime) -> Plan:
 
 def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:
     """The nodes whose state the gang needs before it may force-delete a trainer pod stuck
-    terminating (`gang.stuck_nodes`); none for a finished job, which waits for nothing."""
+    terminating (`terminating.stuck_nodes`); none for a finished job, which waits for nothing."""
     if (body.get("status") or {}).get("phase") in c.TERMINAL_PHASES:
         return set()
-    return gang.stuck_nodes([x for x in observed.pods if x.role == c.ROLE_TRAINER], now)
+    return terminating.stuck_nodes([x for x in observed.pods if x.role == c.ROLE_TRAINER], now)
 
 
 class Rendered(NamedTuple):
@@ -154,36 +158,44 @@ class Rendered(NamedTuple):
     static: tuple[tuple[Obj, Obj], ...]
 
 
-# Renders by job: (namespace, name) -> (uid, the spec dict it was rendered from, Rendered).
-# A pass reuses the last render while the stored spec is equal (a dict comparison) and
-# the uid is the same, so validating the spec and rendering and hashing the children, which
-# were most of a pass's CPU, happen once per spec rather than once per pod event. The
-# result is the same function of (job identity, spec) as without it: reconcile stays pure.
-_RENDERED: dict[tuple[str, str], tuple[str, Obj, Rendered]] = {}
-MAX_RENDERED = 20000  # a bound for memory; the controller forgets deleted jobs (`forget`)
-
-
 def render(ref: JobRef, spec: Obj) -> Rendered:
-    """`Rendered` for this job and stored spec, from the cache when the spec is unchanged."""
-    key = (ref.namespace, ref.name)
-    hit = _RENDERED.get(key)
-    if hit is not None and hit[0] == ref.uid and hit[1] == spec:
-        return hit[2]
+    """What this job's stored spec decides, rendered afresh."""
     parsed, error = _parse(spec)
     static: tuple[tuple[Obj, Obj], ...] = ()
     if parsed is not None:
         children = (with_spec_hash(with_managed_keys(x)) for x in build_static_children(ref, parsed))
         static = tuple((x, managed_fields(x)) for x in children)
-    out = Rendered(parsed, error, static)
-    if key not in _RENDERED and len(_RENDERED) >= MAX_RENDERED:
-        del _RENDERED[next(iter(_RENDERED))]
-    _RENDERED[key] = (ref.uid, copy.deepcopy(spec), out)
-    return out
+    return Rendered(parsed, error, static)
 
 
-def forget(namespace: str, name: str) -> None:
-    """Drop the cached render of a job that is gone."""
-    _RENDERED.pop((namespace, name), None)
+class RenderCache:
+    """The last render of each job, owned by the controller. A pass reuses it while the
+    stored spec is equal (a dict comparison) and the uid is the same, so validating the spec
+    and rendering and hashing the children, which were most of a pass's CPU, happen once
+    per spec rather than once per pod event. The result is the same function of (job
+    identity, spec) as `render`: reconcile stays pure."""
+
+    def __init__(self, limit: int = 20000) -> None:
+        self.limit = limit  # a bound for memory; the controller forgets deleted jobs
+        self._by_job: dict[tuple[str, str], tuple[str, Obj, Rendered]] = {}
+
+    def render(self, ref: JobRef, spec: Obj) -> Rendered:
+        key = (ref.namespace, ref.name)
+        hit = self._by_job.get(key)
+        if hit is not None and hit[0] == ref.uid and hit[1] == spec:
+            return hit[2]
+        out = render(ref, spec)
+        if key not in self._by_job and len(self._by_job) >= self.limit:
+            del self._by_job[next(iter(self._by_job))]
+        self._by_job[key] = (ref.uid, copy.deepcopy(spec), out)
+        return out
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the render of a job that is gone."""
+        self._by_job.pop((namespace, name), None)
+
+    def __len__(self) -> int:
+        return len(self._by_job)
 
 
 def _parse(spec: Obj) -> tuple[RFTJobSpec | None, str]:
@@ -196,7 +208,7 @@ def _parse(spec: Obj) -> tuple[RFTJobSpec | None, str]:
 
 class StaticChildren(NamedTuple):
     create: list[Obj]  # missing
-    replace: list[Obj]  # drifted: merge patches (`policy.compute_patch`)
+    replace: list[Obj]  # drifted: merge patches (`drift.compute_patch`)
     recreate: list[Obj]  # drifted in a field that cannot change: delete, then create
     delete: list[Obj]  # no longer rendered: {kind, metadata: {name, namespace}}
 
@@ -212,7 +224,7 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
 
     A child drifted when its spec hash annotation is not the rendered one (the spec
     changed; a child without one predates the hashes and is judged by its fields), or when
-    its live fields no longer hold the rendered ones (a hand edit: `policy.covers`).
+    its live fields no longer hold the rendered ones (a hand edit: `drift.covers`).
 
     `rendered`: the children of `spec` with their managed fields (`render`), when the
     caller has them already; they are only read, and what goes into the result is a copy."""
@@ -233,8 +245,8 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
         hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
         if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
             out.recreate.append(copy.deepcopy(obj))
-        elif hash_drift or (have is not None and not policy.covers(have, fields)):
-            out.replace.append(policy.compute_patch(obj, have))
+        elif hash_drift or (have is not None and not drift.covers(have, fields)):
+            out.replace.append(drift.compute_patch(obj, have))
     out.delete.extend({"kind": kind, "metadata": {"name": name, "namespace": ref.namespace}}
                       for kind, name in sorted(present) if (kind, name) not in names)
     return out
@@ -242,9 +254,9 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
 
 def with_managed_keys(obj: Obj) -> Obj:
     """The child with `rft.dev/managed-keys` listing its label and annotation keys outside
-    our namespaces (`policy.build_managed_keys`), when it has any: a later render that drops
-    one then removes it (`policy.compute_patch`)."""
-    keys = policy.build_managed_keys(obj["metadata"])
+    our namespaces (`drift.build_managed_keys`), when it has any: a later render that drops
+    one then removes it (`drift.compute_patch`)."""
+    keys = drift.build_managed_keys(obj["metadata"])
     if not keys:
         return obj
     out = copy.deepcopy(obj)

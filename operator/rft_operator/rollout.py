@@ -17,10 +17,10 @@ from rft_contract import names as c
 from rft_contract.times import parse_time
 from rft_contract.spec import RFTJobSpec
 
-from . import policy
+from . import failure_policy
+from .conditions import Cond
 from .model import Obj, PodView, compute_deletions
 from .objects import JobRef
-from .policy import Cond
 from .rollout_pods import build_rollout_pods
 
 
@@ -70,7 +70,7 @@ def compute_final_sync_wait(sync_cond: Cond | None, completion_time: str | None,
     if sync_cond is None or sync_cond.status:
         return 0.0
     done_at = parse_time(completion_time)
-    return policy.backoff_remaining(done_at, c.FINAL_SYNC_GRACE_SECONDS, now)
+    return failure_policy.backoff_remaining(done_at, c.FINAL_SYNC_GRACE_SECONDS, now)
 
 
 def _keep_desired(ref: JobRef, spec: RFTJobSpec, pods: list[PodView]) -> Rollouts:

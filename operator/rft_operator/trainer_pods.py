@@ -102,7 +102,7 @@ def _size_limited(limit: str | None) -> Obj:
 
 def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> Obj:
     """`restartPolicy: Never`: a failed rank ends the attempt; the operator decides
-    whether the whole gang restarts (see `gang.py`)."""
+    whether the whole gang restarts (see `gang.py` and `failure_policy.py`)."""
     t = spec.trainer
     name = c.pod_name(ref.name, attempt, rank)
     lbls = labels(ref.name, c.ROLE_TRAINER, attempt) | {c.LABEL_RANK: str(rank)}

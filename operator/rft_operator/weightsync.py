@@ -19,8 +19,8 @@ from rft_contract import names as c
 from rft_contract.layout import weights_uri
 from rft_contract.spec import RFTJobSpec
 
+from .conditions import Cond
 from .model import Event, Obj
-from .policy import Cond
 
 
 

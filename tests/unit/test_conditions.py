@@ -1,10 +1,13 @@
 """The conditions concern on its own: phase, failure reason, checkpoint, WeightsSynced -> conditions."""
 
+from datetime import timedelta
+
 import pytest
 
 from rft_contract import names as c
+from rft_contract import times
 from rft_operator import conditions
-from rft_operator.policy import Cond
+from rft_operator.conditions import Cond
 
 from .conftest import NOW
 
@@ -143,3 +146,20 @@ def test_build_progressing(gang_status, failed_reason, deadline, want):
     assert got.type == c.COND_PROGRESSING
     assert (got.status, got.reason) == want[:2]
     assert want[2] in got.message and (want[2] or not got.message)
+
+
+def test_conditions_transition_time_moves_only_on_flip():
+    first = conditions.compute_conditions(None, [Cond("Running", False, "Pending", "wait")], 1, NOW)
+    later = NOW + timedelta(minutes=5)
+    same = conditions.compute_conditions(first, [Cond("Running", False, "Pending", "still")], 2, later)
+    flipped = conditions.compute_conditions(same, [Cond("Running", True, "AllPodsRunning")], 2, later)
+    assert same[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
+    assert same[0]["message"] == "still" and same[0]["observedGeneration"] == 2
+    assert flipped[0]["lastTransitionTime"] == times.format_time(later)
+    assert flipped[0]["status"] == "True"
+
+
+def test_conditions_keep_foreign_types():
+    old = [{"type": "Checkpointed", "status": "True", "reason": "Saved", "message": "", "lastTransitionTime": "x"}]
+    out = conditions.compute_conditions(old, [Cond("Running", True, "AllPodsRunning")], 1, NOW)
+    assert {c["type"] for c in out} == {"Checkpointed", "Running"}

@@ -1,6 +1,6 @@
 """Static children stay as rendered: every one carries a spec hash, and a hand edit or a
 spec change is patched back (an immutable field: deleted and created again). Pure
-(`reconcile.compute_static_children`, `policy.covers`, `policy.classify_owner`)."""
+(`reconcile.compute_static_children`, `drift.compute_patch`; drift's own rules: test_drift.py)."""
 
 import copy
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from rft_contract import names as c
 from rft_contract.spec import parse_spec
-from rft_operator import policy
+from rft_operator import drift
 from rft_operator.model import ChildView
 from rft_operator.objects import JobRef
 from rft_operator.reconcile import Observed, compute_static_children, reconcile
@@ -103,24 +103,6 @@ def test_a_spec_change_shows_as_hash_drift():
     assert sorted((x["kind"], x["metadata"]["name"]) for x in replace) == want
 
 
-def test_extra_keys_the_server_or_users_add_are_fine():
-    assert policy.covers({"a": 1, "b": [{"x": 1, "y": 2}]}, {"b": [{"x": 1}]})
-    assert not policy.covers({"b": [{"x": 1}, {"x": 2}]}, {"b": [{"x": 1}]})
-    assert not policy.covers({}, {"a": None})
-
-
-@pytest.mark.parametrize("refs, want", [
-    ([], policy.FOREIGN),
-    ([{"kind": c.KIND, "name": "demo", "uid": "0000-1111", "controller": True}], policy.OURS),
-    ([{"kind": c.KIND, "name": "demo", "uid": "old", "controller": True}], policy.PREVIOUS),
-    ([{"kind": c.KIND, "name": "other", "uid": "x", "controller": True}], policy.FOREIGN),
-    ([{"kind": c.KIND, "name": "demo", "uid": "0000-1111"}], policy.FOREIGN),  # not its controller
-    ([{"kind": "Deployment", "name": "demo", "uid": "y", "controller": True}], policy.FOREIGN),
-])
-def test_classify_owner(refs, want):
-    assert policy.classify_owner({"ownerReferences": refs}, "demo", "0000-1111", c.KIND) == want
-
-
 # ------------------------------------------------------------------ keys we no longer render
 
 SA_ANNOTATIONS = {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/rft", "team.example.com/cost-center": "42"}
@@ -188,10 +170,10 @@ def test_a_label_in_our_namespace_we_no_longer_render_is_removed():
         obj["metadata"]["labels"]["rft.dev/replica"] = "0"  # e.g. rendered by an older operator
         obj["metadata"]["labels"]["example.com/team"] = "ml"
     live = _served_with(SPEC, stale)
-    patch = policy.compute_patch(rendered()[SVC], observe(live).live[SVC])
+    patch = drift.compute_patch(rendered()[SVC], observe(live).live[SVC])
     labels = patch["metadata"]["labels"]
     assert labels["rft.dev/replica"] is None and "example.com/team" not in labels
-    assert policy.compute_patch(rendered()[SVC], None) == rendered()[SVC]  # nothing known of it: nothing removed
+    assert drift.compute_patch(rendered()[SVC], None) == rendered()[SVC]  # nothing known of it: nothing removed
 
 
 # ------------------------------------------------------------------ children the spec no longer renders

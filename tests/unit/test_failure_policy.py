@@ -2,23 +2,22 @@
 (`PodView.from_pod`): fatalExitCodes win on any rank, otherwise the rank that ended first
 (a deleted one: when its delete was requested) is the root cause; the cluster's
 disruptions restart without using the budget, the kubelet's node-pressure evictions use
-it; old pods stuck terminating are force-deleted once their grace period is well over,
-and only when their node is gone or out of service."""
+it. The pod helpers here serve test_terminating.py and test_logtail.py too."""
 
 from datetime import timedelta
 
 import pytest
 
 from rft_contract import names as c
-from rft_contract.spec import parse_spec
-from rft_operator import gang, policy
+from rft_contract.spec import FailurePolicy, parse_spec
+from rft_operator import failure_policy, gang, logtail
 from rft_operator.model import PodView
 from rft_operator.objects import JobRef
 from rft_contract.times import format_time
-from rft_operator.policy import FORCE_DELETE_MARGIN_SECONDS
 from rft_operator.reconcile import Observed, reconcile
 
 from .conftest import NOW, SPEC, make_job
+from .test_gang import pod, st
 
 REF = JobRef("demo", "team-a", "0000-1111")
 
@@ -179,8 +178,8 @@ def test_which_disruptions_use_the_budget(reason, status_reason, free):
     assert (g.status["restarts"], g.status["disruptions"]) == ((0, 1) if free else (1, 0))
     assert g.status["lastFailure"]["reason"] == c.REASON_POD_DISRUPTED  # recorded with its reason either way
     assert reason in g.status["lastFailure"]["message"]
-    assert policy.classify_failure(137, reason, parse_spec(SPEC).failure_policy, status_reason) == (
-        policy.DISRUPTED if free else policy.RETRYABLE)
+    assert failure_policy.classify_failure(137, reason, parse_spec(SPEC).failure_policy, status_reason) == (
+        failure_policy.DISRUPTED if free else failure_policy.RETRYABLE)
 
 
 def test_node_pressure_eviction_says_what_ran_out_and_fails_once_the_budget_is_spent():
@@ -219,106 +218,6 @@ def test_disruptions_reach_the_status_through_reconcile():
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_POD_DISRUPTED)]
 
 
-# ------------------------------------------------------------------ stuck terminating
-
-RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1,
-              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
-                              "time": at(-600)}}
-MARGIN = FORCE_DELETE_MARGIN_SECONDS
-
-
-GONE = {NODE: policy.NODE_GONE}
-
-
-@pytest.mark.parametrize("deleted_at, grace, want_force, want_requeue", [
-    (-30 - MARGIN + 1, 30, False, 1.0),          # grace over, margin not yet: come back then
-    (-10, 30, False, 20 + MARGIN),               # still within its grace period
-    (-30 - MARGIN, 30, True, None),               # grace + margin over: force
-    (-300 - MARGIN - 5, 300, True, None),         # a longer grace period counts too
-], ids=["margin-not-over", "within-grace", "due", "due-long-grace"])
-def test_old_pod_stuck_terminating_is_force_deleted_after_the_bound(deleted_at, grace, want_force, want_requeue):
-    g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING, nodes=GONE)
-    assert g.phase == c.RESTARTING  # the next attempt waits until the pod is gone
-    assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
-    warnings = [e for e in g.events if e.reason == c.REASON_STUCK_TERMINATING]
-    if want_force:
-        assert len(warnings) == 1 and warnings[0].type == "Warning" and "demo-trainer-1-0" in warnings[0].message
-    else:
-        assert warnings == [] and g.requeue_after == pytest.approx(want_requeue)
-
-
-STUCK = -30 - MARGIN - 1  # deleted this long ago, grace period 30 s: past the bound
-
-
-# What the controller read of the node -> force-deleted? (Kubernetes' own rule: only once
-# nothing can run the pod any more.)
-@pytest.mark.parametrize("nodes, node, want_force", [
-    ({NODE: policy.NODE_GONE}, NODE, True),            # Node object deleted (404)
-    ({NODE: policy.NODE_OUT_OF_SERVICE}, NODE, True),  # tainted node.kubernetes.io/out-of-service
-    ({NODE: policy.NODE_UP}, NODE, False),              # there, NotReady: maybe partitioned, still running
-    ({NODE: policy.NODE_UNREADABLE}, NODE, False),      # 403: the operator may not read nodes
-    ({}, NODE, False),                                  # not read at all: unknown
-    ({}, "", True),                                     # never scheduled: nothing runs it
-], ids=["node-gone", "out-of-service", "node-present", "node-unreadable", "unknown", "unscheduled"])
-def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
-    g = run([pod_dict(1, 0, deleted_at=STUCK, node=node), failed(1, 1, -600)], old=RESTARTING, nodes=nodes)
-    assert g.phase == c.RESTARTING
-    assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
-    assert [(e.type, e.reason) for e in g.events] == [("Warning", c.REASON_STUCK_TERMINATING)]
-    message = g.events[0].message
-    if want_force:
-        assert "force-deleting" in message and g.status.get("message") == RESTARTING.get("message")
-        return
-    # Kept waiting: the status message says why and what an admin can do; so does the event.
-    assert g.status["message"] == message and g.stuck == message
-    assert f"waiting for pod demo-trainer-1-0 (node {NODE}" in message
-    for remedy in (f"kubectl delete node {NODE}",
-                   f"kubectl taint node {NODE} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute",
-                   "kubectl delete pod -n team-a demo-trainer-1-0 --force --grace-period=0"):
-        assert remedy in message
-    if nodes.get(NODE) == policy.NODE_UNREADABLE:
-        assert "the operator may not read it" in message
-    # The next pass, with the message stored: still waiting, no second event, no write.
-    again = run([pod_dict(1, 0, deleted_at=STUCK - 600), failed(1, 1, -600)],
-                old={**RESTARTING, "message": message}, nodes=nodes)
-    assert (again.phase, again.force_delete, again.events, again.status["message"]) == (
-        c.RESTARTING, (), (), message)
-
-
-def test_a_stuck_pod_goes_on_by_itself_once_gone():
-    waiting = run([pod_dict(1, 0, deleted_at=STUCK), failed(1, 1, -600)], old=RESTARTING, nodes={NODE: policy.NODE_UP})
-    g = run([failed(1, 1, -600)], old={**RESTARTING, "message": waiting.status["message"]})
-    assert (g.phase, g.attempt, [e.reason for e in g.events]) == (c.PENDING, 2, [c.REASON_RESTARTED])
-
-
-def test_stuck_nodes_are_only_those_of_pods_past_the_bound():
-    pods = views(pod_dict(1, 0, deleted_at=STUCK, node="a"), pod_dict(1, 1, deleted_at=-10, node="b"),
-                 pod_dict(1, 2, node="c"), pod_dict(1, 3, deleted_at=STUCK, node=""))
-    assert gang.stuck_nodes(pods, NOW) == {"a"}
-
-
-def test_a_force_deleted_pod_is_not_forced_again():
-    stuck = pod_dict(1, 0, deleted_at=-30 - MARGIN - 100)
-    stuck["metadata"]["deletionGracePeriodSeconds"] = 0  # what the force delete leaves (e.g. a finalizer holds it)
-    g = run([stuck], old=RESTARTING, nodes=GONE)
-    assert (g.phase, g.force_delete, g.events) == (c.RESTARTING, (), ())
-
-
-def test_stale_attempt_stuck_terminating_blocks_the_new_gang_until_forced():
-    old = {"phase": c.PENDING, "attempt": 2, "restarts": 1}
-    g = run([pod_dict(1, 0, deleted_at=STUCK)], old=old, nodes=GONE)
-    assert g.force_delete == ("demo-trainer-1-0",) and g.create == ()
-    observed = Observed(pods=views(pod_dict(1, 0, deleted_at=STUCK)), nodes=GONE)
-    plan = reconcile(make_job(status=old), observed, NOW)
-    assert plan.force_delete_pods == ["demo-trainer-1-0"] and plan.delete_pods == []
-    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
-    # A node that may still run it: the new gang waits, and the Pending message says why.
-    plan = reconcile(make_job(status=old), Observed(pods=observed.pods, nodes={NODE: policy.NODE_UP}), NOW)
-    assert plan.force_delete_pods == [] and not [x for x in plan.create if x["kind"] == "Pod"]
-    assert plan.status["phase"] == c.PENDING and plan.status["message"].startswith("waiting for pod demo-trainer-1-0")
-    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
-
-
 # ------------------------------------------------------------------ parsing
 
 
@@ -350,7 +249,7 @@ def test_a_failed_pods_last_log_lines_are_in_last_failure_and_its_last_line_in_t
     assert failure["message"].startswith("pod demo-trainer-1-1 failed with exit code 1: botocore.exceptions.ClientError")
     assert failure["log"].endswith("when calling the UploadPart operation")
     assert "Traceback (most recent call last):" in failure["log"]
-    assert len(failure["log"]) <= gang.LOG_TAIL_CHARS
+    assert len(failure["log"]) <= logtail.LOG_TAIL_CHARS
     assert failure["log"].startswith("[rank1] INFO step")  # whole lines only
     assert "failed with exit code 1: botocore" in g.status["message"]
 
@@ -361,22 +260,6 @@ def test_a_deleted_pods_log_is_not_its_failure():
     assert g.status["lastFailure"]["message"] == "pod demo-trainer-1-1 was deleted"
 
 
-@pytest.mark.parametrize("text, want", [
-    ("", ""),
-    ("one\n\n", "one"),
-    ("a\nb\nc", "a\nb\nc"),
-    ("x" * 30 + "\n" + "y" * 10, "y" * 10),  # the older line does not fit whole
-    ("z" * 40, "z" * 16),  # one line longer than the limit: its end
-])
-def test_log_tail_keeps_the_last_whole_lines_within_the_limit(text, want):
-    assert gang.log_tail(text, limit=16) == want
-
-
-def test_last_line_is_the_last_non_blank_line_cut_short():
-    assert gang.last_line("a\nRuntimeError: boom\n\n  ") == "RuntimeError: boom"
-    assert len(gang.last_line("e" * 500)) == gang.LAST_LINE_CHARS
-
-
 def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
     g = run([pod_dict(1, 0), failed(1, 137, -30, terminated_reason="OOMKilled", said="[rank1] INFO step 12\n")])
     failure = g.status["lastFailure"]
@@ -384,20 +267,54 @@ def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
     assert failure["log"] == "[rank1] INFO step 12"
 
 
-@pytest.mark.parametrize("line, kept, hidden", [
-    ("GET https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F2026&X-Amz-Signature=0badc0ffee"
-     "&X-Amz-Expires=60 403", "X-Amz-Expires=60 403", ("AKIAIOSFODNN7EXAMPLE", "0badc0ffee")),
-    ("headers: {'Authorization': 'Bearer eyJhbGciOi.xyz', 'Accept': '*/*'}", "'Accept': '*/*'", ("eyJhbGciOi",)),
-    ("connect postgres://trainer:hunter2@db:5432/x failed", "@db:5432/x failed", ("hunter2", "trainer:")),
-    ("env AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG and HF_TOKEN: hf_abc123 set", "set",
-     ("wJalrXUtnFEMI", "hf_abc123")),
-    ("key ASIAY34FZKBOKMUTVV7A in use", "in use", ("ASIAY34FZKBOKMUTVV7A",)),
-    ("client_secret: 's3cr3t', max_tokens=512 tokenizer=gpt2", "max_tokens=512 tokenizer=gpt2", ("s3cr3t",)),
-    ("\x1b[31mRuntimeError\x1b[0m: boom\x07", "RuntimeError: boom", ("\x1b", "\x07")),
+# ------------------------------------------------------------------ compute_failure on its own
+
+
+@pytest.mark.parametrize("old, gang_pods, want", [  # the gang-wide rules: above
+    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
+    (st(c.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
+    (st(c.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, c.REASON_POD_DELETED, "disappeared")),
+    (st(c.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
+    (st(c.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, c.REASON_POD_DELETED, "lost its node")),
+    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, c.REASON_POD_FAILED, "exit code 137")),
+    (st(c.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, c.REASON_POD_FAILED, "(no exit code)")),
 ])
-def test_credentials_in_a_failed_pods_log_do_not_reach_status(line, kept, hidden):
-    g = run([pod_dict(1, 0), failed(1, 1, -30, said=f"[rank1] INFO step 3\n{line}\n")])
-    failure = g.status["lastFailure"]
-    for text in (failure["message"], failure["log"], g.status["message"]):
-        assert kept in text and not any(h in text for h in hidden), text
-    assert "[redacted]" in failure["message"] or not hidden[0].isalnum()
+def test_compute_failure(old, gang_pods, want):
+    got = failure_policy.compute_failure("demo", old, 1, gang_pods, 2, parse_spec(SPEC).failure_policy)
+    if want is None:
+        assert got is None
+    else:
+        assert (got.pod, got.exit_code, got.reason) == want[:3] and want[3] in got.message
+
+
+# ------------------------------------------------------------------ the tables
+
+
+@pytest.mark.parametrize(
+    "code, fatal, retryable, expected",
+    [
+        (None, [78], None, failure_policy.RETRYABLE),   # evicted / node lost: no exit code
+        (1, [78], None, failure_policy.RETRYABLE),
+        (137, [78], None, failure_policy.RETRYABLE),    # SIGKILL (OOM, preemption)
+        (78, [78], None, failure_policy.FATAL),         # EX_CONFIG: the default fatal code
+        (3, [3, 4], None, failure_policy.FATAL),
+        (1, [], [137, 143], failure_policy.FATAL),      # allow-list: anything else is fatal
+        (143, [], [137, 143], failure_policy.RETRYABLE),
+        (78, [78], [78, 1], failure_policy.FATAL),      # fatal wins
+        (None, [], [137], failure_policy.RETRYABLE),    # no code is never fatal
+    ],
+)
+def test_classify_exit_code(code, fatal, retryable, expected):
+    fp = FailurePolicy(fatal_exit_codes=fatal, retryable_exit_codes=retryable)
+    assert failure_policy.classify_exit_code(code, fp) == expected
+
+
+@pytest.mark.parametrize("restarts, max_restarts, expected", [(0, 0, False), (0, 3, True), (2, 3, True), (3, 3, False)])
+def test_should_restart(restarts, max_restarts, expected):
+    assert failure_policy.should_restart(restarts, FailurePolicy(max_restarts=max_restarts)) is expected
+
+
+@pytest.mark.parametrize("ago, backoff, left", [(0, 30, 30), (10, 30, 20), (30, 30, 0), (99, 30, 0), (None, 30, 0)])
+def test_backoff_remaining(ago, backoff, left):
+    failed_at = None if ago is None else NOW - timedelta(seconds=ago)
+    assert failure_policy.backoff_remaining(failed_at, backoff, NOW) == left

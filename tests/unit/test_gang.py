@@ -101,20 +101,3 @@ def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_fai
 def test_times_are_set_once(old, key, want):
     pods = [pod(1, 0), pod(1, 1)] if key == "startTime" else [pod(1, 0), pod(1, 1, "Failed", 78)]
     assert gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW).status[key] == want
-
-
-@pytest.mark.parametrize("old, gang_pods, want", [  # see test_failure_policy.py for the gang-wide rules
-    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
-    (st(c.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
-    (st(c.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, c.REASON_POD_DELETED, "disappeared")),
-    (st(c.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
-    (st(c.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, c.REASON_POD_DELETED, "lost its node")),
-    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, c.REASON_POD_FAILED, "exit code 137")),
-    (st(c.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, c.REASON_POD_FAILED, "(no exit code)")),
-])
-def test_compute_failure(old, gang_pods, want):
-    got = gang.compute_failure("demo", old, 1, gang_pods, 2, parse_spec(SPEC).failure_policy)
-    if want is None:
-        assert got is None
-    else:
-        assert (got.pod, got.exit_code, got.reason) == want[:3] and want[3] in got.message

@@ -101,6 +101,15 @@ def watch_calls(fake: FakeList) -> list[dict]:
     return [x for x in fake.calls if x.get("watch")]
 
 
+async def watches_until(fake: FakeList, n: int) -> list[dict]:
+    """The first `n` watch calls, once made (the informer watches after it reports a listing)."""
+    async def made() -> None:
+        while len(watch_calls(fake)) < n:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(made(), timeout=5)
+    return watch_calls(fake)[:n]
+
+
 async def changes_until(changes: asyncio.Queue, n: int) -> list:
     return [await asyncio.wait_for(changes.get(), timeout=5) for _ in range(n)]
 
@@ -151,14 +160,15 @@ def test_a_too_old_watch_lists_again():
         got = await changes_until(changes, 2)
         assert sorted(got) == [(("team-a", "a"), None), (("team-a", "b"), None)]
         assert s.get(("team-a", "a")) == [] and names(s.get(("team-a", "b"))) == ["b-0"]
-        assert [x["resource_version"] for x in watch_calls(fake)] == ["10", "20"]
+        assert [x["resource_version"] for x in await watches_until(fake, 2)] == ["10", "20"]
+        assert len(watch_calls(fake)) == 2
         inf.stop()
         second.put(None)
     asyncio.run(go())
 
 
 def test_every_pod_event_enqueues_its_job_a_static_childs_own_create_does_not():
-    from rft_operator.controller import WorkQueue
+    from rft_operator.workqueue import WorkQueue
     from rft_operator.handlers import on_child_event
 
     class Ctl:

@@ -227,20 +227,43 @@ def test_the_spec_is_validated_once_while_it_stays_the_same(monkeypatch):
 
     calls = []
     monkeypatch.setattr(rc, "parse_spec", lambda spec: calls.append(1) or parse_spec(spec))
-    job = make_job(spec={**SPEC, "trainer": {**SPEC["trainer"], "totalSteps": 123}})
+    renders = rc.RenderCache()
+    job = make_job()
     for _ in range(3):  # e.g. three pod events
-        plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
+        plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)
     assert len(calls) == 1
-    assert plan.status["trainer"]["totalSteps"] == 123
+    reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)  # no cache: rendered afresh
+    assert len(calls) == 2
+    reconcile({**job, "metadata": {**job["metadata"], "uid": "another"}}, observed([pod(1, 0), pod(1, 1)]), NOW,
+              renders)  # deleted and created again under the same name
+    assert len(calls) == 3
+    renders.forget(job["metadata"]["namespace"], job["metadata"]["name"])
+    assert len(renders) == 0
 
 
 def test_a_spec_changed_in_place_is_rendered_again():
+    from rft_operator.reconcile import RenderCache
+
+    renders = RenderCache()
     job = make_job(status=status(c.RUNNING))
-    assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW).replace
+    assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders).replace
     job["spec"]["trainer"]["totalSteps"] = 7  # same dict, same generation: content decides
-    plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
+    plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)
     assert [o["kind"] for o in plan.replace] == ["ConfigMap"]
     assert plan.status["trainer"] == {"totalSteps": 7, "progress": "0/7"}
+
+
+def test_the_cache_holds_at_most_its_limit_forgetting_the_oldest():
+    from rft_operator.reconcile import RenderCache
+
+    from rft_operator.objects import JobRef
+
+    renders = RenderCache(limit=2)
+    refs = [JobRef.from_body(make_job() | {"metadata": {**make_job()["metadata"], "name": f"j{i}"}}) for i in range(3)]
+    first = [renders.render(ref, SPEC) for ref in refs]
+    assert len(renders) == 2
+    assert renders.render(refs[2], SPEC) is first[2]  # the newest kept
+    assert renders.render(refs[0], SPEC) is not first[0]  # the oldest forgotten, rendered again
 
 
 def test_a_new_job_of_the_same_name_gets_children_owned_by_its_uid():

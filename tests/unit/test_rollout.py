@@ -9,7 +9,7 @@ from rft_contract.spec import parse_spec
 from rft_operator import rollout
 from rft_operator.model import PodView
 from rft_operator.objects import JobRef
-from rft_operator.policy import Cond
+from rft_operator.conditions import Cond
 from rft_operator.rollout_pods import WEIGHTS_FANOUT, WEIGHTS_PEER_PORT, build_inference_pod, build_rollout_pods
 
 from .conftest import NOW, SPEC

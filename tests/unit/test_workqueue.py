@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rft_operator.controller import WorkQueue
+from rft_operator.workqueue import WorkQueue
 
 
 def run(coro):
@@ -155,13 +155,13 @@ def test_a_retry_of_a_new_job_stays_out_of_the_kept_workers_lane():
 
 
 def test_a_job_is_new_until_the_operator_writes_its_phase():
-    from rft_operator.controller import is_new
+    from rft_operator.workqueue import is_new
 
     assert is_new(None) and is_new({"metadata": {}}) and is_new({"status": {"progress": {}}})
     assert not is_new({"status": {"phase": "Pending"}})
 
 
 def test_a_quarter_of_the_workers_are_kept_for_jobs_in_flight():
-    from rft_operator.controller import kept_workers
+    from rft_operator.workqueue import kept_workers
 
     assert [kept_workers(n) for n in (1, 3, 4, 48)] == [0, 0, 1, 12]

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from rft_contract import names as c
-from rft_operator import gang
+from rft_operator import progress_deadline
 from rft_operator.reconcile import Observed, PodView, reconcile
 
 from .conftest import NOW, SPEC, make_job
@@ -252,10 +252,10 @@ def test_a_record_of_an_earlier_attempt_is_replaced_not_counted():
 def test_the_progress_record_keeps_its_time_until_step_or_attempt_moves():
     later = NOW + timedelta(seconds=5)
     old = {"step": 3, "attempt": 1, "since": "2026-11-30T12:00:00Z"}
-    assert gang.compute_progress_record(old, 1, 3, later) is old
-    assert gang.compute_progress_record(old, 1, 4, later)["since"] == "2026-11-30T12:00:05Z"
-    assert gang.compute_progress_record(old, 2, 3, later) == {"step": 3, "attempt": 2, "since": "2026-11-30T12:00:05Z"}
-    assert gang.compute_progress_record(None, 1, None, later) == {"step": None, "attempt": 1,
+    assert progress_deadline.compute_progress_record(old, 1, 3, later) is old
+    assert progress_deadline.compute_progress_record(old, 1, 4, later)["since"] == "2026-11-30T12:00:05Z"
+    assert progress_deadline.compute_progress_record(old, 2, 3, later) == {"step": 3, "attempt": 2, "since": "2026-11-30T12:00:05Z"}
+    assert progress_deadline.compute_progress_record(None, 1, None, later) == {"step": None, "attempt": 1,
                                                                   "since": "2026-11-30T12:00:05Z"}
 
 
@@ -270,7 +270,7 @@ def test_the_progress_record_keeps_its_time_until_step_or_attempt_moves():
     ({"waiting": {"reason": "Other", "message": "why"}}, "trainer waiting (Other): why"),
 ])
 def test_describe_trainer_wait(trainer, want):
-    assert gang.describe_trainer_wait(trainer, NOW) == want
+    assert progress_deadline.describe_trainer_wait(trainer, NOW) == want
 
 
 def test_what_an_earlier_attempt_reported_is_not_in_the_message():
@@ -341,3 +341,14 @@ def test_progress_says_where_this_attempt_resumed_from():
     sim.report(attempt=2, resumedFrom={"attempt": 2, "step": 5, "checkpoint": ckpt})
     sim.at(4)
     assert sim.status["progress"]["resumedFrom"] == {"step": 5, "checkpoint": ckpt}
+
+
+@pytest.mark.parametrize("ago, deadline, left", [
+    (0, 600, 600), (599.5, 600, 0.5), (600, 600, 0),  # exactly the deadline: not past it yet
+    (601, 600, -1),                                     # past it: negative
+    (10**6, 0, None),                                   # 0 turns it off
+    (None, 600, None),                                  # no clock running
+])
+def test_progress_deadline_remaining(ago, deadline, left):
+    since = None if ago is None else NOW - timedelta(seconds=ago)
+    assert progress_deadline.progress_deadline_remaining(since, deadline, NOW) == left
