@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import kubectl  # noqa: E402
-from rft_contract import names as c  # noqa: E402
+from rft_contract import names  # noqa: E402
 from reconcile_sides import Bare, Ours, Peer, Side  # noqa: E402
 
 # ------------------------------------------------------------------ watching
@@ -137,7 +137,7 @@ class Totals:
     reconciles: int = 0
 
 
-def run_jobs(side: Side, api, namespace: str, names: list[str], pods: int, timeout: float):
+def run_jobs(side: Side, api, namespace: str, jobs: list[str], pods: int, timeout: float):
     """Creates the jobs; returns per job (create -> all pods Running, create -> status
     Running or None) and how many did not get there in time."""
     core = kubernetes.client.CoreV1Api(api)
@@ -156,15 +156,15 @@ def run_jobs(side: Side, api, namespace: str, names: list[str], pods: int, timeo
         created[name] = t
 
     with cf.ThreadPoolExecutor(8) as pool:
-        list(pool.map(create, names))
+        list(pool.map(create, jobs))
 
     def running_pods() -> collections.Counter:
         return collections.Counter(pod_watch.group.get(p) for p in list(pod_watch.seen))
 
     def done() -> bool:
         counts = running_pods()
-        return (all(counts[n] >= pods for n in names)
-                and (job_watch is None or all(n in job_watch.seen for n in names)))
+        return (all(counts[n] >= pods for n in jobs)
+                and (job_watch is None or all(n in job_watch.seen for n in jobs)))
 
     deadline = time.monotonic() + timeout
     while not done() and time.monotonic() < deadline:
@@ -176,7 +176,7 @@ def run_jobs(side: Side, api, namespace: str, names: list[str], pods: int, timeo
     by_job: dict[str, list[float]] = collections.defaultdict(list)
     for p, t in list(pod_watch.seen.items()):
         by_job[pod_watch.group.get(p, "")].append(t)
-    for n in names:
+    for n in jobs:
         if len(by_job[n]) < pods or (job_watch and n not in job_watch.seen):
             missing += 1
             continue
@@ -216,7 +216,7 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
              cleanup: bool = True) -> None:
     namespace = f"{side.name}-{wave}"
     kubectl(cluster, "create", "namespace", namespace)
-    kubectl(cluster, "label", "namespace", namespace, f"{c.PSA_ENFORCE_LABEL}=baseline")  # job pods need it
+    kubectl(cluster, "label", "namespace", namespace, f"{names.PSA_ENFORCE_LABEL}=baseline")  # job pods need it
     rss: list[int] = []
     stop = threading.Event()
     proc = None
@@ -234,8 +234,8 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
                                     "--output", profile, "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        names = [f"job-{i:04d}" for i in range(args.jobs)]
-        results, missing = run_jobs(side, api, namespace, names, args.pods, args.timeout)
+        jobs = [f"job-{i:04d}" for i in range(args.jobs)]
+        results, missing = run_jobs(side, api, namespace, jobs, args.pods, args.timeout)
         if proc:
             wait_idle(proc)
             totals.cpu += cpu_seconds(proc) - cpu0
@@ -369,7 +369,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="FILE", help="py-spy our operator's first wave; raw stacks to FILE")
     args = ap.parse_args()
-    names = [s for s in args.sides.split(",") if s] + (["peer"] if args.peer and "peer" not in args.sides else [])
+    sides = [s for s in args.sides.split(",") if s] + (["peer"] if args.peer and "peer" not in args.sides else [])
     if args.gpu_nodes <= 0:
         args.gpu_nodes = -(-((args.jobs + 1) * args.pods * 11 // 10) // args.gpus_per_node)
 
@@ -379,7 +379,7 @@ def main() -> None:
     cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node)
     print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s (state in {state})")
     kinds = {"ours": Ours, "peer": Peer, "bare": Bare}
-    sides = [kinds[n](cluster, state) for n in names]
+    sides = [kinds[n](cluster, state) for n in sides]
     totals = {s.name: Totals() for s in sides}
     try:
         for s in sides:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from e2e.cluster import Cluster, cache_dir, free_port  # noqa: E402
 from e2e.demo import install_api, kubectl  # noqa: E402
-from rft_contract import names as c  # noqa: E402
+from rft_contract import names  # noqa: E402
 
 GPU = "nvidia.com/gpu"
 IMAGE = "trainer:bench"
@@ -110,7 +110,7 @@ def _pod(name: str, labels: dict[str, str]) -> dict:
 
 class Ours(Side):
     name = "ours"
-    job_label = c.LABEL_JOB
+    job_label = names.LABEL_JOB
 
     def __init__(self, cluster: Cluster, state: Path, env: dict[str, str] | None = None):
         super().__init__(cluster, state)
@@ -121,7 +121,7 @@ class Ours(Side):
         install_api(self.cluster)
         # Until the new CRD's storage is up, a list answers 429, which the operator's first
         # list would log as an error.
-        _wait(lambda: subprocess.run(["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "get", c.PLURAL, "-A"],
+        _wait(lambda: subprocess.run(["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "get", names.PLURAL, "-A"],
                                      capture_output=True).returncode == 0, 60, "the RFTJob CRD's storage")
         self.kubeconfig = self.cluster.service_account_kubeconfig(
             "rftjob-system", "rftjob-operator", self.state / "op.kubeconfig")
@@ -142,14 +142,14 @@ class Ours(Side):
 
     def create(self, api, namespace: str, name: str, pods: int) -> None:
         kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-            c.GROUP, c.VERSION, namespace, c.PLURAL, rftjob(name, pods))
+            names.GROUP, names.VERSION, namespace, names.PLURAL, rftjob(name, pods))
 
     def job_running(self, obj: dict[str, Any]) -> bool:
-        return (obj.get("status") or {}).get("phase") == c.RUNNING
+        return (obj.get("status") or {}).get("phase") == names.RUNNING
 
     def list_jobs(self, api, namespace: str):
         custom = kubernetes.client.CustomObjectsApi(api)
-        return lambda **kw: custom.list_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, **kw)
+        return lambda **kw: custom.list_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.PLURAL, **kw)
 
     def error_lines(self) -> list[str]:
         return [x for x in self.log.read_text().splitlines()
@@ -162,7 +162,7 @@ class Ours(Side):
 
 def rftjob(name: str, pods: int) -> dict:
     return {
-        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
+        "apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name},
         "spec": {
             "model": {"path": "s3://models/tiny"}, "algorithm": {"name": "grpo"},
             "trainer": {"image": IMAGE, "nodes": pods, "gpusPerNode": 1, "totalSteps": 10, "batchSize": 4},

@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import install_api  # noqa: E402
 from e2e.s3server import S3Server  # noqa: E402
-from rft_contract import names as c  # noqa: E402
+from rft_contract import names  # noqa: E402
 from rft_contract.layout import weights_uri  # noqa: E402
 from rft_trainer.export import export_hf  # noqa: E402
 from rft_trainer.parallelize import Runtime  # noqa: E402
@@ -126,7 +126,7 @@ class JobWatch(threading.Thread):
         while not self.stop.is_set():
             try:
                 resp = self.custom.list_namespaced_custom_object(
-                    c.GROUP, c.VERSION, NS, c.PLURAL, field_selector=f"metadata.name={self.job}", watch=True,
+                    names.GROUP, names.VERSION, NS, names.PLURAL, field_selector=f"metadata.name={self.job}", watch=True,
                     resource_version=rv, timeout_seconds=10, _preload_content=False)
                 for line in resp:
                     t = time.monotonic()
@@ -205,7 +205,7 @@ def baseline(uri: str, tmp: Path, transfer=None) -> dict:
 
 
 def job_manifest(name: str, bucket: str, n: int) -> dict:
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name}, "spec": {
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": {
         "model": {"path": f"s3://{bucket}/base"}, "algorithm": {"name": "grpo"},
         "trainer": {"image": "trainer:bench", "nodes": 1, "gpusPerNode": 0, "totalSteps": 100, "batchSize": 4},
         "checkpoint": {"uri": f"s3://{bucket}/run", "endpoint": os.environ["AWS_ENDPOINT_URL"]},
@@ -217,11 +217,11 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
     """A fresh RFTJob with n replicas: converge to the base model, then time each version."""
     job = f"wsync-{n}"
     custom, core = kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
-    custom.create_namespaced_custom_object(c.GROUP, c.VERSION, NS, c.PLURAL, job_manifest(job, bucket, n))
+    custom.create_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, job_manifest(job, bucket, n))
     with contextlib.ExitStack() as stack:
-        stack.callback(lambda: custom.delete_namespaced_custom_object(c.GROUP, c.VERSION, NS, c.PLURAL, job))
+        stack.callback(lambda: custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, NS, names.PLURAL, job))
         deadline = time.monotonic() + 90
-        selector = f"{c.LABEL_JOB}={job},{c.LABEL_ROLE}={c.ROLE_INFERENCE}"
+        selector = f"{names.LABEL_JOB}={job},{names.LABEL_ROLE}={names.ROLE_INFERENCE}"
         while sum(p.status.phase == "Running" for p in core.list_namespaced_pod(NS, label_selector=selector).items) < n:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{job}: {n} inference pods not Running after 90s")
@@ -229,25 +229,25 @@ def run_replicas(n: int, versions: list[dict], cluster, api, bucket: str, tmp: P
         def as_role(role: str, pod: str | None = None):
             """The role's own ServiceAccount; an agent's token is bound to its pod, as in the pod."""
             bound = (pod, core.read_namespaced_pod(pod, NS).metadata.uid) if pod else None
-            kc = cluster.service_account_kubeconfig(NS, c.service_account_name(job, role),
+            kc = cluster.service_account_kubeconfig(NS, names.service_account_name(job, role),
                                                     tmp / f"{pod or job}.kubeconfig", pod=bound)
             return kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
 
         watch = JobWatch(api, job, n)
         watch.start()
         stack.callback(watch.stop.set)
-        reporter = StatusReporter(job, NS, as_role(c.ROLE_TRAINER), min_interval=0)
+        reporter = StatusReporter(job, NS, as_role(names.ROLE_TRAINER), min_interval=0)
         stack.callback(reporter.close)
         engines = {}
         for i in range(n):
-            pod = c.inference_pod_name(job, i)
+            pod = names.inference_pod_name(job, i)
             server = ReferenceServer(max_concurrency=1)
             server.start()
             stack.callback(server.stop)
             engines[pod] = TimedEngine(server.url)
             relay = PeerServer(tmp / job / pod, host="127.0.0.1").start()
             stack.callback(relay.stop)
-            agent = SyncAgent(job, NS, pod, engines[pod], tmp / job / pod, api=as_role(c.ROLE_INFERENCE, pod),
+            agent = SyncAgent(job, NS, pod, engines[pod], tmp / job / pod, api=as_role(names.ROLE_INFERENCE, pod),
                               resync_seconds=2, max_backoff=2, peer_server=relay,
                               peer_url=f"http://127.0.0.1:{relay.port}", fanout=fanout)
             thread = threading.Thread(target=agent.run, daemon=True)
@@ -357,7 +357,7 @@ def main() -> None:
         kc = str(cluster.kubeconfig)
         install_api(cluster)
         subprocess.run(["kubectl", f"--kubeconfig={kc}", "create", "namespace", NS], check=True, capture_output=True)
-        subprocess.run(["kubectl", f"--kubeconfig={kc}", "label", "namespace", NS, f"{c.PSA_ENFORCE_LABEL}=baseline"],
+        subprocess.run(["kubectl", f"--kubeconfig={kc}", "label", "namespace", NS, f"{names.PSA_ENFORCE_LABEL}=baseline"],
                        check=True, capture_output=True)  # job pods run only where Pod Security is enforced
         op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp / "op.kubeconfig")
         op = subprocess.Popen([sys.executable, "-m", "rft_operator"], env={**os.environ, "KUBECONFIG": str(op_kc)},

@@ -33,7 +33,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess

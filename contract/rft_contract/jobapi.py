@@ -6,7 +6,6 @@ per-job Role the operator creates), or $KUBECONFIG outside a cluster.
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
 from typing import Any
 
 from .names import GROUP, PLURAL, VERSION

@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 from datetime import datetime
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.times import format_time
 
 from .model import Event, Obj
@@ -73,12 +73,12 @@ def _ended(attempt: int, gang_status: Obj, now: datetime, failed_reason: str | N
     if failure.get("attempt") == attempt:
         return failure.get("reason"), failure.get("time")
     phase = gang_status.get("phase")
-    if phase == c.SUCCEEDED:
-        return c.SUCCEEDED, gang_status.get("completionTime") or format_time(now)
-    if phase == c.SUSPENDED:
-        return c.SUSPENDED, format_time(now)
-    if phase == c.FAILED:  # not of a pod: an invalid spec, a refused child
-        return failed_reason or c.FAILED, gang_status.get("completionTime") or format_time(now)
+    if phase == names.SUCCEEDED:
+        return names.SUCCEEDED, gang_status.get("completionTime") or format_time(now)
+    if phase == names.SUSPENDED:
+        return names.SUSPENDED, format_time(now)
+    if phase == names.FAILED:  # not of a pod: an invalid spec, a refused child
+        return failed_reason or names.FAILED, gang_status.get("completionTime") or format_time(now)
     return None, None
 
 

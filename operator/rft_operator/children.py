@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
 from .objects import JobRef, Obj, build_meta, labels, pod_roles, spec_hash
@@ -39,11 +39,11 @@ def build_configmap(ref: JobRef, spec: RFTJobSpec) -> Obj:
         "kind": "ConfigMap",
         "metadata": build_meta(
             ref,
-            c.configmap_name(ref.name),
-            labels(ref.name, c.ROLE_TRAINER),
-            {c.ANNOTATION_SPEC_HASH: spec_hash(config)},
+            names.configmap_name(ref.name),
+            labels(ref.name, names.ROLE_TRAINER),
+            {names.ANNOTATION_SPEC_HASH: spec_hash(config)},
         ),
-        "data": {c.CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
+        "data": {names.CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)},
     }
 
 
@@ -56,7 +56,7 @@ def build_configmap(ref: JobRef, spec: RFTJobSpec) -> Obj:
 
 
 def build_service_account(ref: JobRef, spec: RFTJobSpec, role: str) -> Obj:
-    meta = build_meta(ref, c.service_account_name(ref.name, role), labels(ref.name, role),
+    meta = build_meta(ref, names.service_account_name(ref.name, role), labels(ref.name, role),
                       dict(spec.service_account_annotations) or None)
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
 
@@ -64,7 +64,7 @@ def build_service_account(ref: JobRef, spec: RFTJobSpec, role: str) -> Obj:
 def _read_own_job(ref: JobRef) -> Obj:
     # Sync agents and explorers watch their job (list/watch need a metadata.name field
     # selector to match resourceNames).
-    return {"apiGroups": [c.GROUP], "resources": [c.PLURAL], "resourceNames": [ref.name],
+    return {"apiGroups": [names.GROUP], "resources": [names.PLURAL], "resourceNames": [ref.name],
             "verbs": ["get", "list", "watch"]}
 
 
@@ -73,9 +73,9 @@ def build_status_role(ref: JobRef) -> Obj:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": build_meta(ref, c.status_role_name(ref.name), labels(ref.name)),
+        "metadata": build_meta(ref, names.status_role_name(ref.name), labels(ref.name)),
         "rules": [
-            {"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"], "resourceNames": [ref.name],
+            {"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "resourceNames": [ref.name],
              "verbs": ["get", "patch"]},
             _read_own_job(ref),
         ],
@@ -87,7 +87,7 @@ def build_reader_role(ref: JobRef) -> Obj:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": build_meta(ref, c.status_reader_role_name(ref.name), labels(ref.name)),
+        "metadata": build_meta(ref, names.status_reader_role_name(ref.name), labels(ref.name)),
         "rules": [_read_own_job(ref)],
     }
 
@@ -98,7 +98,7 @@ def _role_binding(ref: JobRef, role_name: str, pod_roles: list[str]) -> Obj:
         "kind": "RoleBinding",
         "metadata": build_meta(ref, role_name, labels(ref.name)),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role_name},
-        "subjects": [{"kind": "ServiceAccount", "name": c.service_account_name(ref.name, r),
+        "subjects": [{"kind": "ServiceAccount", "name": names.service_account_name(ref.name, r),
                       "namespace": ref.namespace} for r in pod_roles],
     }
 
@@ -107,11 +107,12 @@ def build_rbac(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
     """The job's identities and what each may do: the trainer and the inference pods'
     sync agents write status, explorers read the job."""
     roles = pod_roles(spec)
-    writers = [r for r in roles if r != c.ROLE_EXPLORER]
+    writers = [r for r in roles if r != names.ROLE_EXPLORER]
     out = [build_service_account(ref, spec, r) for r in roles]
-    out += [build_status_role(ref), _role_binding(ref, c.status_role_name(ref.name), writers)]
-    if c.ROLE_EXPLORER in roles:
-        out += [build_reader_role(ref), _role_binding(ref, c.status_reader_role_name(ref.name), [c.ROLE_EXPLORER])]
+    out += [build_status_role(ref), _role_binding(ref, names.status_role_name(ref.name), writers)]
+    if names.ROLE_EXPLORER in roles:
+        out += [build_reader_role(ref),
+                _role_binding(ref, names.status_reader_role_name(ref.name), [names.ROLE_EXPLORER])]
     return out
 
 
@@ -123,7 +124,7 @@ def _headless(ref: JobRef, name: str, role: str, port_name: str, port: int,
     spec: Obj = {"clusterIP": "None"}
     if publish_not_ready:
         spec["publishNotReadyAddresses"] = True
-    spec["selector"] = {c.LABEL_JOB: ref.name, c.LABEL_ROLE: role}
+    spec["selector"] = {names.LABEL_JOB: ref.name, names.LABEL_ROLE: role}
     spec["ports"] = [{"name": port_name, "port": port, "targetPort": port}]
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": build_meta(ref, name, labels(ref.name, role)), "spec": spec}
@@ -132,14 +133,14 @@ def _headless(ref: JobRef, name: str, role: str, port_name: str, port: int,
 def build_headless_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """Gives each trainer pod a stable DNS name `<pod>.<job>-trainer` for rendezvous;
     torchrun must resolve rank 0 before any pod is Ready (publishNotReadyAddresses)."""
-    return _headless(ref, c.service_name(ref.name), c.ROLE_TRAINER, "rendezvous",
+    return _headless(ref, names.service_name(ref.name), names.ROLE_TRAINER, "rendezvous",
                      spec.trainer.master_port, publish_not_ready=True)
 
 
 def build_inference_service(ref: JobRef, spec: RFTJobSpec) -> Obj:
     """Headless: DNS names per replica (`<pod>.<job>-inference`) for explorers, and the
     Service for anything else that wants to query the policy."""
-    return _headless(ref, c.inference_service_name(ref.name), c.ROLE_INFERENCE, "http", spec.inference.port)
+    return _headless(ref, names.inference_service_name(ref.name), names.ROLE_INFERENCE, "http", spec.inference.port)
 
 
 def build_static_children(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:

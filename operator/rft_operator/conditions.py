@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.times import format_time
 
 from .model import Obj
@@ -53,23 +53,23 @@ def build_kstatus(phase: str | None, message: str, failed_reason: str, sync_cond
     Reconciling is True otherwise (Pending, Restarting, weights on their way), with the
     phase or the weight sync's reason. A spec edit not yet observed is kstatus' own
     InProgress (status.observedGeneration)."""
-    phase = phase or c.PENDING
-    if phase == c.FAILED:
-        return [Cond(c.COND_READY, False, failed_reason, message),
-                Cond(c.COND_RECONCILING, False, failed_reason, ""),
-                Cond(c.COND_STALLED, True, failed_reason, message)]
-    if phase == c.RUNNING and sync_cond is not None and not sync_cond.status \
-            and sync_cond.reason != c.REASON_NO_REPLICAS:  # inference scaled to 0: nothing to wait for
+    phase = phase or names.PENDING
+    if phase == names.FAILED:
+        return [Cond(names.COND_READY, False, failed_reason, message),
+                Cond(names.COND_RECONCILING, False, failed_reason, ""),
+                Cond(names.COND_STALLED, True, failed_reason, message)]
+    if phase == names.RUNNING and sync_cond is not None and not sync_cond.status \
+            and sync_cond.reason != names.REASON_NO_REPLICAS:  # inference scaled to 0: nothing to wait for
         busy = (sync_cond.reason, sync_cond.message)
-    elif phase in (c.RUNNING, c.SUCCEEDED, c.SUSPENDED):
-        return [Cond(c.COND_READY, True, phase, message),
-                Cond(c.COND_RECONCILING, False, phase, ""),
-                Cond(c.COND_STALLED, False, phase, "")]
+    elif phase in (names.RUNNING, names.SUCCEEDED, names.SUSPENDED):
+        return [Cond(names.COND_READY, True, phase, message),
+                Cond(names.COND_RECONCILING, False, phase, ""),
+                Cond(names.COND_STALLED, False, phase, "")]
     else:
         busy = (phase, message)
-    return [Cond(c.COND_READY, False, *busy),
-            Cond(c.COND_RECONCILING, True, *busy),
-            Cond(c.COND_STALLED, False, phase, "")]
+    return [Cond(names.COND_READY, False, *busy),
+            Cond(names.COND_RECONCILING, True, *busy),
+            Cond(names.COND_STALLED, False, phase, "")]
 
 
 def compute_failed_reason(old_conditions: list[Obj] | None) -> str:
@@ -77,8 +77,8 @@ def compute_failed_reason(old_conditions: list[Obj] | None) -> str:
     which no longer know why."""
     return next(
         (x.get("reason") for x in old_conditions or []
-         if x.get("type") == c.COND_FAILED and x.get("status") == "True"),
-        c.FAILED,
+         if x.get("type") == names.COND_FAILED and x.get("status") == "True"),
+        names.FAILED,
     )
 
 
@@ -86,22 +86,23 @@ def build_checkpointed(checkpoint: Obj) -> Cond:
     """True once the trainer reported a committed checkpoint (`status.trainer.lastCheckpoint`)."""
     step = checkpoint.get("step")
     if step is None:
-        return Cond(c.COND_CHECKPOINTED, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet")
-    return Cond(c.COND_CHECKPOINTED, True, c.REASON_CHECKPOINT_SAVED, f"step {step} at {checkpoint.get('uri')}")
+        return Cond(names.COND_CHECKPOINTED, False, names.REASON_NO_CHECKPOINT, "no checkpoint committed yet")
+    return Cond(names.COND_CHECKPOINTED, True, names.REASON_CHECKPOINT_SAVED, f"step {step} at {checkpoint.get('uri')}")
 
 
 def build_phase_conditions(phase: str | None, message: str, failed_reason: str) -> list[Cond]:
     """One condition per phase a user waits for; only the current phase's is True. Running
     always carries the phase message (why it is not running yet), the others only while True."""
     return [
-        Cond(c.COND_RUNNING, phase == c.RUNNING, phase or c.PENDING, message),
-        Cond(c.COND_SUSPENDED, phase == c.SUSPENDED,
-             c.REASON_SUSPENDED if phase == c.SUSPENDED else c.REASON_NOT_SUSPENDED,
-             message if phase == c.SUSPENDED else ""),
-        Cond(c.COND_SUCCEEDED, phase == c.SUCCEEDED, phase or c.PENDING,
-             message if phase == c.SUCCEEDED else ""),
-        Cond(c.COND_FAILED, phase == c.FAILED, failed_reason if phase == c.FAILED else phase or c.PENDING,
-             message if phase == c.FAILED else ""),
+        Cond(names.COND_RUNNING, phase == names.RUNNING, phase or names.PENDING, message),
+        Cond(names.COND_SUSPENDED, phase == names.SUSPENDED,
+             names.REASON_SUSPENDED if phase == names.SUSPENDED else names.REASON_NOT_SUSPENDED,
+             message if phase == names.SUSPENDED else ""),
+        Cond(names.COND_SUCCEEDED, phase == names.SUCCEEDED, phase or names.PENDING,
+             message if phase == names.SUCCEEDED else ""),
+        Cond(names.COND_FAILED, phase == names.FAILED,
+             failed_reason if phase == names.FAILED else phase or names.PENDING,
+             message if phase == names.FAILED else ""),
     ]
 
 
@@ -112,22 +113,22 @@ def build_progressing(gang_status: Obj, failed_reason: str, deadline: int) -> Co
     (`ProgressDeadlineExceeded`, with the failure's message) while the gang restarts, until
     the next attempt runs, or in the job that failed of it. The message changes only with
     the step, so it costs no status write of its own."""
-    phase = gang_status.get("phase") or c.PENDING
-    if phase == c.RUNNING:
+    phase = gang_status.get("phase") or names.PENDING
+    if phase == names.RUNNING:
         record = gang_status.get("progress") or {}
         step, attempt, since = record.get("step"), record.get("attempt"), record.get("since")
         what = (f"attempt {attempt}: no step reported since {since}" if step is None
                 else f"step {step} of attempt {attempt} reported at {since}")
         limit = (f"; restarted after {deadline}s without a step (spec.failurePolicy.progressDeadlineSeconds)"
                  if deadline else "; no progress deadline (spec.failurePolicy.progressDeadlineSeconds=0)")
-        return Cond(c.COND_PROGRESSING, True, c.REASON_STEPPING, what + limit)
+        return Cond(names.COND_PROGRESSING, True, names.REASON_STEPPING, what + limit)
     failure = gang_status.get("lastFailure") or {}
-    if failure.get("reason") == c.REASON_PROGRESS_DEADLINE and (
-            (phase == c.RESTARTING and failure.get("attempt") == gang_status.get("attempt"))
-            or (phase == c.PENDING and failure.get("attempt") == (gang_status.get("attempt") or 0) - 1)
-            or (phase == c.FAILED and failed_reason == c.REASON_PROGRESS_DEADLINE)):
-        return Cond(c.COND_PROGRESSING, False, c.REASON_PROGRESS_DEADLINE, failure.get("message") or "")
-    return Cond(c.COND_PROGRESSING, False, phase, "")
+    if failure.get("reason") == names.REASON_PROGRESS_DEADLINE and (
+            (phase == names.RESTARTING and failure.get("attempt") == gang_status.get("attempt"))
+            or (phase == names.PENDING and failure.get("attempt") == (gang_status.get("attempt") or 0) - 1)
+            or (phase == names.FAILED and failed_reason == names.REASON_PROGRESS_DEADLINE)):
+        return Cond(names.COND_PROGRESSING, False, names.REASON_PROGRESS_DEADLINE, failure.get("message") or "")
+    return Cond(names.COND_PROGRESSING, False, phase, "")
 
 
 def compute_conditions(

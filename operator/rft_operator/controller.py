@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import urllib3
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 
 from . import drift, terminating
 from . import reconcile as rc
@@ -219,12 +219,12 @@ class Controller:
         return rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
                                       [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
 
-    def read_nodes(self, names: Iterable[str]) -> dict[str, str]:
+    def read_nodes(self, node_names: Iterable[str]) -> dict[str, str]:
         """What each Node says about the pods on it (`terminating.classify_node`). A Node that
         cannot be read is unknown (`NODE_UNREADABLE`): its pods are not force-deleted, and
         the next pass asks again."""
         out = {}
-        for name in sorted(names):
+        for name in sorted(node_names):
             try:
                 out[name] = terminating.classify_node(self.kube.read_node(name))
             except ApiException as e:
@@ -298,13 +298,13 @@ class Controller:
             entry = self._expected.get(key)
             if entry is None:
                 return False
-            until, names = entry
-            names.difference_update({("Pod", p.name) for p in observed.pods}, observed.children)
+            until, expected = entry
+            expected.difference_update({("Pod", p.name) for p in observed.pods}, observed.children)
             left = until - time.monotonic()
-            if not names or left <= 0 or observed.refusal is not None:
+            if not expected or left <= 0 or observed.refusal is not None:
                 del self._expected[key]
                 return False
-        log.debug("%s/%s: waiting for %d created children to reach the informers", *key, len(names))
+        log.debug("%s/%s: waiting for %d created children to reach the informers", *key, len(expected))
         self.queue.add_after(key, left)
         return True
 
@@ -334,19 +334,19 @@ class Controller:
             return True
         meta, what = body["metadata"], _what(obj)
         live = self.kube.read(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        owner = drift.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), c.KIND)
+        owner = drift.classify_owner(live.get("metadata") or {}, meta["name"], meta.get("uid", ""), names.KIND)
         if owner == drift.OURS:
             # Ours, yet not in the index: someone took our labels off. Put them back.
             if obj["kind"] != "Pod" and not drift.covers(managed_fields(live), managed_fields(obj)):
                 self._write(body, drift.compute_patch(obj, live), "patching", self.kube.replace)
             return False
         if owner == drift.PREVIOUS:
-            raise Retry(f"{what} still belongs to a deleted {c.KIND} of the same name; waiting for the "
+            raise Retry(f"{what} still belongs to a deleted {names.KIND} of the same name; waiting for the "
                         "garbage collector", PREVIOUS_OWNER_RETRY_SECONDS)
         holder = next((r for r in live["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
         by = f" (its controller is {holder.get('kind')} {holder.get('name')})" if holder else ""
-        raise Refused(Refusal(c.REASON_CHILD_CONFLICT,
-                              f"{what} exists and is not owned by this {c.KIND}{by}; delete or rename it"))
+        raise Refused(Refusal(names.REASON_CHILD_CONFLICT,
+                              f"{what} exists and is not owned by this {names.KIND}{by}; delete or rename it"))
 
     def _write(self, body: dict[str, Any], obj: dict[str, Any], verb: str, write: Callable[[dict], Any]) -> Any:
         """One child write; a refusal says which object and, for a 422, which field."""
@@ -356,7 +356,8 @@ class Controller:
             what = _what(obj)
             self.kube.post_event(body, "Warning", WRITE_FAILED[verb], f"{verb} {what}: {describe_error(e)}")
             if e.status == 422 or (e.status == 403 and POD_SECURITY_REFUSAL in (api_message(e) or "")):
-                raise Refused(Refusal(c.REASON_INVALID_SPEC, f"{verb} {what}: {api_message(e) or e.reason}")) from None
+                message = f"{verb} {what}: {api_message(e) or e.reason}"
+                raise Refused(Refusal(names.REASON_INVALID_SPEC, message)) from None
             raise
 
 

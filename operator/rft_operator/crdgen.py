@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from rft_contract import names as c, spec as api, status
+from rft_contract import names, spec as api, status
 from rft_contract.spec import ADMISSION_REQUIRED
 
 # JSON Schema keys that carry over to OpenAPI v3 unchanged.
@@ -135,21 +135,21 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{c.PLURAL}.{c.GROUP}"},
+        "metadata": {"name": f"{names.PLURAL}.{names.GROUP}"},
         "spec": {
-            "group": c.GROUP,
+            "group": names.GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": c.KIND,
-                "listKind": f"{c.KIND}List",
-                "plural": c.PLURAL,
-                "singular": c.SINGULAR,
-                "shortNames": [c.SHORT_NAME],
-                "categories": [c.CATEGORY],
+                "kind": names.KIND,
+                "listKind": f"{names.KIND}List",
+                "plural": names.PLURAL,
+                "singular": names.SINGULAR,
+                "shortNames": [names.SHORT_NAME],
+                "categories": [names.CATEGORY],
             },
             "versions": [
                 {
-                    "name": c.VERSION,
+                    "name": names.VERSION,
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import FailurePolicy
 from rft_contract.times import format_time
 
@@ -82,13 +82,13 @@ def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], 
     """
     ended = sorted((_pod_failure(x, fp) for x in gang.values() if x.phase in ("Failed", "Unknown") or x.deleting),
                    key=lambda f: (f.ended_at is None, f.ended_at or _NEVER, f.rank))
-    if old.get("phase") == c.RUNNING and old.get("attempt") == attempt:
+    if old.get("phase") == names.RUNNING and old.get("attempt") == attempt:
         # The whole gang was running; a vanished pod breaks the rendezvous. Nothing is
         # known of it, so it comes after every pod that is still there to tell.
         for rank in range(nodes):
             if rank not in gang:
-                name = c.pod_name(job, attempt, rank)
-                ended.append(Failure(name, None, c.REASON_POD_DELETED, f"pod {name} disappeared", rank=rank))
+                name = names.pod_name(job, attempt, rank)
+                ended.append(Failure(name, None, names.REASON_POD_DELETED, f"pod {name} disappeared", rank=rank))
     if not ended:
         return None
     root = next((f for f in ended if f.verdict == FATAL and f.exit_code in fp.fatal_exit_codes), ended[0])
@@ -102,13 +102,13 @@ def compute_failure(job: str, old: Obj, attempt: int, gang: dict[int, PodView], 
 def _pod_failure(x: PodView, fp: FailurePolicy) -> Failure:
     verdict = classify_failure(x.exit_code, x.disruption, fp, x.status_reason)
     if x.disruption:
-        reason, message = c.REASON_POD_DISRUPTED, f"pod {x.name} was disrupted ({x.disruption})"
+        reason, message = names.REASON_POD_DISRUPTED, f"pod {x.name} was disrupted ({x.disruption})"
         if verdict != DISRUPTED:  # node pressure: say which resource ran out
             message = (f"pod {x.name} was evicted by the kubelet for node pressure ({x.disruption}"
                        + (f": {x.disruption_message})" if x.disruption_message else ")"))
     elif x.stopped_by_deletion:  # its exit code answers the SIGTERM: not judged
         verdict = RETRYABLE
-        reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted"
+        reason, message = names.REASON_POD_DELETED, f"pod {x.name} was deleted"
     elif x.phase == "Failed":
         log = redact(x.termination_message)
         if x.exit_code is None:
@@ -118,10 +118,10 @@ def _pod_failure(x: PodView, fp: FailurePolicy) -> Failure:
             how, said = f" with exit code {x.exit_code} ({x.reason})", ""
         else:
             how, said = f" with exit code {x.exit_code}", last_line(log)
-        reason, message = c.REASON_POD_FAILED, f"pod {x.name} failed" + how + (f": {said}" if said else "")
+        reason, message = names.REASON_POD_FAILED, f"pod {x.name} failed" + how + (f": {said}" if said else "")
         return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank, log_tail(log))
     else:
-        reason, message = c.REASON_POD_DELETED, f"pod {x.name} was deleted or lost its node"
+        reason, message = names.REASON_POD_DELETED, f"pod {x.name} was deleted or lost its node"
     return Failure(x.name, x.exit_code, reason, message, verdict, x.ended_at, x.rank)
 
 

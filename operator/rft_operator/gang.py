@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 from rft_contract.times import format_time, parse_time
 
@@ -70,22 +70,22 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
     known of the nodes of pods stuck terminating (`terminating.stuck_nodes`; `terminating.NODE_*`)."""
     g = _start(old)
     if spec is None:
-        return _fail(g, pods, now, c.REASON_INVALID_SPEC, spec_error)
-    if g.phase in c.TERMINAL_PHASES:
+        return _fail(g, pods, now, names.REASON_INVALID_SPEC, spec_error)
+    if g.phase in names.TERMINAL_PHASES:
         return _delete(g, [x for x in pods if x.active])
     if refusal is not None:
         return _fail(g, pods, now, refusal.reason, refusal.message)
     if spec.suspend:
         g = _delete(g, [x for x in pods if x.active])
-        return _set_phase(g, c.SUSPENDED, "suspended: pods removed, checkpoints kept", c.REASON_SUSPENDED)
-    if g.phase == c.SUSPENDED:
-        g = _next_attempt(g, "resumed", c.REASON_RESUMED)
+        return _set_phase(g, names.SUSPENDED, "suspended: pods removed, checkpoints kept", names.REASON_SUSPENDED)
+    if g.phase == names.SUSPENDED:
+        g = _next_attempt(g, "resumed", names.REASON_RESUMED)
     if g.attempt == 0:
-        g = _set_phase(replace(g, status={**g.status, "attempt": 1}), c.PENDING, "starting attempt 1",
-                       c.REASON_CREATED)
-    if g.phase == c.RESTARTING:
+        g = _set_phase(replace(g, status={**g.status, "attempt": 1}), names.PENDING, "starting attempt 1",
+                       names.REASON_CREATED)
+    if g.phase == names.RESTARTING:
         g = _restart_when_due(g, ref, spec, pods, now, nodes or {})
-        if g.phase == c.RESTARTING:
+        if g.phase == names.RESTARTING:
             return g
     return _run(g, ref, spec, old, pods, now, progress, nodes or {})
 
@@ -133,14 +133,15 @@ def _report_stuck(g: Gang, old_message: str | None) -> Gang:
     Warning event goes out once, in the pass that first writes the message."""
     if not g.stuck:
         return g
-    events = g.events if old_message == g.stuck else g.events + (Event("Warning", c.REASON_STUCK_TERMINATING, g.stuck),)
+    stuck = Event("Warning", names.REASON_STUCK_TERMINATING, g.stuck)
+    events = g.events if old_message == g.stuck else g.events + (stuck,)
     return replace(g, status={**g.status, "message": g.stuck}, events=events)
 
 
 def _next_attempt(g: Gang, verb: str, reason: str) -> Gang:
     attempt = g.attempt + 1
     g = replace(g, status={**g.status, "attempt": attempt})
-    return _set_phase(g, c.PENDING, f"{verb}: starting attempt {attempt}", reason)
+    return _set_phase(g, names.PENDING, f"{verb}: starting attempt {attempt}", reason)
 
 
 def _restart_when_due(g: Gang, ref: JobRef, spec: RFTJobSpec, pods: list[PodView], now: datetime,
@@ -159,7 +160,7 @@ def _restart_when_due(g: Gang, ref: JobRef, spec: RFTJobSpec, pods: list[PodView
         return _requeue(g, wait)
     if active:  # old pods still terminating; their deletion events (or the force deadline) wake us
         return g
-    return _next_attempt(g, "restarted", c.REASON_RESTARTED)
+    return _next_attempt(g, "restarted", names.REASON_RESTARTED)
 
 
 def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], now: datetime,
@@ -175,10 +176,10 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
     if failure:
         return _handle_failure(g, spec, failure, list(gang.values()), pods, now)
     if len(gang) == nodes and all(x.phase == "Succeeded" for x in gang.values()):
-        g = _set_phase(g, c.SUCCEEDED, f"all {nodes} trainer pods succeeded", c.REASON_SUCCEEDED)
+        g = _set_phase(g, names.SUCCEEDED, f"all {nodes} trainer pods succeeded", names.REASON_SUCCEEDED)
         return replace(g, status={**g.status, "completionTime": format_time(now)})
     if len(gang) == nodes and all(x.phase in ("Running", "Succeeded") for x in gang.values()):
-        g = _set_phase(g, c.RUNNING, f"all {nodes} trainer pods running", c.REASON_ALL_RUNNING)
+        g = _set_phase(g, names.RUNNING, f"all {nodes} trainer pods running", names.REASON_ALL_RUNNING)
         g = replace(g, status={**g.status, "startTime": g.status.get("startTime") or format_time(now)})
         return _check_progress(g, spec, progress, list(gang.values()), pods, now)
     if not stale:  # a new gang starts only once the previous one is gone
@@ -186,7 +187,7 @@ def _run(g: Gang, ref: JobRef, spec: RFTJobSpec, old: Obj, pods: list[PodView], 
         g = replace(g, create=g.create + tuple(missing))
     # No event: waiting for pods to schedule is not news. No count of the running ones
     # either: it would cost a status write per pod that starts (`kubectl get pods` has it).
-    g = replace(g, status={**g.status, "phase": c.PENDING,
+    g = replace(g, status={**g.status, "phase": names.PENDING,
                            "message": f"attempt {attempt}: waiting for all {nodes} trainer pods to run"})
     return _report_stuck(g, old.get("message"))
 
@@ -200,13 +201,13 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
     g = replace(g, status={**g.status, "progress": check.record})
     if not check.stalled:
         return g if check.requeue_after is None else replace(g, requeue_after=check.requeue_after)
-    failure = Failure(None, None, c.REASON_PROGRESS_DEADLINE, check.stalled)
-    g = replace(g, events=g.events + (Event("Warning", c.REASON_PROGRESS_DEADLINE, check.stalled),))
-    return _handle_failure(g, spec, failure, gang, pods, now, exhausted=c.REASON_PROGRESS_DEADLINE)
+    failure = Failure(None, None, names.REASON_PROGRESS_DEADLINE, check.stalled)
+    g = replace(g, events=g.events + (Event("Warning", names.REASON_PROGRESS_DEADLINE, check.stalled),))
+    return _handle_failure(g, spec, failure, gang, pods, now, exhausted=names.REASON_PROGRESS_DEADLINE)
 
 
 def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Failure, gang: list[PodView],
-                    pods: list[PodView], now: datetime, exhausted: str = c.REASON_BACKOFF_LIMIT) -> Gang:
+                    pods: list[PodView], now: datetime, exhausted: str = names.REASON_BACKOFF_LIMIT) -> Gang:
     """Record the failure, then fail the job (fatal code, budget spent) or restart the gang
     (a disruption without using the budget). `exhausted` is the Failed reason when the
     budget is spent."""
@@ -214,7 +215,7 @@ def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Failure, gang: list[PodV
     restarts = g.status["restarts"]
     g = replace(g, status={**g.status, "lastFailure": failure.record(g.attempt, now)})
     if failure.verdict == failure_policy.FATAL:
-        return _fail(g, pods, now, c.REASON_FATAL_EXIT,
+        return _fail(g, pods, now, names.REASON_FATAL_EXIT,
                      f"{failure.message}; exit code {failure.exit_code} is fatal under "
                      "spec.failurePolicy (fatalExitCodes/retryableExitCodes); fix the cause and "
                      "create the job again")
@@ -222,26 +223,26 @@ def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Failure, gang: list[PodV
         disruptions = g.status["disruptions"] + 1
         g = replace(g, status={**g.status, "disruptions": disruptions})
         return _restart(g, spec, gang, f"{failure.message}; disruption {disruptions}, restarting without "
-                        f"using spec.failurePolicy.maxRestarts", c.REASON_POD_DISRUPTED)
+                        f"using spec.failurePolicy.maxRestarts", names.REASON_POD_DISRUPTED)
     if not failure_policy.should_restart(restarts, fp):
         return _fail(g, pods, now, exhausted,
                      f"{failure.message}; restart budget exhausted after {restarts} "
                      f"restarts (spec.failurePolicy.maxRestarts={fp.max_restarts})")
     restarts += 1
     g = replace(g, status={**g.status, "restarts": restarts})
-    return _restart(g, spec, gang, f"{failure.message}; restart {restarts}/{fp.max_restarts}", c.REASON_RESTARTING)
+    return _restart(g, spec, gang, f"{failure.message}; restart {restarts}/{fp.max_restarts}", names.REASON_RESTARTING)
 
 
 def _restart(g: Gang, spec: RFTJobSpec, gang: list[PodView], message: str, reason: str) -> Gang:
     """Delete the gang and wait out the backoff in Restarting (a Warning event says why)."""
     backoff = spec.failure_policy.backoff_seconds
     g = _delete(g, [x for x in gang if x.active])
-    g = _set_phase(g, c.RESTARTING, f"{message} in {backoff}s", reason, warn=True)
+    g = _set_phase(g, names.RESTARTING, f"{message} in {backoff}s", reason, warn=True)
     return _requeue(g, float(backoff))
 
 
 def _fail(g: Gang, pods: list[PodView], now: datetime, reason: str, message: str) -> Gang:
     """Terminal: stop every live trainer pod; keep the first completion time."""
-    g = _set_phase(_delete(g, [x for x in pods if x.active]), c.FAILED, message, reason, warn=True)
+    g = _set_phase(_delete(g, [x for x in pods if x.active]), names.FAILED, message, reason, warn=True)
     done = g.status.get("completionTime") or format_time(now)
     return replace(g, status={**g.status, "completionTime": done}, failed_reason=reason)

@@ -18,7 +18,7 @@ from typing import Any
 
 import kopf
 
-from rft_contract import names as c
+from rft_contract import names
 from .controller import Controller, Key, write_threads
 from .workqueue import is_new
 from .informer import Informer, Store, wait_synced
@@ -34,9 +34,9 @@ CHILD_KINDS = {  # plural -> (group/version, kind)
     "roles": ("rbac.authorization.k8s.io/v1", "Role"),
     "rolebindings": ("rbac.authorization.k8s.io/v1", "RoleBinding"),
 }
-JOB = (c.GROUP, c.VERSION, c.PLURAL)
+JOB = (names.GROUP, names.VERSION, names.PLURAL)
 # Server-side filtering: only our children travel over the watch streams.
-CHILD_SELECTOR = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
+CHILD_SELECTOR = f"{names.LABEL_JOB},{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 RESYNC_SECONDS = float(os.environ.get("RFT_RESYNC_SECONDS", "60"))
 SYNC_WAIT_LOG_SECONDS = 10.0  # how often startup says it still waits for a first listing
 
@@ -95,7 +95,7 @@ def build_informers(kube: Kube, ctl: Controller, namespaces: list[str],
     for kind in ["Pod", *(k for _, k in CHILD_KINDS.values())]:
         is_pod = kind == "Pod"
         view = PodView.from_pod if is_pod else (lambda obj, k=kind: ChildView.from_object(k, obj))
-        store = stores[kind] = Store(c.LABEL_JOB, view)
+        store = stores[kind] = Store(names.LABEL_JOB, view)
         for ns in namespaces or [None]:
             out.append(Informer(f"{kind.lower()}s" + (f"/{ns}" if ns else ""), kube.list_method(kind, ns),
                                 CHILD_SELECTOR, store, on_child_event(ctl, is_pod)))

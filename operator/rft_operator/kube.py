@@ -18,7 +18,7 @@ from urllib.parse import quote, urlencode
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .model import Obj
 
@@ -205,7 +205,7 @@ class Kube:
         """Merge-patch the operator's status fields, only if the job is still at
         `resource_version` (else Conflict). Returns the new resourceVersion."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{quote(namespace)}/{c.PLURAL}/{quote(name)}/status"
+        path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{quote(namespace)}/{names.PLURAL}/{quote(name)}/status"
         try:
             out = json.loads(self._send("PATCH", path, body, "application/merge-patch+json"))
         except ApiException as e:
@@ -228,11 +228,11 @@ class Kube:
                 "name": f"{meta['name']}.{uuid.uuid4().hex[:12]}",
                 "namespace": meta["namespace"],
                 # Like the job's children: the admission policies check our Events by these.
-                "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_JOB: meta["name"]},
+                "labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_JOB: meta["name"]},
             },
             "involvedObject": {
-                "apiVersion": c.API_VERSION,
-                "kind": c.KIND,
+                "apiVersion": names.API_VERSION,
+                "kind": names.KIND,
                 "name": meta["name"],
                 "namespace": meta["namespace"],
                 "uid": meta.get("uid"),
@@ -244,9 +244,9 @@ class Kube:
             "firstTimestamp": now.isoformat(),
             "lastTimestamp": now.isoformat(),
             "count": 1,
-            "source": {"component": c.MANAGED_BY},
-            "reportingComponent": c.MANAGED_BY,
-            "reportingInstance": c.MANAGED_BY,
+            "source": {"component": names.MANAGED_BY},
+            "reportingComponent": names.MANAGED_BY,
+            "reportingInstance": names.MANAGED_BY,
         }
         try:
             self._send("POST", f"/api/v1/namespaces/{quote(meta['namespace'])}/events", event)

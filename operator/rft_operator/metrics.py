@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from rft_contract import names as c
+from rft_contract import names
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -53,7 +53,7 @@ def compute_job_sample(body: dict[str, Any]) -> JobSample:
     st = body.get("status") or {}
     ws = st.get("weightSync") or {}
     return JobSample(
-        phase=st.get("phase") or c.PENDING,
+        phase=st.get("phase") or names.PENDING,
         restarts=int(st.get("restarts") or 0),
         step=(st.get("trainer") or {}).get("step"),
         lag_steps=ws.get("lagSteps"),
@@ -107,7 +107,7 @@ class OperatorMetrics:
 
 
 def _job_metrics(jobs: list[tuple[Key, JobSample]]) -> Iterator[Metric]:
-    per_phase = dict.fromkeys(c.PHASES, 0)  # every phase, so a job leaving one shows a 0
+    per_phase = dict.fromkeys(names.PHASES, 0)  # every phase, so a job leaving one shows a 0
     for _, s in jobs:
         per_phase[s.phase] = per_phase.get(s.phase, 0) + 1
     phases = GaugeMetricFamily("rftjob_jobs", "RFTJobs by status.phase.", labels=["phase"])

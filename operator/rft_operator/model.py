@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Iterable
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.times import parse_time
 
 Obj = dict[str, Any]
@@ -36,7 +36,7 @@ class PodView:
     deleting: bool = False
     exit_code: int | None = None
     reason: str | None = None
-    role: str = c.ROLE_TRAINER
+    role: str = names.ROLE_TRAINER
     spec_hash: str = ""
     # When the trainer container terminated (state.terminated.finishedAt).
     finished_at: datetime | None = None
@@ -69,14 +69,14 @@ class PodView:
                            if x.get("type") == DISRUPTION_TARGET and x.get("status") == "True"), None)
         return cls(
             name=meta["name"],
-            attempt=int(lbls.get(c.LABEL_ATTEMPT, -1)),
-            rank=int(lbls.get(c.LABEL_RANK, -1)),
+            attempt=int(lbls.get(names.LABEL_ATTEMPT, -1)),
+            rank=int(lbls.get(names.LABEL_RANK, -1)),
             phase=status.get("phase") or "Pending",
             deleting=bool(meta.get("deletionTimestamp")),
             exit_code=exit_code,
             reason=reason,
-            role=lbls.get(c.LABEL_ROLE, c.ROLE_TRAINER),
-            spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
+            role=lbls.get(names.LABEL_ROLE, names.ROLE_TRAINER),
+            spec_hash=(meta.get("annotations") or {}).get(names.ANNOTATION_SPEC_HASH, ""),
             finished_at=finished,
             termination_message=said,
             disruption=(disruption.get("reason") or DISRUPTION_TARGET) if disruption else None,
@@ -139,7 +139,7 @@ class ChildView:
     @classmethod
     def from_object(cls, kind: str, obj: Obj) -> "ChildView":
         meta = obj["metadata"]
-        return cls(kind, meta["name"], (meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH, ""),
+        return cls(kind, meta["name"], (meta.get("annotations") or {}).get(names.ANNOTATION_SPEC_HASH, ""),
                    controller_uid(meta), managed_fields(obj))
 
 

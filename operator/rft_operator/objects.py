@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.checks import parse_quantity
 from rft_contract.spec import EnvVar, RFTJobSpec
 
@@ -44,24 +44,24 @@ class JobRef:
 
 def pod_roles(spec: RFTJobSpec) -> list[str]:
     """The pod roles this job runs, each under its own ServiceAccount."""
-    return [role for role, present in ((c.ROLE_TRAINER, True), (c.ROLE_INFERENCE, spec.inference is not None),
-                                       (c.ROLE_EXPLORER, spec.explorer is not None)) if present]
+    return [role for role, present in ((names.ROLE_TRAINER, True), (names.ROLE_INFERENCE, spec.inference is not None),
+                                       (names.ROLE_EXPLORER, spec.explorer is not None)) if present]
 
 
 def labels(job: str, role: str | None = None, attempt: int | None = None) -> dict[str, str]:
-    out = {c.LABEL_JOB: job, c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    out = {names.LABEL_JOB: job, names.LABEL_MANAGED_BY: names.MANAGED_BY}
     if role:
-        out[c.LABEL_ROLE] = role
+        out[names.LABEL_ROLE] = role
     if attempt is not None:
-        out[c.LABEL_ATTEMPT] = str(attempt)
+        out[names.LABEL_ATTEMPT] = str(attempt)
     return out
 
 
 def owner_reference(ref: JobRef) -> Obj:
     """Controller reference: the garbage collector removes children with the job."""
     return {
-        "apiVersion": c.API_VERSION,
-        "kind": c.KIND,
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
         "name": ref.name,
         "uid": ref.uid,
         "controller": True,
@@ -117,8 +117,8 @@ def with_scratch_space(pod_spec: Obj) -> Obj:
 def _with_scratch_mount(container: Obj) -> Obj:
     env = container.get("env", [])
     # First, so that `$(HOME)` in a later value expands.
-    home = [] if any(e["name"] == "HOME" for e in env) else [{"name": "HOME", "value": c.SCRATCH_MOUNT}]
-    mounts = [*container.get("volumeMounts", []), {"name": SCRATCH_VOLUME, "mountPath": c.SCRATCH_MOUNT}]
+    home = [] if any(e["name"] == "HOME" for e in env) else [{"name": "HOME", "value": names.SCRATCH_MOUNT}]
+    mounts = [*container.get("volumeMounts", []), {"name": SCRATCH_VOLUME, "mountPath": names.SCRATCH_MOUNT}]
     # The kubelet keeps the last 80 lines (2 KiB at most) of a failed container's log.
     return {**container, "env": home + env, "volumeMounts": mounts,
             "terminationMessagePolicy": "FallbackToLogsOnError"}

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 
 log = logging.getLogger("rft_operator.ownerhook")
 
@@ -68,7 +68,7 @@ def claims(obj: dict[str, Any], resource: str) -> tuple[str, list[str]]:
     its owner references', or an Event's object's (core `involvedObject`, events.k8s.io
     `regarding`)."""
     meta = obj.get("metadata") or {}
-    job = (meta.get("labels") or {}).get(c.LABEL_JOB, "")
+    job = (meta.get("labels") or {}).get(names.LABEL_JOB, "")
     if resource == "events":
         about = obj.get("involvedObject") or obj.get("regarding") or {}
         return job, [about.get("uid") or ""]
@@ -80,7 +80,7 @@ def check(namespace: str, obj: dict[str, Any], resource: str, get_job: GetJob) -
     the caller refuses with what it raised."""
     job, uids = claims(obj, resource)
     if not job:
-        return f"the rftjob-operator's objects carry the label {c.LABEL_JOB}"
+        return f"the rftjob-operator's objects carry the label {names.LABEL_JOB}"
     found = get_job(namespace, job)
     if found is None:
         return (f"the rftjob-operator's objects belong to an RFTJob that exists: there is no RFTJob "
@@ -118,7 +118,7 @@ def api_get_job(api_client: Any) -> GetJob:
 
     def get(namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return custom.get_namespaced_custom_object(c.GROUP, c.VERSION, namespace, c.PLURAL, name,
+            return custom.get_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.PLURAL, name,
                                                        _request_timeout=(3, 5))
         except kubernetes.client.ApiException as e:
             if e.status == 404:
@@ -260,10 +260,10 @@ def webhook_configuration(ca_bundle: bytes, *, service: tuple[str, str] | None =
     rules.append({"apiGroups": [EVENTS_V1], "apiVersions": ["v1"], "operations": ["CREATE"],
                   "resources": ["events"], "scope": "Namespaced"})
     hook: dict[str, Any] = {
-        "name": f"{WEBHOOK_NAME}.{c.GROUP}",
+        "name": f"{WEBHOOK_NAME}.{names.GROUP}",
         "clientConfig": client,
         "rules": rules,
-        "objectSelector": {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}},
+        "objectSelector": {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}},
         "matchConditions": [OPERATOR_IDENTITY],
         "failurePolicy": "Fail",
         "sideEffects": "None",
@@ -300,13 +300,13 @@ def serving_pair(hosts: list[str], days: int = 3650) -> tuple[bytes, bytes, byte
              .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False))
         if not ca:
-            names: list[x509.GeneralName] = []
+            alt_names: list[x509.GeneralName] = []
             for h in hosts:
                 try:
-                    names.append(x509.IPAddress(ipaddress.ip_address(h)))
+                    alt_names.append(x509.IPAddress(ipaddress.ip_address(h)))
                 except ValueError:
-                    names.append(x509.DNSName(h))
-            b = (b.add_extension(x509.SubjectAlternativeName(names), critical=False)
+                    alt_names.append(x509.DNSName(h))
+            b = (b.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
                  .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
         return b.sign(signer, hashes.SHA256())
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.checks import BASELINE_CAPABILITIES
 from rft_contract.status import RFTJobStatus, WeightSyncStatus
 
 SA_PREFIX = "system:serviceaccount:"
 OPERATOR_SA = "rftjob-operator"
 PROTECTED_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
-POD_ROLES = (c.ROLE_TRAINER, c.ROLE_INFERENCE, c.ROLE_EXPLORER)
+POD_ROLES = (names.ROLE_TRAINER, names.ROLE_INFERENCE, names.ROLE_EXPLORER)
 # A cluster admin's consent, on a namespace, to job pods beyond the Pod Security baseline.
 POD_SECURITY_LABEL = "rft.dev/pod-security"
 MODEL_CACHE_VOLUME = "model-cache"
@@ -88,10 +88,10 @@ def status_policy() -> dict[str, Any]:
     status_fields = _aliases(RFTJobStatus)
     others = lambda *keep: [f for f in status_fields if f not in keep]  # noqa: E731
     sync_fields = [f for f in _aliases(WeightSyncStatus) if f != "replicas"]
-    prefix = f"'{SA_PREFIX}' + request.namespace + ':' + object.metadata.name + '{c.SA_INFIX}'"
+    prefix = f"'{SA_PREFIX}' + request.namespace + ':' + object.metadata.name + '{names.SA_INFIX}'"
     return _policy(STATUS_POLICY, [{
-        "apiGroups": [c.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
-        "resources": [f"{c.PLURAL}/status"],
+        "apiGroups": [names.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": [f"{names.PLURAL}/status"],
     }], {
         # Only the job's own pod identities; the operator and people are not narrowed here.
         "matchConditions": [{"name": "job-pod-identity",
@@ -113,15 +113,15 @@ def status_policy() -> dict[str, Any]:
              "variables.oldReplicas.all(k, k == variables.pod || k in variables.replicas)"},
         ],
         "validations": [
-            _rule(f"variables.role in {_list([c.ROLE_TRAINER, c.ROLE_INFERENCE])}",
+            _rule(f"variables.role in {_list([names.ROLE_TRAINER, names.ROLE_INFERENCE])}",
                   "this identity may read the RFTJob but not write its status"),
-            _rule(f"variables.role != '{c.ROLE_TRAINER}' || (variables.operatorKept && variables.syncTargetKept "
+            _rule(f"variables.role != '{names.ROLE_TRAINER}' || (variables.operatorKept && variables.syncTargetKept "
                   "&& variables.replicas == variables.oldReplicas)",
                   "the trainer's identity may change only status.trainer"),
-            _rule(f"variables.role != '{c.ROLE_INFERENCE}' || "
-                  f"variables.pod.startsWith(object.metadata.name + '-{c.ROLE_INFERENCE}-')",
+            _rule(f"variables.role != '{names.ROLE_INFERENCE}' || "
+                  f"variables.pod.startsWith(object.metadata.name + '-{names.ROLE_INFERENCE}-')",
                   "a sync agent must use its pod's bound token (the pod name keys its entry)"),
-            _rule(f"variables.role != '{c.ROLE_INFERENCE}' || (variables.operatorKept && variables.trainerKept "
+            _rule(f"variables.role != '{names.ROLE_INFERENCE}' || (variables.operatorKept && variables.trainerKept "
                   "&& variables.syncTargetKept && variables.replicasKeptBut)",
                   "a sync agent may change only its own pod's entry, status.weightSync.replicas[<pod>]"),
         ],
@@ -149,10 +149,10 @@ def owner_policy() -> dict[str, Any]:
         {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
          "resources": ["events"]},
     ], {
-        "paramKind": {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND},
+        "paramKind": {"apiVersion": f"{names.GROUP}/{names.VERSION}", "kind": names.KIND},
         "matchConditions": [OPERATOR_IDENTITY],
         "variables": [
-            {"name": "job", "expression": f"{obj}.metadata.?labels[?'{c.LABEL_JOB}'].orValue('')"},
+            {"name": "job", "expression": f"{obj}.metadata.?labels[?'{names.LABEL_JOB}'].orValue('')"},
             {"name": "event", "expression": "request.resource.resource == 'events'"},
             # The Secrets this parameter's spec names (what its pods may read, key by key).
             {"name": "secrets", "expression":
@@ -189,8 +189,8 @@ def operator_status_policy() -> dict[str, Any]:
     pods that are no longer replicas)."""
     seeded = _list(OPERATOR_SEEDED_TRAINER_FIELDS)
     return _policy(OPERATOR_STATUS_POLICY, [{
-        "apiGroups": [c.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
-        "resources": [f"{c.PLURAL}/status"],
+        "apiGroups": [names.GROUP], "apiVersions": ["*"], "operations": ["UPDATE"],
+        "resources": [f"{names.PLURAL}/status"],
     }], {
         "matchConditions": [OPERATOR_IDENTITY],
         "variables": [
@@ -213,19 +213,19 @@ def operator_status_policy() -> dict[str, Any]:
 
 
 def operator_policy() -> dict[str, Any]:
-    job_label = f"variables.obj.metadata.?labels[?'{c.LABEL_JOB}'].orValue('')"
+    job_label = f"variables.obj.metadata.?labels[?'{names.LABEL_JOB}'].orValue('')"
     managed = (
-        f"obj.metadata.?labels[?'{c.LABEL_MANAGED_BY}'].orValue('') == '{c.MANAGED_BY}' && "
-        f"obj.metadata.?labels[?'{c.LABEL_JOB}'].orValue('') != '' && "
-        f"obj.metadata.?ownerReferences.orValue([]).exists(r, r.kind == '{c.KIND}' && "
-        f"r.apiVersion.startsWith('{c.GROUP}/') && r.?controller.orValue(false) && "
-        f"r.name == obj.metadata.labels['{c.LABEL_JOB}'])"
+        f"obj.metadata.?labels[?'{names.LABEL_MANAGED_BY}'].orValue('') == '{names.MANAGED_BY}' && "
+        f"obj.metadata.?labels[?'{names.LABEL_JOB}'].orValue('') != '' && "
+        f"obj.metadata.?ownerReferences.orValue([]).exists(r, r.kind == '{names.KIND}' && "
+        f"r.apiVersion.startsWith('{names.GROUP}/') && r.?controller.orValue(false) && "
+        f"r.name == obj.metadata.labels['{names.LABEL_JOB}'])"
     )
     writes = "request.operation != 'DELETE'"
     kind = lambda plural: f"request.resource.resource == '{plural}'"  # noqa: E731
     pod_write = f"({kind('pods')} && {writes})"
     privileged_namespace = f"namespaceObject.metadata.?labels[?'{POD_SECURITY_LABEL}'].orValue('') == 'privileged'"
-    sa_prefix = f"variables.job + '{c.SA_INFIX}'"
+    sa_prefix = f"variables.job + '{names.SA_INFIX}'"
     events = f"({kind('events')})"
     return _policy(OPERATOR_POLICY, [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
@@ -259,22 +259,22 @@ def operator_policy() -> dict[str, Any]:
             _rule(f"!(request.namespace in {_list(PROTECTED_NAMESPACES)})",
                   "the rftjob-operator does not act in the kube-* namespaces"),
             _rule(f"{events} || (variables.managed && variables.wasManaged)",
-                  f"the rftjob-operator may only touch objects it manages: labels {c.LABEL_MANAGED_BY}="
-                  f"{c.MANAGED_BY} and {c.LABEL_JOB}=<job>, controlled by that RFTJob"),
+                  f"the rftjob-operator may only touch objects it manages: labels {names.LABEL_MANAGED_BY}="
+                  f"{names.MANAGED_BY} and {names.LABEL_JOB}=<job>, controlled by that RFTJob"),
             _rule(f"{events} || request.operation == 'DELETE' || variables.owners.size() == 1",
                   "the rftjob-operator's objects have exactly one owner reference, their RFTJob's "
                   "(another owner would outlive the job for the garbage collector)"),
             # Labelled like its children, so that rftjob-operator-owner checks them too.
-            _rule(f"!{events} || (variables.about.?kind.orValue('') == '{c.KIND}' && "
-                  f"variables.about.?apiVersion.orValue('').startsWith('{c.GROUP}/') && "
+            _rule(f"!{events} || (variables.about.?kind.orValue('') == '{names.KIND}' && "
+                  f"variables.about.?apiVersion.orValue('').startsWith('{names.GROUP}/') && "
                   "variables.about.?namespace.orValue(request.namespace) == request.namespace && "
-                  f"variables.obj.metadata.?labels[?'{c.LABEL_MANAGED_BY}'].orValue('') == '{c.MANAGED_BY}' && "
+                  f"variables.obj.metadata.?labels[?'{names.LABEL_MANAGED_BY}'].orValue('') == '{names.MANAGED_BY}' && "
                   f"variables.job == variables.about.?name.orValue(''))",
                   "the rftjob-operator posts Events only about the RFTJobs of the namespace (labelled "
-                  f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY} and {c.LABEL_JOB}=<the job>)"),
-            _rule(f"!({kind('pods')} && {writes}) || (variables.obj.metadata.?labels[?'{c.LABEL_ROLE}']"
+                  f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY} and {names.LABEL_JOB}=<the job>)"),
+            _rule(f"!({kind('pods')} && {writes}) || (variables.obj.metadata.?labels[?'{names.LABEL_ROLE}']"
                   f".orValue('') in {_list(POD_ROLES)} && variables.obj.spec.?serviceAccountName.orValue('') == "
-                  f"{sa_prefix} + variables.obj.metadata.labels['{c.LABEL_ROLE}'])",
+                  f"{sa_prefix} + variables.obj.metadata.labels['{names.LABEL_ROLE}'])",
                   "the rftjob-operator runs a job's pods only as that job's own ServiceAccount "
                   "<job>-rft-<role>"),
             _rule(f"!{pod_write} || !(has(variables.obj.spec.nodeName) || "
@@ -290,7 +290,7 @@ def operator_policy() -> dict[str, Any]:
                   "the rftjob-operator passes a Secret to pods only key by key (secretKeyRef), "
                   "never whole"),
             _rule(f"variables.volumes.all(v, !has(v.hostPath) || (v.name == '{MODEL_CACHE_VOLUME}' && "
-                  f"variables.obj.metadata.labels['{c.LABEL_ROLE}'] == '{c.ROLE_TRAINER}'))",
+                  f"variables.obj.metadata.labels['{names.LABEL_ROLE}'] == '{names.ROLE_TRAINER}'))",
                   "the rftjob-operator mounts a host path only as a trainer pod's model cache"),
             _rule(f"!{pod_write} || {privileged_namespace} || variables.containers.all(x, "
                   "x.?securityContext.?procMount.orValue('Default') == 'Default')",
@@ -301,9 +301,9 @@ def operator_policy() -> dict[str, Any]:
                   "<job>-config, the model cache (the hostPath or PersistentVolumeClaim spec.model.cache "
                   "names) and the projected ServiceAccount token"),
             _rule(f"!{pod_write} || {privileged_namespace} || namespaceObject.metadata.?labels"
-                  f"[?'{c.PSA_ENFORCE_LABEL}'].orValue('') in {_list(PSA_LEVELS)}",
+                  f"[?'{names.PSA_ENFORCE_LABEL}'].orValue('') in {_list(PSA_LEVELS)}",
                   f"job pods run only in namespaces whose Pod Security level is enforced: a cluster admin "
-                  f"labels the namespace {c.PSA_ENFORCE_LABEL}=baseline (or restricted), and the API server's "
+                  f"labels the namespace {names.PSA_ENFORCE_LABEL}=baseline (or restricted), and the API server's "
                   f"PodSecurity admission then checks every field of that standard",
                   reason="Invalid"),
             _rule(f"!{pod_write} || {privileged_namespace} || (variables.volumes.all(v, !has(v.hostPath)) && "
@@ -323,9 +323,9 @@ def operator_policy() -> dict[str, Any]:
             _rule(f"!({kind('configmaps')} && {writes}) || variables.obj.metadata.name == variables.job + "
                   "'-config'",
                   "the rftjob-operator creates only the ConfigMap <job>-config"),
-            _rule(f"!({kind('roles')} && {writes}) || variables.obj.rules.all(r, r.apiGroups == ['{c.GROUP}'] "
+            _rule(f"!({kind('roles')} && {writes}) || variables.obj.rules.all(r, r.apiGroups == ['{names.GROUP}'] "
                   f"&& r.?resourceNames.orValue([]) == [variables.job] && r.resources.all(x, x in "
-                  f"{_list([c.PLURAL, c.PLURAL + '/status'])}) && r.verbs.all(v, v in "
+                  f"{_list([names.PLURAL, names.PLURAL + '/status'])}) && r.verbs.all(v, v in "
                   f"{_list(['get', 'list', 'watch', 'patch'])}))",
                   "the rftjob-operator's Roles reach only the RFTJob they belong to"),
             _rule(f"!({kind('rolebindings')} && {writes}) || (variables.obj.roleRef.kind == 'Role' && "
@@ -364,7 +364,7 @@ def _binding(policy: str, params: bool = False) -> dict[str, Any]:
         # evaluates matchConditions, so the binding itself must narrow what it matches:
         # objects labelled as ours (nobody else's), see owner_policy.
         spec["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Deny"}
-        spec["matchResources"] = {"objectSelector": {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}}
+        spec["matchResources"] = {"objectSelector": {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}}
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 from rft_contract.times import format_time, parse_time
 
 from .model import Obj
 
 # status.trainer.waiting.reason -> what the trainer is waiting for, in words.
-WAIT_WORDS = {c.WAIT_DATA: "waiting for experiences", c.WAIT_STALE: "waiting for fresh experiences"}
+WAIT_WORDS = {names.WAIT_DATA: "waiting for experiences", names.WAIT_STALE: "waiting for fresh experiences"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def compute_progress_check(old_record: Obj | None, attempt: int, spec: RFTJobSpe
     if step is not None and step >= spec.trainer.total_steps:
         return ProgressCheck(record)  # trained: the final export and save take what they take
     deadline = spec.failure_policy.progress_deadline_seconds
-    if deadline and step is None and (progress.trainer.get("waiting") or {}).get("reason") == c.WAIT_PREPARING:
+    if deadline and step is None and (progress.trainer.get("waiting") or {}).get("reason") == names.WAIT_PREPARING:
         # No step from this attempt yet and the trainer says it is still loading the model
         # (bounded by its own timeout) and resuming: the deadline counts from there.
         deadline += spec.model.cache.download_timeout_seconds

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec, parse_spec
 
 from . import attempts, conditions, drift, gang, progress_deadline, rollout, terminating, weightsync
@@ -94,8 +94,8 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     ref, old_status = JobRef.from_body(body), body.get("status") or {}
     old = {k: old_status.get(k) for k in OPERATOR_STATUS_KEYS}
     trainer, old_sync = old_status.get("trainer") or {}, old_status.get("weightSync") or {}
-    trainer_pods = [x for x in observed.pods if x.role == c.ROLE_TRAINER]
-    rollout_pods = [x for x in observed.pods if x.role != c.ROLE_TRAINER]
+    trainer_pods = [x for x in observed.pods if x.role == names.ROLE_TRAINER]
+    rollout_pods = [x for x in observed.pods if x.role != names.ROLE_TRAINER]
     generation = body["metadata"].get("generation")
 
     # The order follows the data. Weight sync reads only the stored status, so it comes
@@ -144,9 +144,9 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
 def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:
     """The nodes whose state the gang needs before it may force-delete a trainer pod stuck
     terminating (`terminating.stuck_nodes`); none for a finished job, which waits for nothing."""
-    if (body.get("status") or {}).get("phase") in c.TERMINAL_PHASES:
+    if (body.get("status") or {}).get("phase") in names.TERMINAL_PHASES:
         return set()
-    return terminating.stuck_nodes([x for x in observed.pods if x.role == c.ROLE_TRAINER], now)
+    return terminating.stuck_nodes([x for x in observed.pods if x.role == names.ROLE_TRAINER], now)
 
 
 class Rendered(NamedTuple):
@@ -229,26 +229,26 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
     `rendered`: the children of `spec` with their managed fields (`render`), when the
     caller has them already; they are only read, and what goes into the result is a copy."""
     out = StaticChildren([], [], [], [])
-    if spec is None or phase in c.TERMINAL_PHASES:
+    if spec is None or phase in names.TERMINAL_PHASES:
         return out
     if rendered is None:
         children = (with_spec_hash(with_managed_keys(x)) for x in build_static_children(ref, spec))
         rendered = tuple((x, managed_fields(x)) for x in children)
-    names = set()
+    seen = set()
     for obj, fields in rendered:
         key = (obj["kind"], obj["metadata"]["name"])
-        names.add(key)
+        seen.add(key)
         if key not in present:
             out.create.append(copy.deepcopy(obj))
             continue
         have = (live or {}).get(key)
-        hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        hash_drift = bool(present[key]) and present[key] != obj["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
         if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
             out.recreate.append(copy.deepcopy(obj))
         elif hash_drift or (have is not None and not drift.covers(have, fields)):
             out.replace.append(drift.compute_patch(obj, have))
     out.delete.extend({"kind": kind, "metadata": {"name": name, "namespace": ref.namespace}}
-                      for kind, name in sorted(present) if (kind, name) not in names)
+                      for kind, name in sorted(present) if (kind, name) not in seen)
     return out
 
 
@@ -260,7 +260,7 @@ def with_managed_keys(obj: Obj) -> Obj:
     if not keys:
         return obj
     out = copy.deepcopy(obj)
-    out["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), c.ANNOTATION_MANAGED_KEYS: keys}
+    out["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), names.ANNOTATION_MANAGED_KEYS: keys}
     return out
 
 
@@ -268,8 +268,8 @@ def with_spec_hash(obj: Obj) -> Obj:
     """The child with its `rft.dev/spec-hash` annotation: the one its builder set (the
     ConfigMap's covers the config it carries), else a digest of the whole rendered object."""
     annotations = obj["metadata"].get("annotations") or {}
-    if annotations.get(c.ANNOTATION_SPEC_HASH):
+    if annotations.get(names.ANNOTATION_SPEC_HASH):
         return obj
     out = copy.deepcopy(obj)
-    out["metadata"]["annotations"] = {**annotations, c.ANNOTATION_SPEC_HASH: spec_hash(obj)}
+    out["metadata"]["annotations"] = {**annotations, names.ANNOTATION_SPEC_HASH: spec_hash(obj)}
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.times import parse_time
 from rft_contract.spec import RFTJobSpec
 
@@ -36,10 +36,10 @@ def compute_rollouts(ref: JobRef, spec: RFTJobSpec | None, gang_status: Obj, syn
     """What to do with the rollout pods, given the gang's phase and completion time from
     this pass and the WeightsSynced condition (None for train-only jobs)."""
     phase = gang_status.get("phase")
-    if spec is None or phase in (c.SUSPENDED, c.FAILED):
+    if spec is None or phase in (names.SUSPENDED, names.FAILED):
         return Rollouts(delete=compute_deletions((), [x for x in pods if x.active]))
-    if phase == c.SUCCEEDED:
-        delete = compute_deletions((), [x for x in pods if x.active and x.role == c.ROLE_EXPLORER])
+    if phase == names.SUCCEEDED:
+        delete = compute_deletions((), [x for x in pods if x.active and x.role == names.ROLE_EXPLORER])
         wait = compute_final_sync_wait(sync_cond, gang_status.get("completionTime"), now)
         if wait > 0:
             return Rollouts(delete=delete, requeue_after=wait)
@@ -56,7 +56,7 @@ def describe_explorers(spec: RFTJobSpec | None, pods: list[PodView]) -> str:
     if spec is None or spec.explorer is None:
         return ""
     want = spec.explorer.replicas
-    explorers = sorted((x for x in pods if x.role == c.ROLE_EXPLORER), key=lambda x: x.name)
+    explorers = sorted((x for x in pods if x.role == names.ROLE_EXPLORER), key=lambda x: x.name)
     running = [x for x in explorers if x.phase == "Running" and not x.deleting]
     if len(running) >= want:
         return ""
@@ -70,7 +70,7 @@ def compute_final_sync_wait(sync_cond: Cond | None, completion_time: str | None,
     if sync_cond is None or sync_cond.status:
         return 0.0
     done_at = parse_time(completion_time)
-    return failure_policy.backoff_remaining(done_at, c.FINAL_SYNC_GRACE_SECONDS, now)
+    return failure_policy.backoff_remaining(done_at, names.FINAL_SYNC_GRACE_SECONDS, now)
 
 
 def _keep_desired(ref: JobRef, spec: RFTJobSpec, pods: list[PodView]) -> Rollouts:
@@ -85,5 +85,5 @@ def _keep_desired(ref: JobRef, spec: RFTJobSpec, pods: list[PodView]) -> Rollout
 
 def should_replace(pod: PodView, want: Obj | None) -> bool:
     """Not desired any more, rendered from an older spec, or ended (Failed/Unknown)."""
-    drifted = want is not None and pod.spec_hash != want["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    drifted = want is not None and pod.spec_hash != want["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
     return want is None or drifted or pod.phase in ("Failed", "Unknown")

@@ -10,7 +10,7 @@ parent replica's agent (port `weights`) rather than S3 where it can (rft_serving
 
 from __future__ import annotations
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_pod_security_context, build_shm,
@@ -32,18 +32,18 @@ def inference_endpoints(ref: JobRef, spec: RFTJobSpec) -> list[str]:
     inf = spec.inference
     if inf is None:
         return []
-    svc = c.inference_service_name(ref.name)
-    return [f"http://{c.inference_pod_name(ref.name, i)}.{svc}.{ref.namespace}.svc:{inf.port}"
+    svc = names.inference_service_name(ref.name)
+    return [f"http://{names.inference_pod_name(ref.name, i)}.{svc}.{ref.namespace}.svc:{inf.port}"
             for i in range(inf.replicas)]
 
 
 def _identity_env(ref: JobRef) -> list[Obj]:
     return [
-        {"name": c.ENV_JOB_NAME, "value": ref.name},
-        {"name": c.ENV_JOB_NAMESPACE, "value": ref.namespace},
-        {"name": c.ENV_JOB_UID, "value": ref.uid},
-        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": names.ENV_JOB_NAME, "value": ref.name},
+        {"name": names.ENV_JOB_NAMESPACE, "value": ref.namespace},
+        {"name": names.ENV_JOB_UID, "value": ref.uid},
+        {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
 
@@ -69,12 +69,12 @@ def _engine_command(spec: RFTJobSpec) -> list[str]:
     of their probes (vLLM's "auto" would serve an fp32 export in 16 bits, which the fp32
     probe refuses). `inference.args` come last (a repeated flag wins)."""
     inf = spec.inference
-    port, initial = str(inf.port), f"{c.WEIGHTS_MOUNT}/initial"
-    common = ["--host", "0.0.0.0", "--port", port, "--served-model-name", c.SERVED_MODEL_NAME,
+    port, initial = str(inf.port), f"{names.WEIGHTS_MOUNT}/initial"
+    common = ["--host", "0.0.0.0", "--port", port, "--served-model-name", names.SERVED_MODEL_NAME,
               "--dtype", ENGINE_DTYPES[spec.sync.dtype]]
     if inf.engine == "reference":
         return ["python", "-m", "rft_serving.serve", "--port", port, "--served-model-name",
-                c.SERVED_MODEL_NAME, *inf.args]
+                names.SERVED_MODEL_NAME, *inf.args]
     engine = {
         "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", initial, *common,
                  "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"],
@@ -89,9 +89,9 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     while paused; its /health generates a token and answers after at least 1 s, past the
     probe's 1 s timeout), the reference server's /health (503 until weights are loaded)."""
     inf = spec.inference
-    env = [{"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    env = [{"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
-    mounts = [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}]
+    mounts = [{"name": "weights", "mountPath": names.WEIGHTS_MOUNT}]
     if inf.engine != "reference":
         env.append({"name": "PYTHONPATH", "value": HELPERS_MOUNT})
         mounts.append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT, "readOnly": True})
@@ -138,8 +138,8 @@ def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[
         "image": spec.trainer.image,
         "command": ["python", "-m", "rft_serving.sync_agent"],
         "args": ["--engine", inf.engine, "--engine-port", str(inf.port),
-                 "--dest", c.WEIGHTS_MOUNT, "--fanout", str(WEIGHTS_FANOUT), *extra_args],
-        "volumeMounts": [{"name": "weights", "mountPath": c.WEIGHTS_MOUNT}],
+                 "--dest", names.WEIGHTS_MOUNT, "--fanout", str(WEIGHTS_FANOUT), *extra_args],
+        "volumeMounts": [{"name": "weights", "mountPath": names.WEIGHTS_MOUNT}],
         "env": _identity_env(ref) + build_s3_env(spec),
         "securityContext": build_container_security_context(spec),
     }
@@ -169,26 +169,26 @@ def _with_hash(pod: Obj) -> Obj:
     for kind in ("initContainers", "containers"):
         if kind in spec:
             spec[kind] = [{k: v for k, v in x.items() if k not in UNHASHED_CONTAINER_FIELDS} for x in spec[kind]]
-    pod["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = spec_hash(spec)
+    pod["metadata"].setdefault("annotations", {})[names.ANNOTATION_SPEC_HASH] = spec_hash(spec)
     return pod
 
 
 def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
     """One inference replica: the engine plus its sync agent, sharing a weights volume.
     Stable names (`<job>-inference-<i>`) key the replica entries in status.weightSync."""
-    name = c.inference_pod_name(ref.name, index)
-    lbls = labels(ref.name, c.ROLE_INFERENCE) | {c.LABEL_REPLICA: str(index)}
+    name = names.inference_pod_name(ref.name, index)
+    lbls = labels(ref.name, names.ROLE_INFERENCE) | {names.LABEL_REPLICA: str(index)}
     pod_spec: Obj = {
         "hostname": name,
-        "subdomain": c.inference_service_name(ref.name),
+        "subdomain": names.inference_service_name(ref.name),
         "restartPolicy": "Always",
-        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_INFERENCE),
+        "serviceAccountName": names.service_account_name(ref.name, names.ROLE_INFERENCE),
         "securityContext": build_pod_security_context(spec),
         "containers": [_engine_container(ref, spec), _sync_agent_container(ref, spec)],
         "volumes": [{"name": "weights", "emptyDir": {}}],
     }
     if spec.inference.engine != "reference":
-        fetch = _agent_container(ref, spec, "fetch-weights", ["--fetch-only", f"{c.WEIGHTS_MOUNT}/initial",
+        fetch = _agent_container(ref, spec, "fetch-weights", ["--fetch-only", f"{names.WEIGHTS_MOUNT}/initial",
                                                               "--install-helpers", HELPERS_MOUNT])
         fetch["volumeMounts"].append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT})
         pod_spec["initContainers"] = [fetch]
@@ -199,33 +199,33 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
 def _explorer_container(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
     ex = spec.explorer
     env = _identity_env(ref) + [
-        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
-        {"name": c.ENV_EXPLORER_INDEX, "value": str(index)},
-        {"name": c.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
-        {"name": c.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
+        {"name": names.ENV_CONFIG, "value": f"{names.CONFIG_MOUNT}/{names.CONFIG_FILE}"},
+        {"name": names.ENV_EXPLORER_INDEX, "value": str(index)},
+        {"name": names.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
+        {"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
     ] + build_s3_env(spec)
     return {
         "name": "explorer",
         "image": ex.image or spec.trainer.image,
         "command": ["python", "-m", "rft_rollout.explorer"],
-        "args": ["--config", f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"],
+        "args": ["--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_FILE}"],
         "env": env,
         "securityContext": build_container_security_context(spec),
-        "volumeMounts": [{"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True}],
+        "volumeMounts": [{"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
     }
 
 
 def build_explorer_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
     """One explorer: rollouts against every inference replica, experience to the buffer."""
-    name = c.explorer_pod_name(ref.name, index)
-    lbls = labels(ref.name, c.ROLE_EXPLORER) | {c.LABEL_REPLICA: str(index)}
+    name = names.explorer_pod_name(ref.name, index)
+    lbls = labels(ref.name, names.ROLE_EXPLORER) | {names.LABEL_REPLICA: str(index)}
     pod_spec: Obj = {
         # Exit 0 once the trainer is done; a crash restarts in place and resumes.
         "restartPolicy": "OnFailure",
-        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_EXPLORER),
+        "serviceAccountName": names.service_account_name(ref.name, names.ROLE_EXPLORER),
         "securityContext": build_pod_security_context(spec),
         "containers": [_explorer_container(ref, spec, index)],
-        "volumes": [{"name": "config", "configMap": {"name": c.configmap_name(ref.name)}}],
+        "volumes": [{"name": "config", "configMap": {"name": names.configmap_name(ref.name)}}],
     }
     return _with_hash(build_pod(ref, spec, name, lbls, pod_spec))
 

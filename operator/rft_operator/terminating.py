@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .model import Event, PodView
 
@@ -101,7 +101,7 @@ def compute_stuck(pods: list[PodView], now: datetime, nodes: dict[str, str], nam
     margin = int(FORCE_DELETE_MARGIN_SECONDS)
     warning = (f"{_pods_on_nodes(forced, nodes)} still terminating {margin}s after the grace period ended, "
                "and nothing runs them any more: force-deleting (grace period 0) so the next gang can start")
-    return Stuck(tuple(x.name for x in forced), (Event("Warning", c.REASON_STUCK_TERMINATING, warning),),
+    return Stuck(tuple(x.name for x in forced), (Event("Warning", names.REASON_STUCK_TERMINATING, warning),),
                  message, requeue_after)
 
 

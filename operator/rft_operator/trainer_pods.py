@@ -8,7 +8,7 @@ names and logs.
 
 from __future__ import annotations
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_shm, build_user_env,
@@ -18,19 +18,19 @@ from .objects import (JobRef, Obj, build_container_security_context, build_pod, 
 def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
     """What the trainer needs to find its job, its config and its checkpoint bucket."""
     env = [
-        {"name": c.ENV_JOB_NAME, "value": ref.name},
-        {"name": c.ENV_JOB_NAMESPACE, "value": ref.namespace},
-        {"name": c.ENV_JOB_UID, "value": ref.uid},
-        {"name": c.ENV_ATTEMPT, "value": str(attempt)},
-        {"name": c.ENV_CONFIG, "value": f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"},
-        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": names.ENV_JOB_NAME, "value": ref.name},
+        {"name": names.ENV_JOB_NAMESPACE, "value": ref.namespace},
+        {"name": names.ENV_JOB_UID, "value": ref.uid},
+        {"name": names.ENV_ATTEMPT, "value": str(attempt)},
+        {"name": names.ENV_CONFIG, "value": f"{names.CONFIG_MOUNT}/{names.CONFIG_FILE}"},
+        {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         # The base model is downloaded once per node (local rank 0) into the model-cache
         # volume; the other ranks wait this long for it.
-        {"name": "RFT_MODEL_CACHE", "value": c.MODEL_CACHE_MOUNT},
+        {"name": "RFT_MODEL_CACHE", "value": names.MODEL_CACHE_MOUNT},
         {"name": "RFT_MODEL_DOWNLOAD_TIMEOUT", "value": str(spec.model.cache.download_timeout_seconds)},
         # A resuming pod downloads the checkpoint once into the staging volume.
-        {"name": c.ENV_STAGING_DIR, "value": c.STAGING_MOUNT},
+        {"name": names.ENV_STAGING_DIR, "value": names.STAGING_MOUNT},
         # The trainer checkpoints on SIGTERM only if that fits in the grace period.
         {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
     ]
@@ -46,12 +46,12 @@ def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) 
         f"--nnodes={t.nodes}",
         f"--nproc-per-node={max(1, t.gpus_per_node)}",
         f"--node-rank={rank}",
-        f"--master-addr={c.master_addr(ref.name, attempt, ref.namespace)}",
+        f"--master-addr={names.master_addr(ref.name, attempt, ref.namespace)}",
         f"--master-port={t.master_port}",
         "-m",
         "rft_trainer",
         "--config",
-        f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}",
+        f"{names.CONFIG_MOUNT}/{names.CONFIG_FILE}",
     ]
 
 
@@ -69,10 +69,10 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
         "resources": build_resources(t.resources, t.gpus_per_node),
         "securityContext": build_container_security_context(spec),
         "volumeMounts": [
-            {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
+            {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
             *build_shm(t.shm_size)[1],
-            {"name": "model-cache", "mountPath": c.MODEL_CACHE_MOUNT},
-            {"name": "staging", "mountPath": c.STAGING_MOUNT},
+            {"name": "model-cache", "mountPath": names.MODEL_CACHE_MOUNT},
+            {"name": "staging", "mountPath": names.STAGING_MOUNT},
         ],
     }
     if t.image_pull_policy:
@@ -104,18 +104,18 @@ def build_trainer_pod(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) ->
     """`restartPolicy: Never`: a failed rank ends the attempt; the operator decides
     whether the whole gang restarts (see `gang.py` and `failure_policy.py`)."""
     t = spec.trainer
-    name = c.pod_name(ref.name, attempt, rank)
-    lbls = labels(ref.name, c.ROLE_TRAINER, attempt) | {c.LABEL_RANK: str(rank)}
+    name = names.pod_name(ref.name, attempt, rank)
+    lbls = labels(ref.name, names.ROLE_TRAINER, attempt) | {names.LABEL_RANK: str(rank)}
     pod_spec: Obj = {
         "hostname": name,
-        "subdomain": c.service_name(ref.name),
+        "subdomain": names.service_name(ref.name),
         "restartPolicy": "Never",
-        "serviceAccountName": c.service_account_name(ref.name, c.ROLE_TRAINER),
+        "serviceAccountName": names.service_account_name(ref.name, names.ROLE_TRAINER),
         "terminationGracePeriodSeconds": t.termination_grace_period_seconds,
         "securityContext": build_pod_security_context(spec),
         "containers": [build_trainer_container(ref, spec, attempt, rank)],
         "volumes": [
-            {"name": "config", "configMap": {"name": c.configmap_name(ref.name)}},
+            {"name": "config", "configMap": {"name": names.configmap_name(ref.name)}},
             *build_shm(t.shm_size)[0],
             build_model_cache_volume(spec),
             build_staging_volume(spec),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.layout import weights_uri
 from rft_contract.spec import RFTJobSpec
 
@@ -99,15 +99,15 @@ def sync_condition(count: SyncCount, target: Obj, problem: str | None) -> tuple[
     """(status, reason, message) of the WeightsSynced condition."""
     v = target.get("version")
     if problem:
-        return False, c.REASON_PIN_MISSING, problem
+        return False, names.REASON_PIN_MISSING, problem
     if count.desired == 0:
-        return False, c.REASON_NO_REPLICAS, "spec.inference.replicas is 0"
+        return False, names.REASON_NO_REPLICAS, "spec.inference.replicas is 0"
     if count.synced == count.desired:
-        return True, c.REASON_SYNCED, f"{count.synced}/{count.desired} replicas serve version {v}"
+        return True, names.REASON_SYNCED, f"{count.synced}/{count.desired} replicas serve version {v}"
     msg = f"{count.synced}/{count.desired} replicas serve version {v}"
     if count.errors:
-        return False, c.REASON_SYNC_ERROR, msg + "; " + "; ".join(count.errors[:3])
-    return False, c.REASON_SYNCING, msg
+        return False, names.REASON_SYNC_ERROR, msg + "; " + "; ".join(count.errors[:3])
+    return False, names.REASON_SYNCING, msg
 
 
 def describe_lag(count: SyncCount, target: Obj, replicas: Obj, desired_pods: list[str]) -> str:
@@ -156,7 +156,7 @@ def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_syn
     if spec is None or spec.inference is None:
         return WeightSync()
     t = compute_target(spec, trainer, old_sync.get("target"))
-    pods = [c.inference_pod_name(job, i) for i in range(spec.inference.replicas)]
+    pods = [names.inference_pod_name(job, i) for i in range(spec.inference.replicas)]
     replicas = old_sync.get("replicas") or {}
     n = count_synced(replicas, pods, t.target, trainer.get("step"))
     fields = {"target": t.target, "desiredReplicas": n.desired, "syncedReplicas": n.synced,
@@ -175,7 +175,7 @@ def compute_weight_sync(job: str, spec: RFTJobSpec | None, trainer: Obj, old_syn
         events = (Event("Normal", "WeightsTarget",
                         f"serving target is now version {t.target['version']}{uri} ({why})"),)
     status, reason, message = sync_condition(n, t.target, t.problem)
-    cond = Cond(c.COND_WEIGHTS_SYNCED, status, reason, message)
+    cond = Cond(names.COND_WEIGHTS_SYNCED, status, reason, message)
     return WeightSync(fields if is_sync_changed(old_sync, fields) else None, cond, events,
                       describe_lag(n, t.target, replicas, pods))
 

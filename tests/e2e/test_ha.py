@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from e2e import demo
-from rft_contract import names as c
+from rft_contract import names
 from tests.conftest import wait_for
 from tests.e2e.incluster import NAMESPACE, InClusterOperator, container_processes
 from tests.integration.operator_fixtures import (
@@ -67,7 +67,7 @@ def test_the_other_replica_takes_over_when_the_leader_is_sigkilled(replicas, kub
     api, op = replicas
     ns = f"ha-{int(time.time())}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
     try:
         leader = holder(api)
         by_name = {p.metadata.name: p for p in ready_pods(api)}

@@ -16,7 +16,7 @@ import yaml
 
 from e2e import demo
 from e2e.node import LOCAL_NODE_LABEL, LOCAL_TAINT
-from rft_contract import names as c
+from rft_contract import names
 from tests.conftest import wait_for
 from tests.e2e.conftest import s3_for_pods
 from tests.integration.operator_fixtures import OperatorProcess
@@ -91,7 +91,7 @@ def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images
 
     ns = f"helm-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
     kubectl("apply", "-n", ns, "-f", str(CHART.parents[1] / "manifests/samples/s3-secret.example.yaml"))
     job = copy.deepcopy(SAMPLE)
     spec = job["spec"]
@@ -100,14 +100,14 @@ def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images
     spec["checkpoint"].update(uri=f"s3://rft-helm/runs/{ns}", endpoint=s3.url, interval=3)
     spec["trainer"].update(image=images["trainer"], totalSteps=10)
     name = job["metadata"]["name"]
-    custom.create_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL, job)
+    custom.create_namespaced_custom_object(names.GROUP, names.VERSION, ns, names.PLURAL, job)
 
     def status() -> dict:
-        return custom.get_namespaced_custom_object(c.GROUP, c.VERSION, ns, c.PLURAL, name).get("status") or {}
+        return custom.get_namespaced_custom_object(names.GROUP, names.VERSION, ns, names.PLURAL, name).get("status") or {}
 
     def trainer_pods() -> dict[str, str]:
         pods = kubernetes.client.CoreV1Api(api).list_namespaced_pod(
-            ns, label_selector=f"{c.LABEL_JOB}={name},{c.LABEL_ROLE}={c.ROLE_TRAINER}").items
+            ns, label_selector=f"{names.LABEL_JOB}={name},{names.LABEL_ROLE}={names.ROLE_TRAINER}").items
         return {p.metadata.name: p.metadata.uid for p in pods}
 
     wait_for(lambda: ((status().get("trainer") or {}).get("step") or 0) >= 2, 400, "the job training")

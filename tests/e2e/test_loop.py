@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.layout import METRICS
 from rft_contract.s3 import S3Storage
 from rft_contract.storage import join
@@ -46,7 +46,7 @@ def test_weight_sync_held_back_the_trainer_says_why_and_the_job_finishes_once_re
     wait_status(j, lambda s: step(s) >= 1, 400, "training")
     op.kill()
     try:
-        s = wait_status(j, lambda s: (trainer(s).get("waiting") or {}).get("reason") == c.WAIT_STALE, 400,
+        s = wait_status(j, lambda s: (trainer(s).get("waiting") or {}).get("reason") == names.WAIT_STALE, 400,
                         "the trainer waiting on stale experiences")
         held_at, dropped = step(s), (trainer(s).get("buffer") or {}).get("droppedStale") or 0
         assert "dropped as stale" in s["trainer"]["waiting"]["message"]

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from e2e import demo
-from rft_contract import names as c
+from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
 from tests.integration.conftest import wait_for
@@ -77,7 +77,7 @@ def job(stack, kubectl):
     """A fresh namespace with the S3 Secret; returns a function that creates the job."""
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")  # job pods need an enforced level
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")  # job pods need an enforced level
     kubectl("apply", "-n", ns, "-f", str(ROOT / "manifests/samples/s3-secret.example.yaml"))
 
     def create(steps: int = STEPS, **overrides) -> dict:
@@ -91,7 +91,7 @@ def job(stack, kubectl):
         for k, v in overrides.items():
             spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
         kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
-            c.GROUP, c.VERSION, ns, c.PLURAL, m)
+            names.GROUP, names.VERSION, ns, names.PLURAL, m)
         return {"ns": ns, "name": m["metadata"]["name"], "uri": spec["checkpoint"]["uri"], **stack}
 
     yield create
@@ -103,7 +103,7 @@ def job(stack, kubectl):
 
 def get(j) -> dict:
     return kubernetes.client.CustomObjectsApi(j["api"]).get_namespaced_custom_object(
-        c.GROUP, c.VERSION, j["ns"], c.PLURAL, j["name"])
+        names.GROUP, names.VERSION, j["ns"], names.PLURAL, j["name"])
 
 
 def status(j) -> dict:
@@ -126,13 +126,13 @@ def ckpt_step(s: dict) -> int:
 
 
 def pods(j, role: str | None = None) -> list:
-    sel = f"{c.LABEL_JOB}={j['name']}" + (f",{c.LABEL_ROLE}={role}" if role else "")
+    sel = f"{names.LABEL_JOB}={j['name']}" + (f",{names.LABEL_ROLE}={role}" if role else "")
     return kubernetes.client.CoreV1Api(j["api"]).list_namespaced_pod(j["ns"], label_selector=sel).items
 
 
 def trainer_worker(j, rank: int = 0) -> psutil.Process:
     """The torch worker process (a child of the launcher) in a running trainer pod's container."""
-    pod = next(p for p in pods(j, c.ROLE_TRAINER) if p.metadata.name.endswith(f"-{rank}")
+    pod = next(p for p in pods(j, names.ROLE_TRAINER) if p.metadata.name.endswith(f"-{rank}")
                and p.status.phase == "Running")
     return next(p for p in pod_processes(pod) if "rft_trainer" in " ".join(p.cmdline())
                 and "launch" not in " ".join(p.cmdline()))
@@ -189,7 +189,7 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     exactly one restart and one attempt-2 gang, and the job finishes."""
     j = job()
     ns, name, op = j["ns"], j["name"], j["operator"]
-    rank0 = c.pod_name(name, 1, 0)
+    rank0 = names.pod_name(name, 1, 0)
     logs: list[str] = []  # each operator process's log, taken before it is killed
     s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
     at_kill, ckpt_at_kill = step(s), ckpt_step(s)
@@ -243,14 +243,14 @@ def test_killed_trainer_resumes_from_the_last_checkpoint_and_an_operator_killed_
     # One gang per attempt, counted by labels: the failed rank 1 of attempt 1 kept for its logs.
     assert gang_ranks(j["api"], ns, name) == {1: [1], 2: [0, 1]}
     reasons = events(j["api"], ns, name)
-    assert reasons.count(c.REASON_RESTARTING) == 1 and reasons.count(c.REASON_RESTARTED) == 1
-    assert len(pods(j, c.ROLE_INFERENCE)) <= 2 and len(pods(j, c.ROLE_EXPLORER)) <= 1
+    assert reasons.count(names.REASON_RESTARTING) == 1 and reasons.count(names.REASON_RESTARTED) == 1
+    assert len(pods(j, names.ROLE_INFERENCE)) <= 2 and len(pods(j, names.ROLE_EXPLORER)) <= 1
     # What the person on call reads: where each attempt started and ended and why, the
     # resume as one event, and no event per weights version.
     first, second = s["attempts"]
     assert (first["attempt"], first["startStep"], first["reason"]) == (1, 0, s["lastFailure"]["reason"]), first
     assert first["endStep"] >= ckpt_at_kill, (first, ckpt_at_kill)
-    assert (second["attempt"], second["reason"], second["endStep"]) == (2, c.SUCCEEDED, STEPS), second
+    assert (second["attempt"], second["reason"], second["endStep"]) == (2, names.SUCCEEDED, STEPS), second
     assert ckpt_at_kill <= second["startStep"] <= resumed_at, (second, ckpt_at_kill, resumed_at)
     assert second["checkpoint"].endswith(f"step-{second['startStep']:08d}"), second
     assert reasons.count("ResumedFromCheckpoint") == 1 and reasons.count("WeightsTarget") <= 1, reasons
@@ -306,13 +306,13 @@ def test_deleting_the_job_mid_run_ends_every_child_and_process(job, stack):
     wait_for(lambda: len([p for p in pods(j) if pod_processes(p)]) >= 5, 120, "processes running")
     pids = [proc.pid for p in pods(j) for proc in pod_processes(p)]
     kubernetes.client.CustomObjectsApi(j["api"]).delete_namespaced_custom_object(
-        c.GROUP, c.VERSION, j["ns"], c.PLURAL, j["name"])
+        names.GROUP, names.VERSION, j["ns"], names.PLURAL, j["name"])
     gone = time.monotonic()
     wait_for(lambda: not pods(j), 120, "every pod deleted")
     wait_for(lambda: not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"],
              60, "every process ended")
     core = kubernetes.client.CoreV1Api(j["api"])
-    wait_for(lambda: not core.list_namespaced_config_map(j["ns"], label_selector=c.LABEL_JOB).items, 60,
+    wait_for(lambda: not core.list_namespaced_config_map(j["ns"], label_selector=names.LABEL_JOB).items, 60,
              "children garbage-collected")
     RESULTS["delete"] = {"seconds_to_all_gone": round(time.monotonic() - gone, 1), "processes": len(pids)}
 
@@ -354,13 +354,13 @@ def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
 
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
     api, core = stack["api"], kubernetes.client.CoreV1Api(stack["api"])
     j = {"api": api, "ns": ns, "name": "sim", "operator": stack["operator"]}
     kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        c.GROUP, c.VERSION, ns, c.PLURAL, job_manifest("sim"))
+        names.GROUP, names.VERSION, ns, names.PLURAL, job_manifest("sim"))
     wait_status(j, lambda s: s.get("phase") == "Running", 120, "Running on KWOK nodes")
-    pod = next(p for p in pods(j, c.ROLE_TRAINER) if p.metadata.name.endswith("-0"))
+    pod = next(p for p in pods(j, names.ROLE_TRAINER) if p.metadata.name.endswith("-0"))
     node = core.read_node(pod.spec.node_name)
     saved = api.sanitize_for_serialization(node)
     try:
@@ -394,7 +394,7 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
     application by secretKeyRef). Refused; no pod is ever created, so nothing runs."""
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
     kubectl("create", "secret", "generic", "app-db", "-n", ns, "--from-literal=password=hunter2")
     kubectl("create", "serviceaccount", "ghost-rft-trainer", "-n", ns)
     token = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp_path / "op.kubeconfig")
@@ -404,8 +404,8 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
         ca = wait_for(lambda: next((m.metadata.uid for m in admin.list_namespaced_config_map(ns).items
                                     if m.metadata.name == "kube-root-ca.crt"), None), 60,
                       "the namespace's kube-root-ca.crt")
-        labels = {c.LABEL_JOB: "ghost", c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_ROLE: c.ROLE_TRAINER}
-        owners = [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "ghost", "uid": str(uuid.uuid4()),
+        labels = {names.LABEL_JOB: "ghost", names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_ROLE: names.ROLE_TRAINER}
+        owners = [{"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ghost", "uid": str(uuid.uuid4()),
                    "controller": True, "blockOwnerDeletion": True},
                   {"apiVersion": "v1", "kind": "ConfigMap", "name": "kube-root-ca.crt", "uid": ca}]
         reader = {"name": "x", "image": stack["images"]["trainer"], "command": ["sh", "-c", "echo $P"],
@@ -430,7 +430,7 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
         # that none is called `ghost`; the owner webhook installed with the operator (through
         # its Service, as on any cluster) refuses it by name.
         kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
-            c.GROUP, c.VERSION, ns, c.PLURAL, job_manifest("real", suspend=True))
+            names.GROUP, names.VERSION, ns, names.PLURAL, job_manifest("real", suspend=True))
 
         def ghost_refusal(**dry) -> str:
             try:

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from e2e import demo
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.s3 import S3Storage
 from rft_trainer.experience import read_shard_meta
 from tests.e2e.test_rftjob import (  # noqa: F401 - fixtures
@@ -86,7 +86,7 @@ def diagnose(j) -> str:
         out.append(f"--- pod {pod.metadata.name}: {pod.status.phase}")
         for cs in pod.status.container_statuses or []:
             out.append(f"  {cs.name}: ready={cs.ready} restarts={cs.restart_count} state={cs.state.to_dict()}")
-        if (pod.metadata.labels or {}).get(c.LABEL_ROLE) != c.ROLE_INFERENCE and pod.status.phase != "Pending":
+        if (pod.metadata.labels or {}).get(names.LABEL_ROLE) != names.ROLE_INFERENCE and pod.status.phase != "Pending":
             continue
         for cs in pod.status.container_statuses or []:
             try:

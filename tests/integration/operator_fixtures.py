@@ -21,7 +21,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .conftest import wait_for
 
@@ -134,7 +134,7 @@ def namespace(api, kubectl) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
     # The operator runs job pods only where Pod Security is enforced (a cluster admin's label).
-    kubectl("label", "namespace", name, f"{c.PSA_ENFORCE_LABEL}=baseline")
+    kubectl("label", "namespace", name, f"{names.PSA_ENFORCE_LABEL}=baseline")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
 
@@ -156,28 +156,28 @@ def job_manifest(name: str, **spec_overrides: Any) -> dict:
             spec[key] = {**spec[key], **value}
         else:
             spec[key] = value
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name}, "spec": spec}
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": name}, "spec": spec}
 
 
 def create_job(api, namespace: str, manifest: dict) -> dict:
     return kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
+        names.GROUP, names.VERSION, namespace, names.PLURAL, manifest)
 
 
 def get_job(api, namespace: str, name: str) -> dict:
     return kubernetes.client.CustomObjectsApi(api).get_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, name)
+        names.GROUP, names.VERSION, namespace, names.PLURAL, name)
 
 
 def patch_spec(api, namespace: str, name: str, spec: dict) -> dict:
     return kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"spec": spec})
+        names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"spec": spec})
 
 
 def patch_status(api, namespace: str, name: str, status: dict) -> dict:
     """Merge-patch the status subresource, as the trainer's rank 0 does."""
     return kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status})
+        names.GROUP, names.VERSION, namespace, names.PLURAL, name, {"status": status})
 
 
 def pod_deleting(api, namespace: str, pod: str) -> bool:
@@ -186,7 +186,7 @@ def pod_deleting(api, namespace: str, pod: str) -> bool:
 
 def pods(api, namespace: str, job: str) -> list:
     return kubernetes.client.CoreV1Api(api).list_namespaced_pod(
-        namespace, label_selector=f"{c.LABEL_JOB}={job}").items
+        namespace, label_selector=f"{names.LABEL_JOB}={job}").items
 
 
 def wait_status(api, namespace: str, name: str, predicate, timeout: float = 60, what: str = "") -> dict:
@@ -211,7 +211,7 @@ def wait_phase(api, namespace: str, name: str, phase: str, timeout: float = 60, 
 def end_pod(api, namespace: str, pod: str, exit_code: int) -> None:
     """Ask KWOK (our stage in e2e/kwok-stages.yaml) to end a running pod with this code."""
     kubernetes.client.CoreV1Api(api).patch_namespaced_pod(
-        pod, namespace, {"metadata": {"annotations": {c.KWOK_EXIT_ANNOTATION: str(exit_code)}}})
+        pod, namespace, {"metadata": {"annotations": {names.KWOK_EXIT_ANNOTATION: str(exit_code)}}})
 
 
 def events(api, namespace: str, name: str) -> list[str]:
@@ -226,8 +226,8 @@ def gang_ranks(api, namespace: str, job: str) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for p in pods(api, namespace, job):
         labels = p.metadata.labels
-        if labels.get(c.LABEL_ROLE, c.ROLE_TRAINER) == c.ROLE_TRAINER:
-            out.setdefault(int(labels[c.LABEL_ATTEMPT]), []).append(int(labels[c.LABEL_RANK]))
+        if labels.get(names.LABEL_ROLE, names.ROLE_TRAINER) == names.ROLE_TRAINER:
+            out.setdefault(int(labels[names.LABEL_ATTEMPT]), []).append(int(labels[names.LABEL_RANK]))
     return {a: sorted(r) for a, r in sorted(out.items())}
 
 
@@ -256,9 +256,9 @@ def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
     creation stops half way, deterministically. Active once a dry-run of such a pod is refused."""
     adm, name = kubernetes.client.AdmissionregistrationV1Api(api), f"refuse-{namespace}"
     labels = "object.metadata.labels"
-    expression = (f"!has(object.metadata.labels) || !('{c.LABEL_ATTEMPT}' in {labels}) || "
-                  f"!('{c.LABEL_RANK}' in {labels}) || {labels}['{c.LABEL_ATTEMPT}'] != '{attempt}' || "
-                  f"int({labels}['{c.LABEL_RANK}']) < {ranks_from}")
+    expression = (f"!has(object.metadata.labels) || !('{names.LABEL_ATTEMPT}' in {labels}) || "
+                  f"!('{names.LABEL_RANK}' in {labels}) || {labels}['{names.LABEL_ATTEMPT}'] != '{attempt}' || "
+                  f"int({labels}['{names.LABEL_RANK}']) < {ranks_from}")
     adm.create_validating_admission_policy({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
         "metadata": {"name": name},
@@ -275,7 +275,7 @@ def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
                      "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}})
     probe = {"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": "refusal-probe",
-                          "labels": {c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(ranks_from)}},
+                          "labels": {names.LABEL_ATTEMPT: str(attempt), names.LABEL_RANK: str(ranks_from)}},
              "spec": {"containers": [{"name": "c", "image": "none"}]}}
 
     def refused() -> bool:
@@ -299,28 +299,28 @@ def refusing_trainer_pods(api, namespace: str, attempt: int, ranks_from: int):
 
 def jobs_in_flight(api, namespace: str, count: int = 20, timeout: float = 180) -> dict[str, str]:
     """`count` one-pod jobs j00, j01, ... Running on KWOK's nodes; their pods' name -> uid."""
-    names = [f"j{i:02d}" for i in range(count)]
-    for n in names:
+    jobs = [f"j{i:02d}" for i in range(count)]
+    for n in jobs:
         create_job(api, namespace, job_manifest(n, trainer={"nodes": 1, "gpusPerNode": 1}))
-    for n in names:
-        wait_phase(api, namespace, n, c.RUNNING, timeout)
-    return {p.metadata.name: p.metadata.uid for n in names for p in pods(api, namespace, n)}
+    for n in jobs:
+        wait_phase(api, namespace, n, names.RUNNING, timeout)
+    return {p.metadata.name: p.metadata.uid for n in jobs for p in pods(api, namespace, n)}
 
 
 def assert_takeover_kept_every_job(api, namespace: str, children: dict[str, str], timeout: float = 120) -> None:
     """After a new leader took over from one killed right after j00's pod failed: j00 is
     restarted once (whether or not the old leader saw the failure), the others' pods are
     the same objects (none replaced or added, no restart counted), and new work is done."""
-    s = wait_status(api, namespace, "j00", lambda s: s.get("attempt") == 2 and s.get("phase") == c.RUNNING,
+    s = wait_status(api, namespace, "j00", lambda s: s.get("attempt") == 2 and s.get("phase") == names.RUNNING,
                     timeout, "j00 restarted by the new leader")
     assert s["restarts"] == 1, s
     create_job(api, namespace, job_manifest("late", trainer={"nodes": 1, "gpusPerNode": 1}))
-    wait_phase(api, namespace, "late", c.RUNNING, timeout)
-    names = sorted({k.split("-")[0] for k in children} - {"j00"})
-    for n in names:
+    wait_phase(api, namespace, "late", names.RUNNING, timeout)
+    jobs = sorted({k.split("-")[0] for k in children} - {"j00"})
+    for n in jobs:
         st = get_job(api, namespace, n)["status"]
-        assert (st["phase"], st.get("restarts", 0), st["attempt"]) == (c.RUNNING, 0, 1), (n, st)
-    now = {p.metadata.name: p.metadata.uid for n in names for p in pods(api, namespace, n)}
+        assert (st["phase"], st.get("restarts", 0), st["attempt"]) == (names.RUNNING, 0, 1), (n, st)
+    now = {p.metadata.name: p.metadata.uid for n in jobs for p in pods(api, namespace, n)}
     assert now == {k: v for k, v in children.items() if not k.startswith("j00-")}
     # j00: attempt 1's failed pod kept for its logs, one gang for attempt 2, nothing more.
     j00 = sorted(p.metadata.name for p in pods(api, namespace, "j00") if "-trainer-" in p.metadata.name)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 
 from .operator_fixtures import api, installed, namespace  # noqa: F401
@@ -54,7 +54,7 @@ def load(path: Path) -> tuple[dict[str, list[str]], dict]:
 
 def dry_run(api, namespace: str, manifest: dict, strict: bool = True) -> dict:
     return kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, manifest, dry_run="All",
+        names.GROUP, names.VERSION, namespace, names.PLURAL, manifest, dry_run="All",
         field_validation="Strict" if strict else "Ignore")
 
 

@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from e2e.cluster import REPO_ROOT, cache_dir, read_versions
-from rft_contract import names as c
+from rft_contract import names
 from tests.unit.test_argocd_health import health
 
 from .operator_fixtures import (  # noqa: F401  (fixtures)
@@ -45,7 +45,7 @@ def kstatus(objects: list[dict]) -> dict[str, dict]:
 
 def running(api, ns: str, name: str, **spec) -> None:  # noqa: F811
     create_job(api, ns, job_manifest(name, **spec))
-    wait_phase(api, ns, name, c.RUNNING, 90)
+    wait_phase(api, ns, name, names.RUNNING, 90)
 
 
 @pytest.mark.timeout(600)
@@ -63,13 +63,13 @@ def test_kstatus_and_argo_cd_read_each_phase_right(operator, api, namespace):  #
     running(api, ns, "restarting", failurePolicy={"maxRestarts": 3, "backoffSeconds": 300})
     end_pod(api, ns, "restarting-trainer-1-1", 1)
     create_job(api, ns, job_manifest("suspended", suspend=True))
-    wait_phase(api, ns, "pending", c.PENDING, 60)
-    wait_phase(api, ns, "fatal", c.FAILED, 60)
-    wait_phase(api, ns, "done", c.SUCCEEDED, 60)
-    wait_phase(api, ns, "restarting", c.RESTARTING, 60)
-    wait_phase(api, ns, "suspended", c.SUSPENDED, 60)
-    names = ["pending", "running", "fatal", "done", "restarting", "suspended"]
-    jobs = [get_job(api, ns, n) for n in names]
+    wait_phase(api, ns, "pending", names.PENDING, 60)
+    wait_phase(api, ns, "fatal", names.FAILED, 60)
+    wait_phase(api, ns, "done", names.SUCCEEDED, 60)
+    wait_phase(api, ns, "restarting", names.RESTARTING, 60)
+    wait_phase(api, ns, "suspended", names.SUSPENDED, 60)
+    job_names = ["pending", "running", "fatal", "done", "restarting", "suspended"]
+    jobs = [get_job(api, ns, n) for n in job_names]
     # A spec edit the operator has not observed yet (its generation ahead of observedGeneration).
     edited = copy.deepcopy(jobs[1])
     edited["metadata"]["name"], edited["metadata"]["generation"] = "edited", edited["metadata"]["generation"] + 1

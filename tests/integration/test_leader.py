@@ -22,7 +22,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 from tests.conftest import wait_for
 from tests.trainer.faultproxy import TcpProxy
 
@@ -147,7 +147,7 @@ def test_a_leader_cut_off_from_the_api_server_exits_before_the_other_takes_over(
         a.start()
         b.start(ready=WAITS)
         create_job(api, namespace, job_manifest("cut", trainer={"nodes": 1, "gpusPerNode": 1}))
-        wait_phase(api, namespace, "cut", c.RUNNING, 120)
+        wait_phase(api, namespace, "cut", names.RUNNING, 120)
 
         seen = Seen()
         seen.line("b leads", b, LEADS)

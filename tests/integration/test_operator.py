@@ -6,7 +6,7 @@ from __future__ import annotations
 import kubernetes
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.times import parse_time
 
 from .conftest import wait_for
@@ -21,20 +21,20 @@ pytestmark = pytest.mark.integration
 
 def running_pods(api, ns, job, attempt):
     return [p for p in pods(api, ns, job)
-            if p.metadata.labels.get(c.LABEL_ATTEMPT) == str(attempt)
+            if p.metadata.labels.get(names.LABEL_ATTEMPT) == str(attempt)
             and p.status.phase == "Running" and not p.metadata.deletion_timestamp]
 
 
 def start_running(api, ns, name, **overrides) -> dict:
     create_job(api, ns, job_manifest(name, **overrides))
-    return wait_phase(api, ns, name, c.RUNNING, 90)
+    return wait_phase(api, ns, name, names.RUNNING, 90)
 
 
 def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
     status = start_running(api, namespace, "gang")
     assert status["attempt"] == 1 and status["restarts"] == 0
     assert status["observedGeneration"] == 1
-    running = {x["type"]: x for x in status["conditions"]}[c.COND_RUNNING]
+    running = {x["type"]: x for x in status["conditions"]}[names.COND_RUNNING]
     assert running["status"] == "True" and running["observedGeneration"] == 1
     trainer_pods = pods(api, namespace, "gang")
     assert sorted(p.metadata.name for p in trainer_pods) == ["gang-trainer-1-0", "gang-trainer-1-1"]
@@ -53,7 +53,7 @@ def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
     rbac.read_namespaced_role("gang-status-writer", namespace)
     rbac.read_namespaced_role_binding("gang-status-writer", namespace)
     # Event timestamps have one-second resolution, so only membership is checked.
-    assert {c.REASON_CREATED, c.REASON_ALL_RUNNING} <= set(events(api, namespace, "gang"))
+    assert {names.REASON_CREATED, names.REASON_ALL_RUNNING} <= set(events(api, namespace, "gang"))
 
     out = kubectl("get", "rftjobs", "-n", namespace).stdout
     header, row = out.splitlines()[0].split(), out.splitlines()[1].split()
@@ -66,16 +66,16 @@ def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
 def test_pod_failure_restarts_the_gang_as_attempt_2(operator, api, namespace):
     start_running(api, namespace, "retry")
     end_pod(api, namespace, "retry-trainer-1-1", 1)
-    status = wait_phase(api, namespace, "retry", c.RUNNING, 90, attempt=2)
+    status = wait_phase(api, namespace, "retry", names.RUNNING, 90, attempt=2)
     assert status["restarts"] == 1
     assert status["lastFailure"]["pod"] == "retry-trainer-1-1"
     assert status["lastFailure"]["exitCode"] == 1
     assert len(running_pods(api, namespace, "retry", 2)) == 2
     # Nothing of attempt 1 still runs; the failed pod is kept for its logs.
     old = {p.metadata.name: p.status.phase for p in pods(api, namespace, "retry")
-           if p.metadata.labels[c.LABEL_ATTEMPT] == "1"}
+           if p.metadata.labels[names.LABEL_ATTEMPT] == "1"}
     assert old == {"retry-trainer-1-1": "Failed"}
-    assert c.REASON_RESTARTING in events(api, namespace, "retry")
+    assert names.REASON_RESTARTING in events(api, namespace, "retry")
 
 
 def test_the_attempt_history_tells_where_each_attempt_started_and_ended(operator, api, namespace):
@@ -88,7 +88,7 @@ def test_the_attempt_history_tells_where_each_attempt_started_and_ended(operator
     wait_status(api, namespace, "story", lambda s: (s.get("attempts") or [{}])[0].get("startStep") == 0, 60,
                 "attempt 1's start recorded")
     end_pod(api, namespace, "story-trainer-1-0", 1)
-    wait_phase(api, namespace, "story", c.RUNNING, 90, attempt=2)
+    wait_phase(api, namespace, "story", names.RUNNING, 90, attempt=2)
     ckpt = "s3://ckpts/run/ckpt/step-00000005"
     patch_status(api, namespace, "story", {"trainer": {
         "attempt": 2, "step": 5, "resumedFrom": {"attempt": 2, "step": 5, "checkpoint": ckpt}}})
@@ -104,10 +104,10 @@ def test_the_attempt_history_tells_where_each_attempt_started_and_ended(operator
 def test_fatal_exit_code_fails_the_job(operator, api, namespace):
     start_running(api, namespace, "fatal")
     end_pod(api, namespace, "fatal-trainer-1-0", 78)
-    status = wait_phase(api, namespace, "fatal", c.FAILED, 60)
+    status = wait_phase(api, namespace, "fatal", names.FAILED, 60)
     assert status["restarts"] == 0 and status["completionTime"]
-    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
-    assert failed["status"] == "True" and failed["reason"] == c.REASON_FATAL_EXIT
+    failed = {x["type"]: x for x in status["conditions"]}[names.COND_FAILED]
+    assert failed["status"] == "True" and failed["reason"] == names.REASON_FATAL_EXIT
     assert "exit code 78" in failed["message"]
     wait_for(lambda: not running_pods(api, namespace, "fatal", 1), 60, "the rest of the gang to stop")
 
@@ -115,45 +115,45 @@ def test_fatal_exit_code_fails_the_job(operator, api, namespace):
 def test_restart_budget_exhausted_fails_the_job(operator, api, namespace):
     start_running(api, namespace, "budget", failurePolicy={"maxRestarts": 1, "backoffSeconds": 0})
     end_pod(api, namespace, "budget-trainer-1-0", 1)
-    wait_phase(api, namespace, "budget", c.RUNNING, 90, attempt=2)
+    wait_phase(api, namespace, "budget", names.RUNNING, 90, attempt=2)
     end_pod(api, namespace, "budget-trainer-2-0", 1)
-    status = wait_phase(api, namespace, "budget", c.FAILED, 60)
+    status = wait_phase(api, namespace, "budget", names.FAILED, 60)
     assert status["restarts"] == 1 and status["attempt"] == 2
     assert "maxRestarts=1" in status["message"]
-    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
-    assert failed["reason"] == c.REASON_BACKOFF_LIMIT
+    failed = {x["type"]: x for x in status["conditions"]}[names.COND_FAILED]
+    assert failed["reason"] == names.REASON_BACKOFF_LIMIT
 
 
 def test_all_pods_succeeding_completes_the_job(operator, api, namespace):
     start_running(api, namespace, "done")
     end_pod(api, namespace, "done-trainer-1-0", 0)
     end_pod(api, namespace, "done-trainer-1-1", 0)
-    status = wait_phase(api, namespace, "done", c.SUCCEEDED, 60)
+    status = wait_phase(api, namespace, "done", names.SUCCEEDED, 60)
     assert status["completionTime"] >= status["startTime"]
-    assert c.REASON_SUCCEEDED in events(api, namespace, "done")
+    assert names.REASON_SUCCEEDED in events(api, namespace, "done")
 
 
 def test_suspend_and_resume(operator, api, namespace):
     start_running(api, namespace, "pause")
     patch_spec(api, namespace, "pause", {"suspend": True})
-    status = wait_phase(api, namespace, "pause", c.SUSPENDED, 60)
-    assert {x["type"]: x for x in status["conditions"]}[c.COND_SUSPENDED]["status"] == "True"
+    status = wait_phase(api, namespace, "pause", names.SUSPENDED, 60)
+    assert {x["type"]: x for x in status["conditions"]}[names.COND_SUSPENDED]["status"] == "True"
     wait_for(lambda: not pods(api, namespace, "pause"), 60, "suspended pods to be deleted")
     kubernetes.client.CoreV1Api(api).read_namespaced_config_map("pause-config", namespace)  # kept
     patch_spec(api, namespace, "pause", {"suspend": False})
-    status = wait_phase(api, namespace, "pause", c.RUNNING, 90, attempt=2)
+    status = wait_phase(api, namespace, "pause", names.RUNNING, 90, attempt=2)
     assert status["restarts"] == 0  # a resume is not a failure
     assert len(running_pods(api, namespace, "pause", 2)) == 2
-    assert {x["type"]: x for x in status["conditions"]}[c.COND_SUSPENDED]["status"] == "False"
+    assert {x["type"]: x for x in status["conditions"]}[names.COND_SUSPENDED]["status"] == "False"
 
 
 def test_deleting_the_job_garbage_collects_children(operator, api, namespace):
     start_running(api, namespace, "gc")
     kubernetes.client.CustomObjectsApi(api).delete_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, "gc")
+        names.GROUP, names.VERSION, namespace, names.PLURAL, "gc")
     core = kubernetes.client.CoreV1Api(api)
     rbac = kubernetes.client.RbacAuthorizationV1Api(api)
-    sel = f"{c.LABEL_JOB}=gc"
+    sel = f"{names.LABEL_JOB}=gc"
 
     def all_gone():
         return not any([
@@ -177,8 +177,8 @@ def test_children_deleted_by_hand_are_repaired(operator, api, namespace):
     wait_for(lambda: core.read_namespaced_service("repair-trainer", namespace), 60, "Service back")
     # A trainer pod deleted by hand breaks the gang: the attempt ends and a new one starts.
     core.delete_namespaced_pod("repair-trainer-1-0", namespace)
-    status = wait_phase(api, namespace, "repair", c.RUNNING, 90, attempt=2)
-    assert status["lastFailure"]["reason"] == c.REASON_POD_DELETED
+    status = wait_phase(api, namespace, "repair", names.RUNNING, 90, attempt=2)
+    assert status["lastFailure"]["reason"] == names.REASON_POD_DELETED
 
 
 def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one_restart(
@@ -193,7 +193,7 @@ def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one
     hold_pod(api, namespace, "crash-trainer-1-0")
     try:
         end_pod(api, namespace, "crash-trainer-1-1", 1)
-        wait_status(api, namespace, "crash", lambda s: s.get("phase") == c.RESTARTING
+        wait_status(api, namespace, "crash", lambda s: s.get("phase") == names.RESTARTING
                     and pod_deleting(api, namespace, "crash-trainer-1-0"), 60, "Restarting, old gang going")
 
         # Window 1: Restarting recorded, the old rank 0 still terminating.
@@ -202,7 +202,7 @@ def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one
         operator.start()
         operator.wait_logged(f"{namespace}/crash: 2 pods seen, phase Restarting -> Restarting,", since)
         status = get_job(api, namespace, "crash")["status"]
-        assert (status["phase"], status["restarts"], status["attempt"]) == (c.RESTARTING, 1, 1)
+        assert (status["phase"], status["restarts"], status["attempt"]) == (names.RESTARTING, 1, 1)
 
         # Window 2: attempt 2's rank 0 created, rank 1 refused by the API server.
         with refusing_trainer_pods(api, namespace, attempt=2, ranks_from=1):
@@ -215,12 +215,12 @@ def test_operator_killed_while_restarting_and_while_creating_the_gang_counts_one
     finally:
         release_pod(api, namespace, "crash-trainer-1-0")
 
-    status = wait_phase(api, namespace, "crash", c.RUNNING, 90, attempt=2)
+    status = wait_phase(api, namespace, "crash", names.RUNNING, 90, attempt=2)
     assert status["restarts"] == 1
     assert gang_ranks(api, namespace, "crash") == {1: [1], 2: [0, 1]}  # the failed pod stays for its logs
     assert len(running_pods(api, namespace, "crash", 2)) == 2
     reasons = events(api, namespace, "crash")
-    assert reasons.count(c.REASON_RESTARTING) == 1 and reasons.count(c.REASON_RESTARTED) == 1
+    assert reasons.count(names.REASON_RESTARTING) == 1 and reasons.count(names.REASON_RESTARTED) == 1
 
 
 def test_progress_deadline_restarts_a_gang_that_never_steps(operator, api, namespace):
@@ -230,12 +230,12 @@ def test_progress_deadline_restarts_a_gang_that_never_steps(operator, api, names
     status = start_running(api, namespace, "stall", failurePolicy={
         "progressDeadlineSeconds": deadline, "backoffSeconds": 10, "maxRestarts": 3})
     # Act as the trainer's rank 0, which reports why it cannot step.
-    waiting = {"reason": c.WAIT_DATA, "since": status["startTime"], "message": "no shard in the buffer"}
+    waiting = {"reason": names.WAIT_DATA, "since": status["startTime"], "message": "no shard in the buffer"}
     patch_status(api, namespace, "stall", {"trainer": {"waiting": waiting, "buffer": {"droppedStale": 12}}})
 
     status = wait_status(api, namespace, "stall", lambda s: s.get("restarts") == 1, 60, "the deadline's restart")
     failure = status["lastFailure"]
-    assert (failure["reason"], failure["attempt"]) == (c.REASON_PROGRESS_DEADLINE, 1)
+    assert (failure["reason"], failure["attempt"]) == (names.REASON_PROGRESS_DEADLINE, 1)
     assert f"(spec.failurePolicy.progressDeadlineSeconds={deadline})" in failure["message"]
     assert "trainer waiting for experiences for" in failure["message"]
     assert "(12 stale dropped): no shard in the buffer" in failure["message"]
@@ -243,19 +243,19 @@ def test_progress_deadline_restarts_a_gang_that_never_steps(operator, api, names
     # times are whole seconds, rounded down).
     since = parse_time(status["progress"]["since"])
     assert deadline <= (parse_time(failure["time"]) - since).total_seconds() <= deadline + 2, status["progress"]
-    progressing = {x["type"]: x for x in status["conditions"]}[c.COND_PROGRESSING]
-    assert (progressing["status"], progressing["reason"]) == ("False", c.REASON_PROGRESS_DEADLINE)
+    progressing = {x["type"]: x for x in status["conditions"]}[names.COND_PROGRESSING]
+    assert (progressing["status"], progressing["reason"]) == ("False", names.REASON_PROGRESS_DEADLINE)
     assert progressing["message"] == failure["message"]
-    assert c.REASON_PROGRESS_DEADLINE in events(api, namespace, "stall")
+    assert names.REASON_PROGRESS_DEADLINE in events(api, namespace, "stall")
 
     # Turn the deadline off during the backoff: attempt 2 then runs and stays.
     patch_spec(api, namespace, "stall", {"failurePolicy": {"progressDeadlineSeconds": 0}})
-    status = wait_phase(api, namespace, "stall", c.RUNNING, 90, attempt=2)
+    status = wait_phase(api, namespace, "stall", names.RUNNING, 90, attempt=2)
     assert status["restarts"] == 1
     assert gang_ranks(api, namespace, "stall") == {2: [0, 1]}  # KWOK removed the deleted attempt 1
     assert len(running_pods(api, namespace, "stall", 2)) == 2
-    progressing = {x["type"]: x for x in status["conditions"]}[c.COND_PROGRESSING]
-    assert (progressing["status"], progressing["reason"]) == ("True", c.REASON_STEPPING)
+    progressing = {x["type"]: x for x in status["conditions"]}[names.COND_PROGRESSING]
+    assert (progressing["status"], progressing["reason"]) == ("True", names.REASON_STEPPING)
 
 
 def test_spec_change_updates_config_for_the_next_attempt(operator, api, namespace):
@@ -265,4 +265,4 @@ def test_spec_change_updates_config_for_the_next_attempt(operator, api, namespac
     wait_for(lambda: '"total_steps": 500' in core.read_namespaced_config_map("edit-config", namespace).data["config.json"],
              60, "ConfigMap to carry the new totalSteps")
     status = wait_status(api, namespace, "edit", lambda s: s.get("observedGeneration") == 2, 60)
-    assert status["phase"] == c.RUNNING and status["attempt"] == 1
+    assert status["phase"] == names.RUNNING and status["attempt"] == 1

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 import kubernetes
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401
@@ -181,7 +181,7 @@ def test_each_baseline_control_is_enforced_on_the_operators_pods(operator_api, a
 @pytest.mark.parametrize("name, bad", RESTRICTED, ids=[r[0] for r in RESTRICTED])
 def test_each_restricted_control_is_enforced_where_the_namespace_asks(operator_api, api, kubectl, namespace,  # noqa: F811
                                                                       name, bad):
-    kubectl("label", "namespace", namespace, f"{c.PSA_ENFORCE_LABEL}=restricted", "--overwrite")
+    kubectl("label", "namespace", namespace, f"{names.PSA_ENFORCE_LABEL}=restricted", "--overwrite")
     job = create_job(api, namespace, job_manifest("psa"))
     accounts(kubectl, namespace, "psa")
     core = kubernetes.client.CoreV1Api(operator_api)
@@ -195,14 +195,14 @@ def test_job_pods_need_a_namespace_that_enforces_pod_security(operator_api, api,
     job = create_job(api, namespace, job_manifest("psa"))
     accounts(kubectl, namespace, "psa")
     core = kubernetes.client.CoreV1Api(operator_api)
-    kubectl("label", "namespace", namespace, f"{c.PSA_ENFORCE_LABEL}-")
+    kubectl("label", "namespace", namespace, f"{names.PSA_ENFORCE_LABEL}-")
     wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY))[0]
              == 422, 30, "the policy to see the label gone")
     refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY),
-            f"{c.PSA_ENFORCE_LABEL}=baseline", code=422)
-    kubectl("label", "namespace", namespace, f"{c.PSA_ENFORCE_LABEL}=privileged")
+            f"{names.PSA_ENFORCE_LABEL}=baseline", code=422)
+    kubectl("label", "namespace", namespace, f"{names.PSA_ENFORCE_LABEL}=privileged")
     refused(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY),
-            f"{c.PSA_ENFORCE_LABEL}=baseline", code=422)
+            f"{names.PSA_ENFORCE_LABEL}=baseline", code=422)
 
 
 # ------------------------------------------------------------------ volumes
@@ -238,9 +238,9 @@ def test_pods_read_only_the_secrets_their_spec_names(operator_api, api, kubectl,
     accounts(kubectl, namespace, "sec")
     core = kubernetes.client.CoreV1Api(operator_api)
     credentials = job["spec"]["checkpoint"].get("credentialsSecret")
-    reads = lambda *names: trainer_pod(job, namespace, containers=[{  # noqa: E731
+    reads = lambda *secret_names: trainer_pod(job, namespace, containers=[{  # noqa: E731
         **BOX, "env": [{"name": f"S{i}", "valueFrom": {"secretKeyRef": {"name": n, "key": "k"}}}
-                       for i, n in enumerate(names)]}])
+                       for i, n in enumerate(secret_names)]}])
     named = ["hf"] + ([credentials] if credentials else [])
     wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, reads(*named), **DRY)) == (200, ""), 30,
              "a pod reading the spec's own Secrets to be admitted")
@@ -259,13 +259,13 @@ def test_events_only_about_the_namespaces_rftjobs(operator_api, api, kubectl, na
     core = kubernetes.client.CoreV1Api(operator_api)
     events = kubernetes.client.EventsV1Api(operator_api)
 
-    labels = {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_JOB: "ev"}  # as the operator labels its Events
+    labels = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_JOB: "ev"}  # as the operator labels its Events
 
     def event(ns: str, about: dict, **meta) -> dict:
         return {"metadata": {"name": f"x.{uuid.uuid4().hex[:8]}", "namespace": ns, "labels": labels, **meta},
                 "involvedObject": about, "reason": "Test", "message": "m", "type": "Normal"}
 
-    rftjob = {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "ev", "namespace": namespace,
+    rftjob = {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ev", "namespace": namespace,
               "uid": job["metadata"]["uid"]}
     wait_for(lambda: refusal(lambda: core.create_namespaced_event(namespace, event(namespace, rftjob), **DRY))
              == (200, ""), 30, "an Event about the job to be admitted")

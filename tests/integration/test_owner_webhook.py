@@ -19,7 +19,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import ownerhook
 
 from .conftest import wait_for
@@ -94,9 +94,9 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
                  "the webhook to be called")
         refused(lambda: core.create_namespaced_pod(namespace, ghost_pod), *words)  # for real, not a dry run
         refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(ghost)), *words)
-        event = {"metadata": {"generateName": "ghost.", "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY,
-                                                                    c.LABEL_JOB: "ghost"}},
-                 "involvedObject": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "ghost",
+        event = {"metadata": {"generateName": "ghost.", "labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY,
+                                                                    names.LABEL_JOB: "ghost"}},
+                 "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ghost",
                                     "namespace": namespace, "uid": ghost["metadata"]["uid"]},
                  "reason": "X", "message": "m", "type": "Normal"}
         refused(lambda: core.create_namespaced_event(namespace, event), *words)
@@ -113,7 +113,7 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
                 "rftjob-operator-owner")
         # What the operator itself writes, as it writes it (kube.post_event's labels).
         real_event = {**event, "metadata": {"generateName": "real.", "labels": {
-            c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_JOB: "real"}}, "involvedObject": {
+            names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_JOB: "real"}}, "involvedObject": {
             **event["involvedObject"], "name": "real", "uid": job["metadata"]["uid"]}}
         assert refusal(lambda: core.create_namespaced_event(namespace, real_event, **DRY)) == (200, "")
 

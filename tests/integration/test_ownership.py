@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import kubernetes
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .conftest import wait_for
 from .operator_fixtures import (  # noqa: F401  (fixtures)
@@ -38,7 +38,7 @@ def test_operator_start_logs_no_errors(operator, api):
     logged errors for it ("customresourcedefinitions ... forbidden"). A quiet cluster (no
     job of an earlier test still being torn down, whose errors are no start's) first."""
     custom = kubernetes.client.CustomObjectsApi(api)
-    wait_for(lambda: not custom.list_cluster_custom_object(c.GROUP, c.VERSION, c.PLURAL)["items"], 180,
+    wait_for(lambda: not custom.list_cluster_custom_object(names.GROUP, names.VERSION, names.PLURAL)["items"], 180,
              "earlier tests' jobs to be gone")
     operator.stop()
     since = operator.log_offset()
@@ -57,12 +57,12 @@ def test_existing_unlabelled_configmap_is_never_adopted(operator, api, namespace
     mine = core.create_namespaced_config_map(namespace, {
         "metadata": {"name": "squat-config"}, "data": {"config.json": "{\"mine\": true}"}})
     create_job(api, namespace, job_manifest("squat"))
-    status = wait_phase(api, namespace, "squat", c.FAILED, 60)
+    status = wait_phase(api, namespace, "squat", names.FAILED, 60)
     want = f"ConfigMap {namespace}/squat-config exists and is not owned by this RFTJob; delete or rename it"
     assert status["message"] == want
-    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
-    assert (failed["reason"], failed["message"]) == (c.REASON_CHILD_CONFLICT, want)
-    assert (c.REASON_CHILD_CONFLICT, want) in event_messages(api, namespace, "squat")
+    failed = {x["type"]: x for x in status["conditions"]}[names.COND_FAILED]
+    assert (failed["reason"], failed["message"]) == (names.REASON_CHILD_CONFLICT, want)
+    assert (names.REASON_CHILD_CONFLICT, want) in event_messages(api, namespace, "squat")
     after = core.read_namespaced_config_map("squat-config", namespace)
     assert after.metadata.resource_version == mine.metadata.resource_version  # untouched
     assert not after.metadata.owner_references and after.data == {"config.json": "{\"mine\": true}"}
@@ -83,8 +83,8 @@ def invalid_trainer_pods(api, kubectl, namespace: str, field: str):
                  "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
                                                          "operations": ["CREATE"], "resources": ["pods"]}]},
                  "validations": [{
-                     "expression": f"!has(object.metadata.labels) || !('{c.LABEL_ROLE}' in {labels})"
-                                   f" || {labels}['{c.LABEL_ROLE}'] != '{c.ROLE_TRAINER}'",
+                     "expression": f"!has(object.metadata.labels) || !('{names.LABEL_ROLE}' in {labels})"
+                                   f" || {labels}['{names.LABEL_ROLE}'] != '{names.ROLE_TRAINER}'",
                      "message": f"{field}: trainer pods need a GPU request here", "reason": "Invalid"}]}}
     binding = {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
@@ -94,7 +94,7 @@ def invalid_trainer_pods(api, kubectl, namespace: str, field: str):
                      "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}}
     kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [policy, binding]}))
     probe = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "invalid-probe", "labels": {c.LABEL_ROLE: c.ROLE_TRAINER}},
+             "metadata": {"name": "invalid-probe", "labels": {names.LABEL_ROLE: names.ROLE_TRAINER}},
              "spec": {"containers": [{"name": "c", "image": "none"}]}}
 
     def refused() -> bool:
@@ -116,13 +116,13 @@ def test_child_refused_as_invalid_fails_the_job_naming_the_field(operator, api, 
     field = "spec.containers[0].resources.requests"
     with invalid_trainer_pods(api, kubectl, namespace, field):
         create_job(api, namespace, job_manifest("refused"))
-        status = wait_phase(api, namespace, "refused", c.FAILED, 60)
-    failed = {x["type"]: x for x in status["conditions"]}[c.COND_FAILED]
-    assert failed["reason"] == c.REASON_INVALID_SPEC
+        status = wait_phase(api, namespace, "refused", names.FAILED, 60)
+    failed = {x["type"]: x for x in status["conditions"]}[names.COND_FAILED]
+    assert failed["reason"] == names.REASON_INVALID_SPEC
     assert status["message"].startswith(f"creating Pod {namespace}/refused-trainer-1-")
     assert field in status["message"] and "trainer pods need a GPU request here" in status["message"]
     warnings = event_messages(api, namespace, "refused")
-    assert (c.REASON_INVALID_SPEC, status["message"]) in warnings
+    assert (names.REASON_INVALID_SPEC, status["message"]) in warnings
     create_failed = [m for r, m in warnings if r == "CreateFailed"]
     assert create_failed and "HTTP 422" in create_failed[0] and field in create_failed[0]
     assert status["restarts"] == 0
@@ -130,15 +130,15 @@ def test_child_refused_as_invalid_fails_the_job_naming_the_field(operator, api, 
 
 def test_children_edited_by_hand_are_restored(operator, api, namespace):
     create_job(api, namespace, job_manifest("drift"))
-    wait_phase(api, namespace, "drift", c.RUNNING, 90)
+    wait_phase(api, namespace, "drift", names.RUNNING, 90)
     core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
-    svc_name, rb_name = c.service_name("drift"), c.status_role_name("drift")
+    svc_name, rb_name = names.service_name("drift"), names.status_role_name("drift")
     port = core.read_namespaced_service(svc_name, namespace).spec.ports[0].port
     subjects = [{"kind": s.kind, "name": s.name, "namespace": s.namespace}
                 for s in rbac.read_namespaced_role_binding(rb_name, namespace).subjects]
-    assert all(s.metadata.annotations.get(c.ANNOTATION_SPEC_HASH) for s in (
+    assert all(s.metadata.annotations.get(names.ANNOTATION_SPEC_HASH) for s in (
         core.read_namespaced_service(svc_name, namespace), rbac.read_namespaced_role_binding(rb_name, namespace),
-        core.read_namespaced_config_map(c.configmap_name("drift"), namespace)))
+        core.read_namespaced_config_map(names.configmap_name("drift"), namespace)))
 
     merge = {"_content_type": "application/merge-patch+json"}  # lists replaced whole
     core.patch_namespaced_service(svc_name, namespace, {"spec": {"ports": [
@@ -154,7 +154,7 @@ def test_children_edited_by_hand_are_restored(operator, api, namespace):
     rv = core.read_namespaced_service(svc_name, namespace).metadata.resource_version
     time.sleep(12)  # more than one 10 s resync
     assert core.read_namespaced_service(svc_name, namespace).metadata.resource_version == rv
-    assert get_job(api, namespace, "drift")["status"]["phase"] == c.RUNNING
+    assert get_job(api, namespace, "drift")["status"]["phase"] == names.RUNNING
 
 
 def test_what_the_spec_no_longer_renders_goes_and_what_others_added_stays(operator, api, namespace):
@@ -168,8 +168,8 @@ def test_what_the_spec_no_longer_renders_goes_and_what_others_added_stays(operat
                                             inference={"replicas": 1, "gpusPerReplica": 1},
                                             explorer={"tasksetUri": "s3://ckpts/tasks.jsonl"}))
     core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
-    trainer_sa, explorer_sa = c.service_account_name(job, c.ROLE_TRAINER), c.service_account_name(job, c.ROLE_EXPLORER)
-    reader, inference_sa = c.status_reader_role_name(job), c.service_account_name(job, c.ROLE_INFERENCE)
+    trainer_sa, explorer_sa = names.service_account_name(job, names.ROLE_TRAINER), names.service_account_name(job, names.ROLE_EXPLORER)
+    reader, inference_sa = names.status_reader_role_name(job), names.service_account_name(job, names.ROLE_INFERENCE)
 
     def annotations(name: str) -> dict:
         return core.read_namespaced_service_account(name, namespace).metadata.annotations or {}
@@ -196,15 +196,15 @@ def test_what_the_spec_no_longer_renders_goes_and_what_others_added_stays(operat
         (rbac.read_namespaced_role_binding, reader)]), 60, "the explorers' identity deleted")
     patch_spec(api, namespace, job, {"inference": None})
     wait_for(lambda: gone(core.read_namespaced_service_account, inference_sa)
-             and gone(core.read_namespaced_service, c.inference_service_name(job)), 60,
+             and gone(core.read_namespaced_service, names.inference_service_name(job)), 60,
              "the inference children deleted")
     assert not gone(core.read_namespaced_service_account, trainer_sa)
-    assert get_job(api, namespace, job)["status"]["phase"] != c.FAILED
+    assert get_job(api, namespace, job)["status"]["phase"] != names.FAILED
 
 
 def test_evicted_trainer_restarts_the_gang_without_using_the_budget(operator, api, namespace):
     create_job(api, namespace, job_manifest("evict"))
-    wait_phase(api, namespace, "evict", c.RUNNING, 90)
+    wait_phase(api, namespace, "evict", names.RUNNING, 90)
     core, pod = kubernetes.client.CoreV1Api(api), "evict-trainer-1-0"
     hold_pod(api, namespace, pod)  # keeps the evicted pod visible (terminating) until released
     try:
@@ -219,10 +219,10 @@ def test_evicted_trainer_restarts_the_gang_without_using_the_budget(operator, ap
         assert grace and (evicted.metadata.deletion_timestamp - asked).total_seconds() >= grace - 2
 
         status = wait_status(api, namespace, "evict", lambda s: s.get("disruptions") == 1, 60, "the disruption")
-        assert (status["phase"], status["restarts"]) == (c.RESTARTING, 0)
-        assert (status["lastFailure"]["reason"], status["lastFailure"]["pod"]) == (c.REASON_POD_DISRUPTED, pod)
+        assert (status["phase"], status["restarts"]) == (names.RESTARTING, 0)
+        assert (status["lastFailure"]["reason"], status["lastFailure"]["pod"]) == (names.REASON_POD_DISRUPTED, pod)
     finally:
         release_pod(api, namespace, pod)
-    status = wait_phase(api, namespace, "evict", c.RUNNING, 90, attempt=2)
+    status = wait_phase(api, namespace, "evict", names.RUNNING, 90, attempt=2)
     assert (status["restarts"], status["disruptions"]) == (0, 1)
-    assert c.REASON_POD_DISRUPTED in [r for r, _ in event_messages(api, namespace, "evict")]
+    assert names.REASON_POD_DISRUPTED in [r for r, _ in event_messages(api, namespace, "evict")]

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_rollout.explorer import KubeProgress
 
 from .conftest import wait_for
@@ -53,7 +53,7 @@ def refusal(call) -> tuple[int, str]:
 
 def patch_status_as(client, namespace: str, job: str, status: dict):
     return lambda: kubernetes.client.CustomObjectsApi(client).patch_namespaced_custom_object_status(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, job, {"status": status})
+        names.GROUP, names.VERSION, namespace, names.PLURAL, job, {"status": status})
 
 
 def pod_ref(api, namespace: str, name: str) -> tuple[str, str]:
@@ -72,13 +72,13 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
     create_job(api, namespace, job_manifest(job, inference={"replicas": 2, "gpusPerReplica": 1},
                                             explorer={"tasksetUri": "s3://ckpts/tasks.jsonl"}))
     create_job(api, namespace, job_manifest("other"))
-    wanted = [c.pod_name(job, 1, 0), c.inference_pod_name(job, 0), c.inference_pod_name(job, 1),
-              c.explorer_pod_name(job, 0)]
+    wanted = [names.pod_name(job, 1, 0), names.inference_pod_name(job, 0), names.inference_pod_name(job, 1),
+              names.explorer_pod_name(job, 0)]
     core = kubernetes.client.CoreV1Api(api)
     wait_for(lambda: {p.metadata.name for p in core.list_namespaced_pod(namespace).items} >= set(wanted),
              90, "the job's trainer, inference and explorer pods")
     for name in wanted:  # each pod runs as its role's own account
-        role = core.read_namespaced_pod(name, namespace).metadata.labels[c.LABEL_ROLE]
+        role = core.read_namespaced_pod(name, namespace).metadata.labels[names.LABEL_ROLE]
         assert core.read_namespaced_pod(name, namespace).spec.service_account_name == f"{job}-rft-{role}"
 
     trainer = client_as(cluster, tmp_path, namespace, f"{job}-rft-trainer", pod_ref(api, namespace, wanted[0]))
@@ -114,7 +114,7 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
 
     # An explorer reads its job and writes nothing.
     read = kubernetes.client.CustomObjectsApi(explorer).get_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, job)
+        names.GROUP, names.VERSION, namespace, names.PLURAL, job)
     assert read["metadata"]["name"] == job
     # What the explorer process itself reads with that identity: the trainer's progress and
     # the sync agents' records (before: through rftjobs/status, refused with 403).
@@ -123,7 +123,7 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
     assert progress.replica_version(own) == 1  # sync0's entry, written above
     assert refusal(patch_status_as(explorer, namespace, job, {"trainer": {"step": 1}}))[0] == 403
     assert refusal(lambda: kubernetes.client.CustomObjectsApi(explorer).get_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, "other"))[0] == 403
+        names.GROUP, names.VERSION, namespace, names.PLURAL, "other"))[0] == 403
 
     # The namespace's default account has nothing (no RoleBinding can name it any more).
     default = client_as(cluster, tmp_path, namespace, "default")
@@ -134,10 +134,10 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
 
 
 def managed_meta(job: dict, name: str, role: str | None = None) -> dict:
-    labels = {c.LABEL_JOB: job["metadata"]["name"], c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    labels = {names.LABEL_JOB: job["metadata"]["name"], names.LABEL_MANAGED_BY: names.MANAGED_BY}
     if role:
-        labels[c.LABEL_ROLE] = role
-    owner = {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": job["metadata"]["name"],
+        labels[names.LABEL_ROLE] = role
+    owner = {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": job["metadata"]["name"],
              "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
     return {"name": name, "labels": labels, "ownerReferences": [owner]}
 
@@ -222,11 +222,11 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     core.create_namespaced_pod(namespace, baseline, **dry)
     # An admin's consent: our label, and Pod Security's own level to match.
     kubectl("label", "namespace", namespace, "rft.dev/pod-security=privileged",
-            f"{c.PSA_ENFORCE_LABEL}=privileged", "--overwrite")
+            f"{names.PSA_ENFORCE_LABEL}=privileged", "--overwrite")
     for pod in beyond:
         wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, pod, **dry)) == (200, ""), 30,
                  "the policy to see the namespace label")
-    unowned = {"name": "loose", "labels": {c.LABEL_JOB: "owner", c.LABEL_MANAGED_BY: c.MANAGED_BY}}
+    unowned = {"name": "loose", "labels": {names.LABEL_JOB: "owner", names.LABEL_MANAGED_BY: names.MANAGED_BY}}
     refused(lambda: core.create_namespaced_pod(namespace, _pod(unowned, "owner-rft-trainer", namespace), **dry),
             "objects it manages")
     core.create_namespaced_pod(namespace, _pod(managed_meta(job, "owner-trainer-9-0", "trainer"), "owner-rft-trainer",
@@ -241,7 +241,7 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     core.create_namespaced_service(namespace, service, **dry)
 
     # Roles reach only the job; bindings bind only the job's Roles to the job's accounts.
-    rules = [{"apiGroups": [c.GROUP], "resources": [f"{c.PLURAL}/status"], "resourceNames": ["owner"],
+    rules = [{"apiGroups": [names.GROUP], "resources": [f"{names.PLURAL}/status"], "resourceNames": ["owner"],
               "verbs": ["get", "patch"]}]
     refused(lambda: rbac.create_namespaced_role(namespace, {
         "metadata": managed_meta(job, "owner-status-probe"),
@@ -263,7 +263,7 @@ def test_operator_identity_reaches_only_what_it_manages(installed, api, cluster,
     # Status: patch, never a whole-object update; never the spec; no Secrets at all.
     body = get_job(api, namespace, "owner")
     assert refusal(lambda: custom.replace_namespaced_custom_object_status(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, "owner", body, **dry))[0] == 403
+        names.GROUP, names.VERSION, namespace, names.PLURAL, "owner", body, **dry))[0] == 403
     user = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
     assert can_i(kubectl, user, "update", "rftjobs.rft.dev", "--subresource=finalizers", "-A")
     assert can_i(kubectl, user, "patch", "rftjobs.rft.dev", "--subresource=status", "-A")
@@ -296,12 +296,12 @@ def test_job_pods_and_children_pass_the_operator_policy(operator, api, namespace
     job = "full"
     create_job(api, namespace, job_manifest(job, inference={"replicas": 1, "gpusPerReplica": 1},
                                             explorer={"tasksetUri": "s3://ckpts/tasks.jsonl"}))
-    wait_phase(api, namespace, job, c.RUNNING, 90)
+    wait_phase(api, namespace, job, names.RUNNING, 90)
     kinds = "pods,services,configmaps,serviceaccounts,roles,rolebindings"
-    names = set(kubectl("get", kinds, "-n", namespace, "-l", f"{c.LABEL_JOB}={job}", "-o", "name").stdout.split())
-    assert {f"serviceaccount/{job}-rft-{r}" for r in ("trainer", "inference", "explorer")} <= names
-    assert {f"role.rbac.authorization.k8s.io/{job}-status-{r}" for r in ("writer", "reader")} <= names
-    assert f"pod/{c.explorer_pod_name(job, 0)}" in names and f"pod/{c.inference_pod_name(job, 0)}" in names
+    found = set(kubectl("get", kinds, "-n", namespace, "-l", f"{names.LABEL_JOB}={job}", "-o", "name").stdout.split())
+    assert {f"serviceaccount/{job}-rft-{r}" for r in ("trainer", "inference", "explorer")} <= found
+    assert {f"role.rbac.authorization.k8s.io/{job}-status-{r}" for r in ("writer", "reader")} <= found
+    assert f"pod/{names.explorer_pod_name(job, 0)}" in found and f"pod/{names.inference_pod_name(job, 0)}" in found
 
 
 # ------------------------------------------------------------------ namespaced install
@@ -331,7 +331,7 @@ def test_namespaced_install_reaches_only_its_namespaces(installed, api, cluster,
     text = yaml.safe_dump_all(identity).replace("rft-jobs", watched).replace(OPERATOR_NS, op_ns)
     for ns in (watched, elsewhere, op_ns):
         kubectl("create", "namespace", ns)
-        kubectl("label", "namespace", ns, f"{c.PSA_ENFORCE_LABEL}=baseline")
+        kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
     others = []
     try:
         kubectl("apply", "-f", "-", input=text)
@@ -347,7 +347,7 @@ def test_namespaced_install_reaches_only_its_namespaces(installed, api, cluster,
         op.start()
         try:
             create_job(api, watched, job_manifest("seen"))
-            wait_phase(api, watched, "seen", c.RUNNING, 90)
+            wait_phase(api, watched, "seen", names.RUNNING, 90)
             assert "status" not in get_job(api, elsewhere, "ignored"), "the namespaced operator reached out"
             log = op.log_path.read_text(errors="replace")
             assert "forbidden" not in log.lower() and "Not enough permissions" not in log, op.tail()

@@ -11,7 +11,7 @@ import kubernetes
 import pytest
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_trainer.reporting import StatusReporter
 from tests.trainer.faultproxy import TcpProxy
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 def test_trainer_reports_reach_kubectl_and_conditions(operator, api, namespace, kubectl, cluster, tmp_path):
     create_job(api, namespace, job_manifest("rep"))
-    wait_phase(api, namespace, "rep", c.RUNNING, 90)
+    wait_phase(api, namespace, "rep", names.RUNNING, 90)
     kc = cluster.service_account_kubeconfig(namespace, "rep-rft-trainer", tmp_path / "job.kubeconfig")
     as_job = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
     reporter = StatusReporter("rep", namespace, as_job, min_interval=0)
@@ -36,9 +36,9 @@ def test_trainer_reports_reach_kubectl_and_conditions(operator, api, namespace, 
     assert reporter.failures == 0
 
     status = wait_status(api, namespace, "rep", lambda s: any(
-        x["type"] == c.COND_CHECKPOINTED and x["status"] == "True" for x in s.get("conditions", [])), 60)
+        x["type"] == names.COND_CHECKPOINTED and x["status"] == "True" for x in s.get("conditions", [])), 60)
     assert status["trainer"]["lastCheckpoint"]["bytes"] == 1234
-    assert status["phase"] == c.RUNNING  # the operator kept its own fields
+    assert status["phase"] == names.RUNNING  # the operator kept its own fields
 
     def row():
         out = kubectl("get", "rftjob", "rep", "-n", namespace).stdout.splitlines()
@@ -54,7 +54,7 @@ def test_final_weights_land_after_an_api_server_outage(operator, api, namespace,
     the final status lands (a reporter that gave up would leave inference on old weights)."""
     caplog.set_level(logging.INFO, logger="rft_trainer.reporting")
     create_job(api, namespace, job_manifest("out"))
-    wait_phase(api, namespace, "out", c.RUNNING, 90)
+    wait_phase(api, namespace, "out", names.RUNNING, 90)
     kc = cluster.service_account_kubeconfig(namespace, "out-rft-trainer", tmp_path / "job.kubeconfig")
     config = yaml.safe_load(kc.read_text())
     server = config["clusters"][0]["cluster"]
@@ -67,7 +67,7 @@ def test_final_weights_land_after_an_api_server_outage(operator, api, namespace,
                               backoff=lambda failures: min(1.0, 0.1 * 2 ** failures))
     try:
         reporter.report_step(90, 100, {"actor/pg_loss": 0.5})
-        reporter.report_waiting(c.WAIT_DATA, "no experiences yet", "2024-01-01T00:00:00Z", 3.0)
+        reporter.report_waiting(names.WAIT_DATA, "no experiences yet", "2024-01-01T00:00:00Z", 3.0)
         wait_status(api, namespace, "out", lambda s: (s.get("trainer") or {}).get("waiting"), 30, "waiting")
 
         proxy.down()

@@ -12,7 +12,7 @@ import kubernetes
 import pytest
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 
 from .operator_fixtures import api, installed, job_manifest, namespace  # noqa: F401
 
@@ -102,14 +102,14 @@ INVALID = [
 
 def _create(api, namespace, manifest):
     return kubernetes.client.CustomObjectsApi(api).create_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, manifest)
+        names.GROUP, names.VERSION, namespace, names.PLURAL, manifest)
 
 
 def _patch(api, namespace, body):
     """A merge patch: no resourceVersion precondition, so an operator that happens to be
     writing the status meanwhile cannot turn the expected 422 into a 409."""
     return kubernetes.client.CustomObjectsApi(api).patch_namespaced_custom_object(
-        c.GROUP, c.VERSION, namespace, c.PLURAL, "valid", body)
+        names.GROUP, names.VERSION, namespace, names.PLURAL, "valid", body)
 
 
 def _message(e: ApiException) -> str:

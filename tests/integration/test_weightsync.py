@@ -17,7 +17,7 @@ import pytest
 import requests
 from botocore.config import Config
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.layout import weights_uri
 from rft_trainer.export import export_hf
 from rft_trainer.parallelize import Runtime
@@ -90,17 +90,17 @@ def setup(operator, api, namespace, cluster, bucket, s3_env, tmp_path):
                         inference={"replicas": 2, "gpusPerReplica": 1})
     create_job(api, namespace, spec)
     wait_for(lambda: len([p for p in kubernetes.client.CoreV1Api(api).list_namespaced_pod(
-        namespace, label_selector=f"{c.LABEL_ROLE}={c.ROLE_INFERENCE}").items
+        namespace, label_selector=f"{names.LABEL_ROLE}={names.ROLE_INFERENCE}").items
         if p.status.phase == "Running"]) == 2, 90, "2 inference pods running")
     def as_identity(role: str, pod: str | None = None):
         """The role's own account; a sync agent's token is bound to its pod, as in the pod."""
         bound = (pod, kubernetes.client.CoreV1Api(api).read_namespaced_pod(pod, namespace).metadata.uid) if pod else None
-        kc = cluster.service_account_kubeconfig(namespace, c.service_account_name(JOB, role),
+        kc = cluster.service_account_kubeconfig(namespace, names.service_account_name(JOB, role),
                                                 tmp_path / f"{pod or role}.kubeconfig", pod=bound)
         return kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kc)))
 
-    as_trainer = as_identity(c.ROLE_TRAINER)
-    as_agents = [as_identity(c.ROLE_INFERENCE, pod) for pod in PODS]
+    as_trainer = as_identity(names.ROLE_TRAINER)
+    as_agents = [as_identity(names.ROLE_INFERENCE, pod) for pod in PODS]
     proxy = FaultProxy(s3_env["AWS_ENDPOINT_URL"]).start()
     # Replica 0 reaches S3 through the fault proxy, with few retries, so faults show.
     flaky = S3Storage(client=boto3.client("s3", endpoint_url=proxy.url,
@@ -144,7 +144,7 @@ def wait_synced(ctx, version: int, timeout: float = 90) -> dict:
 
 
 def sync_condition(status: dict) -> dict:
-    return next(x for x in status["conditions"] if x["type"] == c.COND_WEIGHTS_SYNCED)
+    return next(x for x in status["conditions"] if x["type"] == names.COND_WEIGHTS_SYNCED)
 
 
 def test_versions_pins_faults_and_restarts(setup, kubectl):
@@ -175,7 +175,7 @@ def test_versions_pins_faults_and_restarts(setup, kubectl):
 
     # A pin to a version that does not exist: condition False, nothing breaks.
     patch_spec(ctx["api"], ctx["ns"], JOB, {"sync": {"pinnedVersion": 99}})
-    status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: sync_condition(s)["reason"] == c.REASON_PIN_MISSING,
+    status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: sync_condition(s)["reason"] == names.REASON_PIN_MISSING,
                          30, "PinnedVersionNotFound")
     assert "pinnedVersion=99" in sync_condition(status)["message"]
     assert status["weightSync"]["target"]["version"] == 2 and [r.served() for r in ctx["replicas"]] == [2, 2]

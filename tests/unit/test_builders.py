@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import builders
 from rft_contract.spec import parse_spec
 
@@ -46,8 +46,8 @@ def test_pod_identity_and_rendezvous(spec):
     pod = builders.build_trainer_pod(REF, spec, 3, 1)
     assert pod["metadata"]["name"] == "demo-trainer-3-1"
     assert pod["metadata"]["labels"] == {
-        c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer", c.LABEL_ATTEMPT: "3", c.LABEL_RANK: "1",
-        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+        names.LABEL_JOB: "demo", names.LABEL_ROLE: "trainer", names.LABEL_ATTEMPT: "3", names.LABEL_RANK: "1",
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
     }
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
     ps = pod["spec"]
@@ -57,7 +57,7 @@ def test_pod_identity_and_rendezvous(spec):
     assert "--master-addr=demo-trainer-3-0.demo-trainer.team-a.svc" in args
     assert args[args.index("-m") + 1] == "rft_trainer"
     env = {e["name"]: e for e in ps["containers"][0]["env"]}
-    assert env[c.ENV_ATTEMPT]["value"] == "3" and env[c.ENV_JOB_NAME]["value"] == "demo"
+    assert env[names.ENV_ATTEMPT]["value"] == "3" and env[names.ENV_JOB_NAME]["value"] == "demo"
 
 
 def test_gpus_are_requested_from_gpus_per_node(spec):
@@ -77,7 +77,7 @@ def test_secrets_are_referenced_never_copied(spec):
         "name": "AWS_SECRET_ACCESS_KEY",
         "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}},
     }
-    config = json.loads(builders.build_configmap(REF, spec)["data"][c.CONFIG_FILE])
+    config = json.loads(builders.build_configmap(REF, spec)["data"][names.CONFIG_FILE])
     assert "credentials_secret" not in config["checkpoint"]
     assert config["checkpoint"]["endpoint"] == "http://minio.storage:9000"
 
@@ -134,7 +134,7 @@ def test_each_pod_role_runs_as_its_own_service_account(extra, roles):
     assert bindings == ({"demo-status-reader": ["demo-rft-explorer"]} if "explorer" in roles else {})
     pods = [builders.build_trainer_pod(REF, spec, 1, 0), *builders.build_rollout_pods(REF, spec)]
     for pod in pods:
-        assert pod["spec"]["serviceAccountName"] == f"demo-rft-{pod['metadata']['labels'][c.LABEL_ROLE]}"
+        assert pod["spec"]["serviceAccountName"] == f"demo-rft-{pod['metadata']['labels'][names.LABEL_ROLE]}"
 
 
 def test_reader_role_only_reads_this_job():
@@ -162,9 +162,9 @@ def test_config_map_carries_no_env_values():
 
 
 def test_config_hash_changes_with_spec(spec):
-    a = builders.build_configmap(REF, spec)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    a = builders.build_configmap(REF, spec)["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
     more = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "totalSteps": 200}})
-    b = builders.build_configmap(REF, more)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    b = builders.build_configmap(REF, more)["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
     assert a != b
 
 
@@ -183,7 +183,7 @@ def test_inference_pods_pair_the_engine_with_a_sync_agent_on_one_weights_volume(
     pod = builders.build_inference_pod(REF, spec, 0)
     engine, agent = pod["spec"]["containers"]
     assert pod["metadata"]["name"] == "demo-inference-0" and pod["spec"]["subdomain"] == "demo-inference"
-    assert pod["metadata"]["labels"][c.LABEL_ROLE] == c.ROLE_INFERENCE
+    assert pod["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_INFERENCE
     assert engine["command"] == ["python", "-m", "rft_serving.serve"] and engine["image"] == SPEC["trainer"]["image"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
@@ -191,7 +191,7 @@ def test_inference_pods_pair_the_engine_with_a_sync_agent_on_one_weights_volume(
     assert {m["mountPath"] for m in engine["volumeMounts"]} == {m["mountPath"] for m in agent["volumeMounts"]}
     env = {e["name"]: e for e in agent["env"]}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
-    assert env[c.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env[names.ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert "initContainers" not in pod["spec"]  # the reference engine starts empty
 
 
@@ -295,7 +295,7 @@ def test_engines_start_from_the_link_the_agent_keeps_current(engine):
     initial = fetch["args"][fetch["args"].index("--fetch-only") + 1]
     assert initial == f"{dest}/initial" and initial in engine_c["args"]
     assert engine_c["args"][engine_c["args"].index("--host") + 1] == "0.0.0.0"
-    assert engine_c["args"][engine_c["args"].index("--served-model-name") + 1] == c.SERVED_MODEL_NAME
+    assert engine_c["args"][engine_c["args"].index("--served-model-name") + 1] == names.SERVED_MODEL_NAME
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -333,10 +333,10 @@ def test_explorers_get_every_replica_endpoint_and_their_index():
     spec = parse_spec({**LOOP, "explorer": {**LOOP["explorer"], "replicas": 3}})
     pods = [builders.build_explorer_pod(REF, spec, i) for i in range(3)]
     env = {e["name"]: e.get("value") for e in pods[2]["spec"]["containers"][0]["env"]}
-    assert env[c.ENV_INFERENCE_ENDPOINTS] == (
+    assert env[names.ENV_INFERENCE_ENDPOINTS] == (
         "http://demo-inference-0.demo-inference.team-a.svc:8000,"
         "http://demo-inference-1.demo-inference.team-a.svc:8000")
-    assert env[c.ENV_EXPLORER_INDEX] == "2" and env[c.ENV_EXPLORER_REPLICAS] == "3"
+    assert env[names.ENV_EXPLORER_INDEX] == "2" and env[names.ENV_EXPLORER_REPLICAS] == "3"
     assert pods[0]["spec"]["restartPolicy"] == "OnFailure"
 
 
@@ -345,7 +345,7 @@ def test_rollout_pod_hash_changes_with_the_spec_but_not_with_the_pin():
     pinned = builders.build_explorer_pod(REF, parse_spec({**LOOP, "sync": {"pinnedVersion": 2}}), 0)
     hotter = builders.build_explorer_pod(REF, parse_spec(
         {**LOOP, "explorer": {**LOOP["explorer"], "image": "other:1"}}), 0)
-    h = lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]  # noqa: E731
+    h = lambda pod: pod["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]  # noqa: E731
     assert h(a) == h(pinned) and h(a) != h(hotter)
 
 
@@ -369,13 +369,13 @@ def _with_cache(**cache):
 ])
 def test_model_cache_volume_follows_spec_model_cache(cache, volume):
     got, mount = _volumes(_with_cache(**cache))["model-cache"]
-    assert got == {"name": "model-cache", **volume} and mount == c.MODEL_CACHE_MOUNT
+    assert got == {"name": "model-cache", **volume} and mount == names.MODEL_CACHE_MOUNT
 
 
 def test_model_download_timeout_reaches_the_trainer():
     env = {e["name"]: e.get("value") for e in
            builders.build_trainer_pod(REF, _with_cache(downloadTimeoutSeconds=7200), 1, 0)["spec"]["containers"][0]["env"]}
-    assert env["RFT_MODEL_DOWNLOAD_TIMEOUT"] == "7200" and env["RFT_MODEL_CACHE"] == c.MODEL_CACHE_MOUNT
+    assert env["RFT_MODEL_DOWNLOAD_TIMEOUT"] == "7200" and env["RFT_MODEL_CACHE"] == names.MODEL_CACHE_MOUNT
 
 
 @pytest.mark.parametrize("limit, empty_dir", [(None, {}), ("200Gi", {"sizeLimit": "200Gi"})])
@@ -383,9 +383,9 @@ def test_staging_volume_is_an_emptydir_sized_by_checkpoint_staging_size_limit(li
     checkpoint = {**SPEC["checkpoint"], **({"stagingSizeLimit": limit} if limit else {})}
     spec = parse_spec({**SPEC, "checkpoint": checkpoint})
     got, mount = _volumes(spec)["staging"]
-    assert got == {"name": "staging", "emptyDir": empty_dir} and mount == c.STAGING_MOUNT
+    assert got == {"name": "staging", "emptyDir": empty_dir} and mount == names.STAGING_MOUNT
     env = {e["name"]: e.get("value") for e in builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]}
-    assert env[c.ENV_STAGING_DIR] == c.STAGING_MOUNT
+    assert env[names.ENV_STAGING_DIR] == names.STAGING_MOUNT
 
 
 # Every role's pod, with init containers: vLLM's inference pod fetches weights first.
@@ -422,10 +422,10 @@ def test_read_only_root_filesystem_opt_out_reaches_every_container():
         assert {"name": "tmp", "mountPath": "/tmp"} in x["volumeMounts"], name
     # A pod setting, not the programs': the ConfigMap (and its hash) does not carry it.
     config = builders.build_configmap(REF, spec)
-    assert "security_context" not in json.loads(config["data"][c.CONFIG_FILE])["trainer"]
+    assert "security_context" not in json.loads(config["data"][names.CONFIG_FILE])["trainer"]
     assert config == builders.build_configmap(REF, parse_spec(ALL_ROLES))
     # Rollout pods carry a spec hash: switching it replaces them.
-    h = lambda pod: pod["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]  # noqa: E731
+    h = lambda pod: pod["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]  # noqa: E731
     assert [h(p) for p in builders.build_rollout_pods(REF, spec)] != [
         h(p) for p in builders.build_rollout_pods(REF, parse_spec(ALL_ROLES))]
 

@@ -4,25 +4,25 @@ from datetime import timedelta
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract import times
 from rft_operator import conditions
 from rft_operator.conditions import Cond
 
 from .conftest import NOW
 
-PHASE_TYPES = (c.COND_RUNNING, c.COND_SUSPENDED, c.COND_SUCCEEDED, c.COND_FAILED)
+PHASE_TYPES = (names.COND_RUNNING, names.COND_SUSPENDED, names.COND_SUCCEEDED, names.COND_FAILED)
 
 
 @pytest.mark.parametrize("phase, true_type, reasons", [
     # reasons in PHASE_TYPES order
-    (None, None, (c.PENDING, c.REASON_NOT_SUSPENDED, c.PENDING, c.PENDING)),
-    (c.PENDING, None, (c.PENDING, c.REASON_NOT_SUSPENDED, c.PENDING, c.PENDING)),
-    (c.RUNNING, c.COND_RUNNING, (c.RUNNING, c.REASON_NOT_SUSPENDED, c.RUNNING, c.RUNNING)),
-    (c.RESTARTING, None, (c.RESTARTING, c.REASON_NOT_SUSPENDED, c.RESTARTING, c.RESTARTING)),
-    (c.SUSPENDED, c.COND_SUSPENDED, (c.SUSPENDED, c.REASON_SUSPENDED, c.SUSPENDED, c.SUSPENDED)),
-    (c.SUCCEEDED, c.COND_SUCCEEDED, (c.SUCCEEDED, c.REASON_NOT_SUSPENDED, c.SUCCEEDED, c.SUCCEEDED)),
-    (c.FAILED, c.COND_FAILED, (c.FAILED, c.REASON_NOT_SUSPENDED, c.FAILED, "WhyItFailed")),
+    (None, None, (names.PENDING, names.REASON_NOT_SUSPENDED, names.PENDING, names.PENDING)),
+    (names.PENDING, None, (names.PENDING, names.REASON_NOT_SUSPENDED, names.PENDING, names.PENDING)),
+    (names.RUNNING, names.COND_RUNNING, (names.RUNNING, names.REASON_NOT_SUSPENDED, names.RUNNING, names.RUNNING)),
+    (names.RESTARTING, None, (names.RESTARTING, names.REASON_NOT_SUSPENDED, names.RESTARTING, names.RESTARTING)),
+    (names.SUSPENDED, names.COND_SUSPENDED, (names.SUSPENDED, names.REASON_SUSPENDED, names.SUSPENDED, names.SUSPENDED)),
+    (names.SUCCEEDED, names.COND_SUCCEEDED, (names.SUCCEEDED, names.REASON_NOT_SUSPENDED, names.SUCCEEDED, names.SUCCEEDED)),
+    (names.FAILED, names.COND_FAILED, (names.FAILED, names.REASON_NOT_SUSPENDED, names.FAILED, "WhyItFailed")),
 ])
 def test_build_phase_conditions(phase, true_type, reasons):
     conds = conditions.build_phase_conditions(phase, "the message", "WhyItFailed")
@@ -30,120 +30,120 @@ def test_build_phase_conditions(phase, true_type, reasons):
     assert [x.type for x in conds if x.status] == ([true_type] if true_type else [])
     assert tuple(x.reason for x in conds) == reasons
     # Running always explains itself; the others only while True.
-    assert {x.type for x in conds if x.message} == {c.COND_RUNNING} | ({true_type} if true_type else set())
+    assert {x.type for x in conds if x.message} == {names.COND_RUNNING} | ({true_type} if true_type else set())
 
 
 @pytest.mark.parametrize("checkpoint, status, reason, message", [
-    ({}, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
-    ({"step": None, "uri": "s3://x"}, False, c.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
-    ({"step": 0, "uri": "s3://c/ckpt/step-00000000"}, True, c.REASON_CHECKPOINT_SAVED, "step 0 at s3://c/ckpt/step-00000000"),
-    ({"step": 5}, True, c.REASON_CHECKPOINT_SAVED, "step 5 at None"),
+    ({}, False, names.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
+    ({"step": None, "uri": "s3://x"}, False, names.REASON_NO_CHECKPOINT, "no checkpoint committed yet"),
+    ({"step": 0, "uri": "s3://c/ckpt/step-00000000"}, True, names.REASON_CHECKPOINT_SAVED, "step 0 at s3://c/ckpt/step-00000000"),
+    ({"step": 5}, True, names.REASON_CHECKPOINT_SAVED, "step 5 at None"),
 ])
 def test_build_checkpointed(checkpoint, status, reason, message):
-    assert conditions.build_checkpointed(checkpoint) == Cond(c.COND_CHECKPOINTED, status, reason, message)
+    assert conditions.build_checkpointed(checkpoint) == Cond(names.COND_CHECKPOINTED, status, reason, message)
 
 
 def failed(status, reason):
-    return {"type": c.COND_FAILED, "status": status, "reason": reason}
+    return {"type": names.COND_FAILED, "status": status, "reason": reason}
 
 
 @pytest.mark.parametrize("old, want", [
-    (None, c.FAILED),
-    ([], c.FAILED),
-    ([failed("True", c.REASON_FATAL_EXIT)], c.REASON_FATAL_EXIT),
-    ([failed("False", c.REASON_FATAL_EXIT)], c.FAILED),  # not failed then: no reason to keep
-    ([{"type": c.COND_RUNNING, "status": "True", "reason": "X"}], c.FAILED),
+    (None, names.FAILED),
+    ([], names.FAILED),
+    ([failed("True", names.REASON_FATAL_EXIT)], names.REASON_FATAL_EXIT),
+    ([failed("False", names.REASON_FATAL_EXIT)], names.FAILED),  # not failed then: no reason to keep
+    ([{"type": names.COND_RUNNING, "status": "True", "reason": "X"}], names.FAILED),
 ])
 def test_compute_failed_reason(old, want):
     assert conditions.compute_failed_reason(old) == want
 
 
 @pytest.mark.parametrize("old, this_pass, want", [
-    ([failed("True", c.REASON_FATAL_EXIT)], None, c.REASON_FATAL_EXIT),            # kept across passes
-    ([failed("True", c.REASON_FATAL_EXIT)], c.REASON_INVALID_SPEC, c.REASON_INVALID_SPEC),  # this pass wins
-    (None, c.REASON_BACKOFF_LIMIT, c.REASON_BACKOFF_LIMIT),
+    ([failed("True", names.REASON_FATAL_EXIT)], None, names.REASON_FATAL_EXIT),            # kept across passes
+    ([failed("True", names.REASON_FATAL_EXIT)], names.REASON_INVALID_SPEC, names.REASON_INVALID_SPEC),  # this pass wins
+    (None, names.REASON_BACKOFF_LIMIT, names.REASON_BACKOFF_LIMIT),
 ])
 def test_failed_reason_precedence(old, this_pass, want):
-    out = conditions.compute_job_conditions(old, {"phase": c.FAILED, "message": "m"}, this_pass, {}, None, 1, NOW)
-    assert next(x for x in out if x["type"] == c.COND_FAILED)["reason"] == want
+    out = conditions.compute_job_conditions(old, {"phase": names.FAILED, "message": "m"}, this_pass, {}, None, 1, NOW)
+    assert next(x for x in out if x["type"] == names.COND_FAILED)["reason"] == want
 
 
-KSTATUS_TYPES = (c.COND_READY, c.COND_RECONCILING, c.COND_STALLED)
+KSTATUS_TYPES = (names.COND_READY, names.COND_RECONCILING, names.COND_STALLED)
 
 
 @pytest.mark.parametrize("sync_cond, want_types", [
-    (None, sorted(PHASE_TYPES + KSTATUS_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING))),
-    (Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED),
-     sorted(PHASE_TYPES + KSTATUS_TYPES + (c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_WEIGHTS_SYNCED))),
+    (None, sorted(PHASE_TYPES + KSTATUS_TYPES + (names.COND_CHECKPOINTED, names.COND_PROGRESSING))),
+    (Cond(names.COND_WEIGHTS_SYNCED, True, names.REASON_SYNCED),
+     sorted(PHASE_TYPES + KSTATUS_TYPES + (names.COND_CHECKPOINTED, names.COND_PROGRESSING, names.COND_WEIGHTS_SYNCED))),
 ])
 def test_compute_job_conditions_writes_every_managed_type(sync_cond, want_types):
-    out = conditions.compute_job_conditions(None, {"phase": c.RUNNING, "message": "m"}, None,
+    out = conditions.compute_job_conditions(None, {"phase": names.RUNNING, "message": "m"}, None,
                                             {"lastCheckpoint": {"step": 1}}, sync_cond, 3, NOW)
     assert [x["type"] for x in out] == want_types
     assert all(x["observedGeneration"] == 3 for x in out)
     assert {x["type"] for x in out if x["status"] == "True"} == (
-        {c.COND_RUNNING, c.COND_CHECKPOINTED, c.COND_PROGRESSING, c.COND_READY}
-        | ({c.COND_WEIGHTS_SYNCED} if sync_cond else set()))
+        {names.COND_RUNNING, names.COND_CHECKPOINTED, names.COND_PROGRESSING, names.COND_READY}
+        | ({names.COND_WEIGHTS_SYNCED} if sync_cond else set()))
 
 
-SYNCING = Cond(c.COND_WEIGHTS_SYNCED, False, "Syncing", "0/2 replicas serve version 3")
+SYNCING = Cond(names.COND_WEIGHTS_SYNCED, False, "Syncing", "0/2 replicas serve version 3")
 
 
 @pytest.mark.parametrize("phase, sync_cond, ready, reconciling, stalled, reason", [
-    (None, None, False, True, False, c.PENDING),
-    (c.PENDING, None, False, True, False, c.PENDING),
-    (c.RESTARTING, None, False, True, False, c.RESTARTING),
-    (c.RUNNING, None, True, False, False, c.RUNNING),  # no inference: nothing to wait for
-    (c.RUNNING, Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED), True, False, False, c.RUNNING),
-    (c.RUNNING, SYNCING, False, True, False, "Syncing"),
+    (None, None, False, True, False, names.PENDING),
+    (names.PENDING, None, False, True, False, names.PENDING),
+    (names.RESTARTING, None, False, True, False, names.RESTARTING),
+    (names.RUNNING, None, True, False, False, names.RUNNING),  # no inference: nothing to wait for
+    (names.RUNNING, Cond(names.COND_WEIGHTS_SYNCED, True, names.REASON_SYNCED), True, False, False, names.RUNNING),
+    (names.RUNNING, SYNCING, False, True, False, "Syncing"),
     # Inference scaled to 0 (as Argo CD's check): no replica to wait for.
-    (c.RUNNING, Cond(c.COND_WEIGHTS_SYNCED, False, c.REASON_NO_REPLICAS, "spec.inference.replicas is 0"),
-     True, False, False, c.RUNNING),
-    (c.SUSPENDED, None, True, False, False, c.SUSPENDED),
-    (c.SUCCEEDED, SYNCING, True, False, False, c.SUCCEEDED),
-    (c.FAILED, None, False, False, True, "WhyItFailed"),
+    (names.RUNNING, Cond(names.COND_WEIGHTS_SYNCED, False, names.REASON_NO_REPLICAS, "spec.inference.replicas is 0"),
+     True, False, False, names.RUNNING),
+    (names.SUSPENDED, None, True, False, False, names.SUSPENDED),
+    (names.SUCCEEDED, SYNCING, True, False, False, names.SUCCEEDED),
+    (names.FAILED, None, False, False, True, "WhyItFailed"),
 ])
 def test_kstatus_conditions(phase, sync_cond, ready, reconciling, stalled, reason):
     """What kstatus computes from them: Stalled -> Failed, Reconciling -> InProgress, Ready
     False -> InProgress, Ready True -> Current."""
     got = {x.type: x for x in conditions.build_kstatus(phase, "the message", "WhyItFailed", sync_cond)}
-    assert (got[c.COND_READY].status, got[c.COND_RECONCILING].status, got[c.COND_STALLED].status) == (
+    assert (got[names.COND_READY].status, got[names.COND_RECONCILING].status, got[names.COND_STALLED].status) == (
         ready, reconciling, stalled)
-    abnormal = [x for x in got.values() if x.status and x.type != c.COND_READY] or [got[c.COND_READY]]
+    abnormal = [x for x in got.values() if x.status and x.type != names.COND_READY] or [got[names.COND_READY]]
     assert abnormal[0].reason == reason
     if stalled:
-        assert got[c.COND_STALLED].message == "the message"
+        assert got[names.COND_STALLED].message == "the message"
 
 
-PD = c.REASON_PROGRESS_DEADLINE
+PD = names.REASON_PROGRESS_DEADLINE
 PD_FAILURE = {"attempt": 1, "reason": PD, "message": "step 4 has not moved for 61s", "time": "t"}
-POD_FAILURE = {**PD_FAILURE, "reason": c.REASON_POD_FAILED, "message": "pod failed"}
+POD_FAILURE = {**PD_FAILURE, "reason": names.REASON_POD_FAILED, "message": "pod failed"}
 PROGRESS = {"step": 4, "attempt": 1, "since": "2026-11-30T11:59:00Z"}
 
 
 @pytest.mark.parametrize("gang_status, failed_reason, deadline, want", [
-    ({"phase": c.RUNNING, "attempt": 1, "progress": PROGRESS}, c.FAILED, 60,
-     (True, c.REASON_STEPPING, "step 4 of attempt 1 reported at 2026-11-30T11:59:00Z; restarted after 60s")),
-    ({"phase": c.RUNNING, "attempt": 2, "progress": {"step": None, "attempt": 2, "since": "T"}}, c.FAILED, 60,
-     (True, c.REASON_STEPPING, "attempt 2: no step reported since T")),
-    ({"phase": c.RUNNING, "attempt": 1, "progress": PROGRESS}, c.FAILED, 0,
-     (True, c.REASON_STEPPING, "no progress deadline")),
-    ({"phase": c.PENDING, "attempt": 1}, c.FAILED, 60, (False, c.PENDING, "")),
-    (None, c.FAILED, 60, (False, c.PENDING, "")),
-    ({"phase": c.SUSPENDED, "attempt": 1}, c.FAILED, 60, (False, c.SUSPENDED, "")),
-    ({"phase": c.SUCCEEDED, "attempt": 1}, c.FAILED, 60, (False, c.SUCCEEDED, "")),
+    ({"phase": names.RUNNING, "attempt": 1, "progress": PROGRESS}, names.FAILED, 60,
+     (True, names.REASON_STEPPING, "step 4 of attempt 1 reported at 2026-11-30T11:59:00Z; restarted after 60s")),
+    ({"phase": names.RUNNING, "attempt": 2, "progress": {"step": None, "attempt": 2, "since": "T"}}, names.FAILED, 60,
+     (True, names.REASON_STEPPING, "attempt 2: no step reported since T")),
+    ({"phase": names.RUNNING, "attempt": 1, "progress": PROGRESS}, names.FAILED, 0,
+     (True, names.REASON_STEPPING, "no progress deadline")),
+    ({"phase": names.PENDING, "attempt": 1}, names.FAILED, 60, (False, names.PENDING, "")),
+    (None, names.FAILED, 60, (False, names.PENDING, "")),
+    ({"phase": names.SUSPENDED, "attempt": 1}, names.FAILED, 60, (False, names.SUSPENDED, "")),
+    ({"phase": names.SUCCEEDED, "attempt": 1}, names.FAILED, 60, (False, names.SUCCEEDED, "")),
     # The deadline's failure stays the reason while the gang restarts and the next one starts...
-    ({"phase": c.RESTARTING, "attempt": 1, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, PD, "has not moved")),
-    ({"phase": c.PENDING, "attempt": 2, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, PD, "has not moved")),
-    ({"phase": c.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, PD, 60, (False, PD, "has not moved")),
+    ({"phase": names.RESTARTING, "attempt": 1, "lastFailure": PD_FAILURE}, names.FAILED, 60, (False, PD, "has not moved")),
+    ({"phase": names.PENDING, "attempt": 2, "lastFailure": PD_FAILURE}, names.FAILED, 60, (False, PD, "has not moved")),
+    ({"phase": names.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, PD, 60, (False, PD, "has not moved")),
     # ... but not for other failures, nor once the job failed of something else.
-    ({"phase": c.RESTARTING, "attempt": 1, "lastFailure": POD_FAILURE}, c.FAILED, 60, (False, c.RESTARTING, "")),
-    ({"phase": c.PENDING, "attempt": 3, "lastFailure": PD_FAILURE}, c.FAILED, 60, (False, c.PENDING, "")),
-    ({"phase": c.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, c.REASON_INVALID_SPEC, 60, (False, c.FAILED, "")),
+    ({"phase": names.RESTARTING, "attempt": 1, "lastFailure": POD_FAILURE}, names.FAILED, 60, (False, names.RESTARTING, "")),
+    ({"phase": names.PENDING, "attempt": 3, "lastFailure": PD_FAILURE}, names.FAILED, 60, (False, names.PENDING, "")),
+    ({"phase": names.FAILED, "attempt": 1, "lastFailure": PD_FAILURE}, names.REASON_INVALID_SPEC, 60, (False, names.FAILED, "")),
 ])
 def test_build_progressing(gang_status, failed_reason, deadline, want):
     got = conditions.build_progressing(gang_status or {}, failed_reason, deadline)
-    assert got.type == c.COND_PROGRESSING
+    assert got.type == names.COND_PROGRESSING
     assert (got.status, got.reason) == want[:2]
     assert want[2] in got.message and (want[2] or not got.message)
 
@@ -162,4 +162,4 @@ def test_conditions_transition_time_moves_only_on_flip():
 def test_conditions_keep_foreign_types():
     old = [{"type": "Checkpointed", "status": "True", "reason": "Saved", "message": "", "lastTransitionTime": "x"}]
     out = conditions.compute_conditions(old, [Cond("Running", True, "AllPodsRunning")], 1, NOW)
-    assert {c["type"] for c in out} == {"Checkpointed", "Running"}
+    assert {x["type"] for x in out} == {"Checkpointed", "Running"}

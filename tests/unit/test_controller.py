@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 from kubernetes.client.rest import ApiException
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator.controller import Controller, describe_error
 from rft_operator.model import ChildView, PodView
 from rft_operator.objects import JobRef, owner_reference
@@ -104,13 +104,13 @@ def test_existing_unowned_configmap_fails_the_job_and_is_left_alone():
     kube.existing[("ConfigMap", "demo-config")] = configmap([])
     passes(controller(kube))
     status = kube.job["status"]
-    assert (status["phase"], _cond(status, c.COND_FAILED)["reason"]) == (c.FAILED, c.REASON_CHILD_CONFLICT)
+    assert (status["phase"], _cond(status, names.COND_FAILED)["reason"]) == (names.FAILED, names.REASON_CHILD_CONFLICT)
     assert status["message"] == ("ConfigMap team-a/demo-config exists and is not owned by this RFTJob; "
                                  "delete or rename it")
     # Nothing written to it, and no pod started that would mount it.
     assert not [x for x in kube.calls if x[0] in ("replace", "delete") and x[1] == "ConfigMap"]
     assert not [x for x in kube.calls if x[:2] == ("create", "Pod")]
-    assert ("Warning", c.REASON_CHILD_CONFLICT, status["message"]) in kube.events
+    assert ("Warning", names.REASON_CHILD_CONFLICT, status["message"]) in kube.events
 
 
 def test_configmap_controlled_by_someone_else_names_its_controller():
@@ -125,7 +125,7 @@ def test_our_own_child_on_409_is_success():
     kube = FakeKube(make_job())
     kube.existing[("ConfigMap", "demo-config")] = configmap([owner_reference(JobRef("demo", "team-a", UID))])
     passes(controller(kube))
-    assert kube.job["status"]["phase"] == c.PENDING
+    assert kube.job["status"]["phase"] == names.PENDING
     # Its labels are gone (that is why the index missed it): patched back.
     assert ("replace", "ConfigMap", "demo-config") in kube.calls
 
@@ -135,7 +135,7 @@ def test_child_of_a_deleted_job_with_the_same_name_waits_for_the_garbage_collect
     kube.existing[("ConfigMap", "demo-config")] = configmap([owner_reference(JobRef("demo", "team-a", "old-uid"))])
     ctl = controller(kube)
     passes(ctl)
-    assert kube.job["status"]["phase"] == c.PENDING  # not failed
+    assert kube.job["status"]["phase"] == names.PENDING  # not failed
     assert ctl.errors == 0
 
 
@@ -155,11 +155,11 @@ def test_422_fails_the_job_with_the_field_named():
     asyncio.run(go())
     status = kube.job["status"]
     want = f"creating Pod team-a/demo-trainer-1-1: {message}"
-    assert (status["phase"], status["message"]) == (c.FAILED, want)
-    assert _cond(status, c.COND_FAILED)["reason"] == c.REASON_INVALID_SPEC
+    assert (status["phase"], status["message"]) == (names.FAILED, want)
+    assert _cond(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
     assert ("Warning", "CreateFailed", f"creating Pod team-a/demo-trainer-1-1: HTTP 422 Unprocessable Entity: "
             f"{message}") in kube.events
-    assert ("Warning", c.REASON_INVALID_SPEC, want) in kube.events
+    assert ("Warning", names.REASON_INVALID_SPEC, want) in kube.events
     assert ctl.errors == 0
     assert not [x for x in kube.calls[first[0]:] if x[0] == "create"]  # the failed job creates nothing more
 
@@ -174,13 +174,13 @@ def test_a_pod_beyond_the_namespaces_pod_security_fails_the_job():
     ctl = controller(kube)
     passes(ctl, 2)
     status = kube.job["status"]
-    assert status["phase"] == c.FAILED and "violates PodSecurity" in status["message"]
-    assert _cond(status, c.COND_FAILED)["reason"] == c.REASON_INVALID_SPEC
+    assert status["phase"] == names.FAILED and "violates PodSecurity" in status["message"]
+    assert _cond(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
     other = FakeKube(make_job())
     other.refuse[("Pod", "demo-trainer-1-0")] = api_error(403, "webhook x is down", "Forbidden")
     with pytest.raises(ApiException):  # to the queue, which retries it with backoff
         passes(controller(other), 2)
-    assert other.job["status"]["phase"] != c.FAILED
+    assert other.job["status"]["phase"] != names.FAILED
 
 
 def test_a_refusal_is_forgotten_for_a_new_generation():
@@ -202,7 +202,7 @@ def test_transient_errors_are_retried_not_failed():
             await ctl.sync(KEY)
         await ctl.stop()
     asyncio.run(go())
-    assert kube.job["status"]["phase"] == c.PENDING
+    assert kube.job["status"]["phase"] == names.PENDING
     assert kube.events[-1][2].endswith('HTTP 403 Forbidden: admission webhook "x" is unavailable')
 
 
@@ -216,7 +216,7 @@ def test_only_children_this_job_controls_are_observed():
 
 
 def test_recreate_and_force_deletions_are_applied():
-    kube = FakeKube(make_job(status={"phase": c.PENDING, "attempt": 2, "restarts": 1}))
+    kube = FakeKube(make_job(status={"phase": names.PENDING, "attempt": 2, "restarts": 1}))
     stuck = PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID,
                     deletion_deadline=NOW.replace(hour=11), deletion_grace_seconds=30, node_name="gone")
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
@@ -254,8 +254,8 @@ def _cond(status, type_):
 # ------------------------------------------------------------------ pods stuck terminating
 
 NODE = "gpu-node-7"
-RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1, "message": "pod demo-trainer-1-1 failed",
-              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
+RESTARTING = {"phase": names.RESTARTING, "attempt": 1, "restarts": 1, "message": "pod demo-trainer-1-1 failed",
+              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
                               "time": "2026-11-30T11:00:00Z"}}
 
 
@@ -287,14 +287,14 @@ def test_a_stuck_pod_is_force_deleted_only_when_its_node_runs_nothing(setup, wan
     ctl = controller(kube, [stuck_pod()])
     passes(ctl, 3)  # each pass sees the status the previous one wrote
     forced = [x for x in kube.calls if x[0] == "delete_pod" and x[2] == 0]
-    warnings = [m for t, r, m in kube.events if (t, r) == ("Warning", c.REASON_STUCK_TERMINATING)]
+    warnings = [m for t, r, m in kube.events if (t, r) == ("Warning", names.REASON_STUCK_TERMINATING)]
     assert ("read_node", NODE) in kube.calls and ctl.errors == 0
     if want_force:
         assert forced and "force-deleting" in warnings[0]
         return
     assert forced == [] and len(warnings) == 1  # one event, not one per pass
     status = kube.job["status"]
-    assert (status["phase"], status["message"]) == (c.RESTARTING, warnings[0])
+    assert (status["phase"], status["message"]) == (names.RESTARTING, warnings[0])
     assert f"kubectl delete node {NODE}" in warnings[0] and "out-of-service=nodeshutdown:NoExecute" in warnings[0]
 
 
@@ -302,7 +302,7 @@ def test_nodes_are_read_only_for_pods_past_the_bound():
     kube = FakeKube(make_job(status=RESTARTING))
     passes(controller(kube, [stuck_pod(seconds_past_deadline=10)]), 1)  # within the margin
     assert not [x for x in kube.calls if x[0] == "read_node"]
-    kube = FakeKube(make_job(status={**RESTARTING, "phase": c.FAILED}))
+    kube = FakeKube(make_job(status={**RESTARTING, "phase": names.FAILED}))
     passes(controller(kube, [stuck_pod()]), 1)  # a finished job waits for nothing
     assert not [x for x in kube.calls if x[0] == "read_node"]
 
@@ -318,10 +318,10 @@ def test_read_nodes_classifies_what_it_reads():
 
 
 def test_children_the_spec_no_longer_renders_are_deleted():
-    kube = FakeKube(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}))
+    kube = FakeKube(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}))
     explorer_sa = {"apiVersion": "v1", "kind": "ServiceAccount",
                    "metadata": {"name": "demo-rft-explorer", "namespace": "team-a",
-                                "labels": {c.LABEL_JOB: "demo", c.LABEL_MANAGED_BY: c.MANAGED_BY},
+                                "labels": {names.LABEL_JOB: "demo", names.LABEL_MANAGED_BY: names.MANAGED_BY},
                                 "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]}}
     passes(controller(kube, [], [ChildView.from_object("ServiceAccount", explorer_sa)]), 1)
     assert ("delete", "ServiceAccount", "demo-rft-explorer") in kube.calls

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import drift
 from rft_operator.model import ChildView
@@ -20,7 +20,7 @@ REF = JobRef("demo", "team-a", "0000-1111")
 
 
 def rendered(spec=SPEC):
-    create = compute_static_children(REF, parse_spec(spec), c.RUNNING, {}).create
+    create = compute_static_children(REF, parse_spec(spec), names.RUNNING, {}).create
     return {(o["kind"], o["metadata"]["name"]): o for o in create}
 
 
@@ -47,7 +47,7 @@ def observe(objs):
 def plan(objs, spec=SPEC):
     """(kinds to create, keys to patch, keys to recreate); nothing is ever deleted here."""
     o = observe(objs)
-    static = compute_static_children(REF, parse_spec(spec), c.RUNNING, o.children, o.live)
+    static = compute_static_children(REF, parse_spec(spec), names.RUNNING, o.children, o.live)
     assert static.delete == []
     return ([x["kind"] for x in static.create], [(x["kind"], x["metadata"]["name"]) for x in static.replace],
             [(x["kind"], x["metadata"]["name"]) for x in static.recreate])
@@ -57,7 +57,7 @@ def test_every_static_child_carries_a_spec_hash():
     children = rendered()
     assert {k for k, _ in children} >= {"ConfigMap", "Service", "Role", "RoleBinding", "ServiceAccount"}
     for obj in children.values():
-        assert obj["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH], obj["metadata"]["name"]
+        assert obj["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH], obj["metadata"]["name"]
 
 
 def test_children_as_served_are_steady():
@@ -70,8 +70,8 @@ def _edit(key, fn):
     return plan(live)
 
 
-SVC = ("Service", c.service_name("demo"))
-RB = ("RoleBinding", c.status_role_name("demo"))
+SVC = ("Service", names.service_name("demo"))
+RB = ("RoleBinding", names.status_role_name("demo"))
 
 
 @pytest.mark.parametrize("key, edit", [
@@ -80,8 +80,8 @@ RB = ("RoleBinding", c.status_role_name("demo"))
     (SVC, lambda o: o["spec"].update(selector={"app": "other"})),
     (RB, lambda o: o["subjects"].append({"kind": "ServiceAccount", "name": "intruder", "namespace": "team-a"})),
     (RB, lambda o: o["subjects"][0].update(name="someone-else")),
-    (("ConfigMap", "demo-config"), lambda o: o["data"].update({c.CONFIG_FILE: "{}"})),
-    (SVC, lambda o: o["metadata"]["labels"].pop(c.LABEL_ROLE, None) or o["metadata"]["labels"].pop(c.LABEL_JOB)),
+    (("ConfigMap", "demo-config"), lambda o: o["data"].update({names.CONFIG_FILE: "{}"})),
+    (SVC, lambda o: o["metadata"]["labels"].pop(names.LABEL_ROLE, None) or o["metadata"]["labels"].pop(names.LABEL_JOB)),
 ], ids=["service-port", "service-extra-port", "service-selector", "binding-extra-subject", "binding-subject",
         "configmap-data", "labels"])
 def test_hand_edits_are_patched_back(key, edit):
@@ -99,7 +99,7 @@ def test_a_spec_change_shows_as_hash_drift():
     assert sorted(plan(live, spec)[1]) == want
     # The hash alone tells, without the live fields.
     hashes = observe(live).children
-    replace = compute_static_children(REF, parse_spec(spec), c.RUNNING, hashes).replace
+    replace = compute_static_children(REF, parse_spec(spec), names.RUNNING, hashes).replace
     assert sorted((x["kind"], x["metadata"]["name"]) for x in replace) == want
 
 
@@ -118,13 +118,13 @@ def _served_with(spec, edit=lambda o: None):
 def _patches(live, spec):
     o = observe(live)
     return {(x["kind"], x["metadata"]["name"]): x
-            for x in compute_static_children(REF, parse_spec(spec), c.RUNNING, o.children, o.live).replace}
+            for x in compute_static_children(REF, parse_spec(spec), names.RUNNING, o.children, o.live).replace}
 
 
 def test_an_annotation_dropped_from_the_spec_is_removed_and_others_keys_stay():
     before = {**SPEC, "serviceAccountAnnotations": SA_ANNOTATIONS}
-    sa = ("ServiceAccount", c.service_account_name("demo", c.ROLE_TRAINER))
-    assert json.loads(rendered(before)[sa]["metadata"]["annotations"][c.ANNOTATION_MANAGED_KEYS]) == {
+    sa = ("ServiceAccount", names.service_account_name("demo", names.ROLE_TRAINER))
+    assert json.loads(rendered(before)[sa]["metadata"]["annotations"][names.ANNOTATION_MANAGED_KEYS]) == {
         "annotations": sorted(SA_ANNOTATIONS)}
 
     def added_by_others(obj):  # the API server, kubectl, another controller
@@ -136,14 +136,14 @@ def test_an_annotation_dropped_from_the_spec_is_removed_and_others_keys_stay():
     patch = _patches(live, after)[sa]["metadata"]
     assert patch["annotations"]["team.example.com/cost-center"] is None  # ours before, not any more
     assert patch["annotations"]["eks.amazonaws.com/role-arn"] == "arn:aws:iam::1:role/rft"
-    managed = json.loads(patch["annotations"][c.ANNOTATION_MANAGED_KEYS])
+    managed = json.loads(patch["annotations"][names.ANNOTATION_MANAGED_KEYS])
     assert managed == {"annotations": ["eks.amazonaws.com/role-arn"]}
     assert "kubectl.kubernetes.io/last-applied-configuration" not in patch["annotations"]  # not ours: untouched
     assert "example.com/team" not in patch["labels"]
     # All annotations gone from the spec: the list of managed keys goes too.
     patch = _patches(live, SPEC)[sa]["metadata"]
     assert {k for k, v in patch["annotations"].items() if v is None} == {
-        *SA_ANNOTATIONS, c.ANNOTATION_MANAGED_KEYS}
+        *SA_ANNOTATIONS, names.ANNOTATION_MANAGED_KEYS}
     # Once the server merged the patches, the children are steady; others' keys are still there.
     for key, patch in _patches(live, SPEC).items():
         live[key] = merge_patch(live[key], patch)
@@ -181,7 +181,7 @@ def test_a_label_in_our_namespace_we_no_longer_render_is_removed():
 FULL = {**SPEC, "inference": {"replicas": 1, "gpusPerReplica": 1}, "explorer": {"tasksetUri": "s3://data/t.jsonl"}}
 
 
-def _deleted(spec, phase=c.RUNNING):
+def _deleted(spec, phase=names.RUNNING):
     o = observe({k: as_served(v) for k, v in rendered(FULL).items()})
     static = compute_static_children(REF, parse_spec(spec) if spec else None, phase, o.children, o.live)
     assert all(set(x) == {"kind", "metadata"} and x["metadata"]["namespace"] == "team-a" for x in static.delete)
@@ -198,11 +198,11 @@ def test_children_the_spec_no_longer_renders_are_deleted():
                               ("ServiceAccount", "demo-rft-inference")]
     # A finished job, or one whose spec is invalid, creates nothing and deletes nothing:
     # the garbage collector takes them with the job.
-    assert _deleted(SPEC, c.SUCCEEDED) == _deleted(SPEC, c.FAILED) == _deleted(None) == []
+    assert _deleted(SPEC, names.SUCCEEDED) == _deleted(SPEC, names.FAILED) == _deleted(None) == []
 
 
 def test_reconcile_plans_the_deletions():
     o = observe({k: as_served(v) for k, v in rendered(FULL).items()})
-    plan_ = reconcile(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}), o, NOW)
+    plan_ = reconcile(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}), o, NOW)
     assert ("ServiceAccount", "demo-rft-inference") in [(x["kind"], x["metadata"]["name"]) for x in plan_.delete]
     assert not [x for x in plan_.delete_pods if x.startswith("demo-trainer")]

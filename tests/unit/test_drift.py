@@ -3,7 +3,7 @@ rendered, and the patch that brings it back."""
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import drift
 
 
@@ -15,14 +15,14 @@ def test_extra_keys_the_server_or_users_add_are_fine():
 
 @pytest.mark.parametrize("refs, want", [
     ([], drift.FOREIGN),
-    ([{"kind": c.KIND, "name": "demo", "uid": "0000-1111", "controller": True}], drift.OURS),
-    ([{"kind": c.KIND, "name": "demo", "uid": "old", "controller": True}], drift.PREVIOUS),
-    ([{"kind": c.KIND, "name": "other", "uid": "x", "controller": True}], drift.FOREIGN),
-    ([{"kind": c.KIND, "name": "demo", "uid": "0000-1111"}], drift.FOREIGN),  # not its controller
+    ([{"kind": names.KIND, "name": "demo", "uid": "0000-1111", "controller": True}], drift.OURS),
+    ([{"kind": names.KIND, "name": "demo", "uid": "old", "controller": True}], drift.PREVIOUS),
+    ([{"kind": names.KIND, "name": "other", "uid": "x", "controller": True}], drift.FOREIGN),
+    ([{"kind": names.KIND, "name": "demo", "uid": "0000-1111"}], drift.FOREIGN),  # not its controller
     ([{"kind": "Deployment", "name": "demo", "uid": "y", "controller": True}], drift.FOREIGN),
 ])
 def test_classify_owner(refs, want):
-    assert drift.classify_owner({"ownerReferences": refs}, "demo", "0000-1111", c.KIND) == want
+    assert drift.classify_owner({"ownerReferences": refs}, "demo", "0000-1111", names.KIND) == want
 
 
 @pytest.mark.parametrize("rendered, live, want", [

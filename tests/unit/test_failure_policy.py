@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import FailurePolicy, parse_spec
 from rft_operator import failure_policy, gang, logtail
 from rft_operator.model import PodView
@@ -40,9 +40,9 @@ def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int 
     meta = {
         "name": name, "namespace": "team-a", "uid": f"uid-{name}", "resourceVersion": "1000",
         "creationTimestamp": at(-600),
-        "labels": {c.LABEL_JOB: "demo", c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_ROLE: c.ROLE_TRAINER,
-                   c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(rank)},
-        "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "demo", "uid": REF.uid,
+        "labels": {names.LABEL_JOB: "demo", names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_ROLE: names.ROLE_TRAINER,
+                   names.LABEL_ATTEMPT: str(attempt), names.LABEL_RANK: str(rank)},
+        "ownerReferences": [{"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "demo", "uid": REF.uid,
                              "controller": True, "blockOwnerDeletion": True}],
     }
     if deleted_at is not None:
@@ -82,7 +82,7 @@ def views(*pods: dict) -> list[PodView]:
 
 def run(pods, old=None, after: float = 0, nodes=None, **fp):
     spec = parse_spec({**SPEC, "failurePolicy": {**SPEC["failurePolicy"], **fp}})
-    old = old or {"phase": c.RUNNING, "attempt": 1, "restarts": 0}
+    old = old or {"phase": names.RUNNING, "attempt": 1, "restarts": 0}
     return gang.compute_gang(REF, spec, "", old, views(*pods), NOW + timedelta(seconds=after), nodes=nodes)
 
 
@@ -95,55 +95,55 @@ def failed(rank, code, finished, **kw):
 # id, pods, expected: phase, Failed/event reason, lastFailure.pod, restarts, disruptions
 CASES = [
     ("fatal-on-rank-1-after-oom-on-rank-0", [failed(0, 137, -60, terminated_reason="OOMKilled"), failed(1, 78, -30)],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
     ("fatal-on-rank-0-after-oom-on-rank-1", [failed(0, 78, -30), failed(1, 137, -60, terminated_reason="OOMKilled")],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
     ("fatal-on-rank-1-beside-exit-1-on-rank-0", [failed(0, 1, -60), failed(1, 78, -30)],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
     ("fatal-on-rank-0-beside-exit-1-on-rank-1", [failed(0, 78, -30), failed(1, 1, -60)],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-0", 0, 0)),
     ("earliest-finish-decides-rank-1-first", [failed(0, 1, -30), failed(1, 137, -60)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
     ("earliest-finish-decides-rank-0-first", [failed(0, 137, -60), failed(1, 1, -30)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("same-finish-lowest-rank", [failed(0, 1, -30), failed(1, 137, -30)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("a-finish-time-beats-none", [pod_dict(1, 0, "Unknown"), failed(1, 1, -30)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
     # Disruptions: the cluster stopped the pod; the budget is not used.
     ("evicted-rank-restarts-without-budget",
      [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1)],
-     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+     (names.RESTARTING, names.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
     ("preempted-rank-exited-143",
      [pod_dict(1, 0), failed(1, 143, -100, disrupted="PreemptionByScheduler", deleted_at=-110)],
-     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-1", 0, 1)),
+     (names.RESTARTING, names.REASON_POD_DISRUPTED, "demo-trainer-1-1", 0, 1)),
     ("pod-gc", [pod_dict(1, 0, "Failed", disrupted="DeletionByPodGC", deleted_at=-100), pod_dict(1, 1)],
-     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+     (names.RESTARTING, names.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
     # The kubelet's node-pressure eviction is often the job's own memory: it uses the budget.
     ("node-pressure-eviction-by-kubelet", [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("disrupted-first-then-peer-crashed: a disruption",
      [pod_dict(1, 0, disrupted="DeletionByTaintManager", disrupted_at=-120, deleted_at=-120), failed(1, 1, -100)],
-     (c.RESTARTING, c.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
+     (names.RESTARTING, names.REASON_POD_DISRUPTED, "demo-trainer-1-0", 0, 1)),
     ("crashed-first-then-peer-disrupted: a restart",
      [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", disrupted_at=-50, deleted_at=-50), failed(1, 1, -100)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-1", 1, 0)),
     ("disrupted-first-but-fatal-peer-fails",
      [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", disrupted_at=-120, deleted_at=-120), failed(1, 78, -100)],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
     ("deleted-by-hand-is-no-disruption", [pod_dict(1, 0, deleted_at=-1), pod_dict(1, 1)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     # A deleted pod ended when its delete was requested, not at some later or unknown time:
     # the peer's NCCL abort 5 s later is its consequence, even outside retryableExitCodes.
     ("deleted-rank-0-then-rank-1-aborted",
      [pod_dict(1, 0, deleted_at=-5), failed(1, 134, 0)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("deleted-rank-0-exited-143-then-rank-1-aborted",
      [failed(0, 143, -4, deleted_at=-5), failed(1, 134, 0)],
-     (c.RESTARTING, c.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
+     (names.RESTARTING, names.REASON_RESTARTING, "demo-trainer-1-0", 1, 0)),
     ("rank-1-aborted-first-outside-the-allow-list-fails",
      [pod_dict(1, 0, deleted_at=-5), failed(1, 134, -10)],
-     (c.FAILED, c.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
+     (names.FAILED, names.REASON_FATAL_EXIT, "demo-trainer-1-1", 0, 0)),
 ]
 ALLOW_137 = {"deleted-rank-0-then-rank-1-aborted", "deleted-rank-0-exited-143-then-rank-1-aborted",
              "rank-1-aborted-first-outside-the-allow-list-fails"}
@@ -157,8 +157,8 @@ def test_root_cause_across_the_gang(case, pods, want):
     assert got == want
     assert g.events[-1].type == "Warning"
     assert failure["pod"] in g.status["message"]
-    if want[1] == c.REASON_POD_DISRUPTED:
-        assert failure["reason"] == c.REASON_POD_DISRUPTED and "maxRestarts" in g.status["message"]
+    if want[1] == names.REASON_POD_DISRUPTED:
+        assert failure["reason"] == names.REASON_POD_DISRUPTED and "maxRestarts" in g.status["message"]
 
 
 # DisruptionTarget reason (and the pod's status.reason) -> whether the restart is free.
@@ -174,9 +174,9 @@ def test_root_cause_across_the_gang(case, pods, want):
 def test_which_disruptions_use_the_budget(reason, status_reason, free):
     pod = failed(0, 137, -100, disrupted=reason)
     pod["status"]["reason"] = status_reason
-    g = run([pod, pod_dict(1, 1)], old={"phase": c.RUNNING, "attempt": 1, "restarts": 0})
+    g = run([pod, pod_dict(1, 1)], old={"phase": names.RUNNING, "attempt": 1, "restarts": 0})
     assert (g.status["restarts"], g.status["disruptions"]) == ((0, 1) if free else (1, 0))
-    assert g.status["lastFailure"]["reason"] == c.REASON_POD_DISRUPTED  # recorded with its reason either way
+    assert g.status["lastFailure"]["reason"] == names.REASON_POD_DISRUPTED  # recorded with its reason either way
     assert reason in g.status["lastFailure"]["message"]
     assert failure_policy.classify_failure(137, reason, parse_spec(SPEC).failure_policy, status_reason) == (
         failure_policy.DISRUPTED if free else failure_policy.RETRYABLE)
@@ -187,35 +187,35 @@ def test_node_pressure_eviction_says_what_ran_out_and_fails_once_the_budget_is_s
     g = run(pods)
     assert "evicted by the kubelet for node pressure" in g.status["message"]
     assert "low on resource: memory" in g.status["lastFailure"]["message"]
-    g = run(pods, old={"phase": c.RUNNING, "attempt": 1, "restarts": 2})  # maxRestarts 2
-    assert (g.phase, g.failed_reason) == (c.FAILED, c.REASON_BACKOFF_LIMIT)
+    g = run(pods, old={"phase": names.RUNNING, "attempt": 1, "restarts": 2})  # maxRestarts 2
+    assert (g.phase, g.failed_reason) == (names.FAILED, names.REASON_BACKOFF_LIMIT)
     # Its exit code is the kill's: not judged, even outside an allow-list.
-    assert run(pods, retryableExitCodes=[1]).phase == c.RESTARTING
+    assert run(pods, retryableExitCodes=[1]).phase == names.RESTARTING
 
 
 def test_message_counts_the_other_ranks_that_ended():
     g = run([failed(0, 1, -60), failed(1, 137, -30), pod_dict(1, 2, "Unknown"), pod_dict(1, 3)],
-            old={"phase": c.RUNNING, "attempt": 1, "restarts": 0})
+            old={"phase": names.RUNNING, "attempt": 1, "restarts": 0})
     assert g.status["lastFailure"]["pod"] == "demo-trainer-1-0"
     assert "(2 other ranks also ended)" in g.status["lastFailure"]["message"]
 
 
 def test_disruption_restarts_even_with_the_budget_spent():
     pods = [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1)]
-    g = run(pods, old={"phase": c.RUNNING, "attempt": 1, "restarts": 2, "disruptions": 4})  # maxRestarts 2
-    assert (g.phase, g.status["restarts"], g.status["disruptions"]) == (c.RESTARTING, 2, 5)
+    g = run(pods, old={"phase": names.RUNNING, "attempt": 1, "restarts": 2, "disruptions": 4})  # maxRestarts 2
+    assert (g.phase, g.status["restarts"], g.status["disruptions"]) == (names.RESTARTING, 2, 5)
     assert g.delete == ("demo-trainer-1-1",) and g.requeue_after == 30.0
     # The same crash with the budget spent fails the job.
-    g = run([failed(0, 1, -60), pod_dict(1, 1)], old={"phase": c.RUNNING, "attempt": 1, "restarts": 2})
-    assert (g.phase, g.failed_reason) == (c.FAILED, c.REASON_BACKOFF_LIMIT)
+    g = run([failed(0, 1, -60), pod_dict(1, 1)], old={"phase": names.RUNNING, "attempt": 1, "restarts": 2})
+    assert (g.phase, g.failed_reason) == (names.FAILED, names.REASON_BACKOFF_LIMIT)
 
 
 def test_disruptions_reach_the_status_through_reconcile():
     pods = views(pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1))
-    plan = reconcile(make_job(status={"phase": c.RUNNING, "attempt": 1, "restarts": 0}), Observed(pods=pods), NOW)
+    plan = reconcile(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}), Observed(pods=pods), NOW)
     assert (plan.status["restarts"], plan.status["disruptions"]) == (0, 1)
-    assert plan.status["lastFailure"]["reason"] == c.REASON_POD_DISRUPTED
-    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_POD_DISRUPTED)]
+    assert plan.status["lastFailure"]["reason"] == names.REASON_POD_DISRUPTED
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", names.REASON_POD_DISRUPTED)]
 
 
 # ------------------------------------------------------------------ parsing
@@ -271,13 +271,13 @@ def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
 
 
 @pytest.mark.parametrize("old, gang_pods, want", [  # the gang-wide rules: above
-    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
-    (st(c.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
-    (st(c.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, c.REASON_POD_DELETED, "disappeared")),
-    (st(c.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
-    (st(c.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, c.REASON_POD_DELETED, "lost its node")),
-    (st(c.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, c.REASON_POD_FAILED, "exit code 137")),
-    (st(c.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, c.REASON_POD_FAILED, "(no exit code)")),
+    (st(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
+    (st(names.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
+    (st(names.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, names.REASON_POD_DELETED, "disappeared")),
+    (st(names.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
+    (st(names.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, names.REASON_POD_DELETED, "lost its node")),
+    (st(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, names.REASON_POD_FAILED, "exit code 137")),
+    (st(names.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, names.REASON_POD_FAILED, "(no exit code)")),
 ])
 def test_compute_failure(old, gang_pods, want):
     got = failure_policy.compute_failure("demo", old, 1, gang_pods, 2, parse_spec(SPEC).failure_policy)

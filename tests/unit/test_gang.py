@@ -4,7 +4,7 @@ from datetime import timedelta
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import gang
 from rft_operator.model import PodView
@@ -28,43 +28,43 @@ def st(phase, attempt=1, restarts=0, **extra):
 # expected: phase, attempt, restarts, created pod names, deleted pod names, event reasons, requeue_after
 CASES = [
     ("new-job", {}, {}, [], 0,
-     (c.PENDING, 1, 0, ["demo-trainer-1-0", "demo-trainer-1-1"], [], [c.REASON_CREATED], None)),
-    ("invalid-spec", None, st(c.RUNNING), [pod(1, 0), pod(1, 1, deleting=True)], 0,
-     (c.FAILED, 1, 0, [], ["demo-trainer-1-0"], [c.REASON_INVALID_SPEC], None)),
-    ("terminal-stops-live-pods", {}, st(c.SUCCEEDED), [pod(1, 0), pod(1, 1, "Succeeded")], 0,
-     (c.SUCCEEDED, 1, 0, [], ["demo-trainer-1-0"], [], None)),
-    ("suspend", {"suspend": True}, st(c.RUNNING), [pod(1, 0), pod(1, 1)], 0,
-     (c.SUSPENDED, 1, 0, [], ["demo-trainer-1-0", "demo-trainer-1-1"], [c.REASON_SUSPENDED], None)),
+     (names.PENDING, 1, 0, ["demo-trainer-1-0", "demo-trainer-1-1"], [], [names.REASON_CREATED], None)),
+    ("invalid-spec", None, st(names.RUNNING), [pod(1, 0), pod(1, 1, deleting=True)], 0,
+     (names.FAILED, 1, 0, [], ["demo-trainer-1-0"], [names.REASON_INVALID_SPEC], None)),
+    ("terminal-stops-live-pods", {}, st(names.SUCCEEDED), [pod(1, 0), pod(1, 1, "Succeeded")], 0,
+     (names.SUCCEEDED, 1, 0, [], ["demo-trainer-1-0"], [], None)),
+    ("suspend", {"suspend": True}, st(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+     (names.SUSPENDED, 1, 0, [], ["demo-trainer-1-0", "demo-trainer-1-1"], [names.REASON_SUSPENDED], None)),
     ("created-suspended-stays-at-attempt-0", {"suspend": True}, {}, [], 0,
-     (c.SUSPENDED, 0, 0, [], [], [c.REASON_SUSPENDED], None)),
-    ("resume", {}, st(c.SUSPENDED), [], 0,
-     (c.PENDING, 2, 0, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [c.REASON_RESUMED], None)),
+     (names.SUSPENDED, 0, 0, [], [], [names.REASON_SUSPENDED], None)),
+    ("resume", {}, st(names.SUSPENDED), [], 0,
+     (names.PENDING, 2, 0, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [names.REASON_RESUMED], None)),
     # A running gang comes back when its progress deadline (1800 s by default) would pass.
-    ("all-running", {}, st(c.PENDING), [pod(1, 0), pod(1, 1)], 0,
-     (c.RUNNING, 1, 0, [], [], [c.REASON_ALL_RUNNING], 1800.0)),
-    ("running-steady-no-event", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1)], 0,
-     (c.RUNNING, 1, 0, [], [], [], 1800.0)),
-    ("partial-gang-fills-gaps", {}, st(c.PENDING), [pod(1, 1, "Pending")], 0,
-     (c.PENDING, 1, 0, ["demo-trainer-1-0"], [], [], None)),
-    ("all-succeeded", {}, st(c.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,
-     (c.SUCCEEDED, 1, 0, [], [], [c.REASON_SUCCEEDED], None)),
-    ("retryable-failure-restarts", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], 0,
-     (c.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [c.REASON_RESTARTING], 30.0)),
-    ("fatal-exit-fails", {}, st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], 0,
-     (c.FAILED, 1, 0, [], ["demo-trainer-1-0"], [c.REASON_FATAL_EXIT], None)),
-    ("budget-spent-fails", {}, st(c.RUNNING, 3, 2), [pod(3, 0, "Failed", 1), pod(3, 1)], 0,
-     (c.FAILED, 3, 2, [], ["demo-trainer-3-1"], [c.REASON_BACKOFF_LIMIT], None)),
-    ("vanished-pod-while-running", {}, st(c.RUNNING), [pod(1, 0)], 0,
-     (c.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [c.REASON_RESTARTING], 30.0)),
-    ("backoff-not-over", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 10,
-     (c.RESTARTING, 1, 1, [], [], [], 20.0)),
-    ("backoff-over-old-pod-terminating", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT),
+    ("all-running", {}, st(names.PENDING), [pod(1, 0), pod(1, 1)], 0,
+     (names.RUNNING, 1, 0, [], [], [names.REASON_ALL_RUNNING], 1800.0)),
+    ("running-steady-no-event", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+     (names.RUNNING, 1, 0, [], [], [], 1800.0)),
+    ("partial-gang-fills-gaps", {}, st(names.PENDING), [pod(1, 1, "Pending")], 0,
+     (names.PENDING, 1, 0, ["demo-trainer-1-0"], [], [], None)),
+    ("all-succeeded", {}, st(names.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,
+     (names.SUCCEEDED, 1, 0, [], [], [names.REASON_SUCCEEDED], None)),
+    ("retryable-failure-restarts", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], 0,
+     (names.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [names.REASON_RESTARTING], 30.0)),
+    ("fatal-exit-fails", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], 0,
+     (names.FAILED, 1, 0, [], ["demo-trainer-1-0"], [names.REASON_FATAL_EXIT], None)),
+    ("budget-spent-fails", {}, st(names.RUNNING, 3, 2), [pod(3, 0, "Failed", 1), pod(3, 1)], 0,
+     (names.FAILED, 3, 2, [], ["demo-trainer-3-1"], [names.REASON_BACKOFF_LIMIT], None)),
+    ("vanished-pod-while-running", {}, st(names.RUNNING), [pod(1, 0)], 0,
+     (names.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [names.REASON_RESTARTING], 30.0)),
+    ("backoff-not-over", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 10,
+     (names.RESTARTING, 1, 1, [], [], [], 20.0)),
+    ("backoff-over-old-pod-terminating", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT),
      [pod(1, 0, deleting=True)], 31,
-     (c.RESTARTING, 1, 1, [], [], [], None)),
-    ("backoff-over-next-attempt", {}, st(c.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 31,
-     (c.PENDING, 2, 1, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [c.REASON_RESTARTED], None)),
-    ("stale-attempt-stopped-before-new-gang", {}, st(c.PENDING, 2), [pod(1, 0)], 0,
-     (c.PENDING, 2, 0, [], ["demo-trainer-1-0"], [], None)),
+     (names.RESTARTING, 1, 1, [], [], [], None)),
+    ("backoff-over-next-attempt", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 31,
+     (names.PENDING, 2, 1, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [names.REASON_RESTARTED], None)),
+    ("stale-attempt-stopped-before-new-gang", {}, st(names.PENDING, 2), [pod(1, 0)], 0,
+     (names.PENDING, 2, 0, [], ["demo-trainer-1-0"], [], None)),
 ]
 
 
@@ -78,10 +78,10 @@ def test_compute_gang(spec_over, old, pods, after, want):
 
 
 @pytest.mark.parametrize("old, pods, want_reason, want_warning, want_failed_reason", [
-    (st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], c.REASON_FATAL_EXIT, True, c.REASON_FATAL_EXIT),
-    (st(c.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], c.REASON_RESTARTING, True, None),
-    (st(c.PENDING), [pod(1, 0), pod(1, 1)], c.REASON_ALL_RUNNING, False, None),
-    (st(c.FAILED), [pod(1, 0), pod(1, 1)], None, None, None),  # terminal: nothing more to say
+    (st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], names.REASON_FATAL_EXIT, True, names.REASON_FATAL_EXIT),
+    (st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], names.REASON_RESTARTING, True, None),
+    (st(names.PENDING), [pod(1, 0), pod(1, 1)], names.REASON_ALL_RUNNING, False, None),
+    (st(names.FAILED), [pod(1, 0), pod(1, 1)], None, None, None),  # terminal: nothing more to say
 ])
 def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_failed_reason):
     g = gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW)
@@ -93,10 +93,10 @@ def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_fai
 
 
 @pytest.mark.parametrize("old, key, want", [
-    (st(c.PENDING), "startTime", "2026-11-30T12:00:00Z"),
-    (st(c.PENDING, startTime="2026-11-30T10:00:00Z"), "startTime", "2026-11-30T10:00:00Z"),  # kept
-    (st(c.RUNNING, completionTime="2026-11-30T10:00:00Z"), "completionTime", "2026-11-30T10:00:00Z"),  # fail keeps it
-    (st(c.RUNNING), "completionTime", "2026-11-30T12:00:00Z"),
+    (st(names.PENDING), "startTime", "2026-11-30T12:00:00Z"),
+    (st(names.PENDING, startTime="2026-11-30T10:00:00Z"), "startTime", "2026-11-30T10:00:00Z"),  # kept
+    (st(names.RUNNING, completionTime="2026-11-30T10:00:00Z"), "completionTime", "2026-11-30T10:00:00Z"),  # fail keeps it
+    (st(names.RUNNING), "completionTime", "2026-11-30T12:00:00Z"),
 ])
 def test_times_are_set_once(old, key, want):
     pods = [pod(1, 0), pod(1, 1)] if key == "startTime" else [pod(1, 0), pod(1, 1, "Failed", 78)]

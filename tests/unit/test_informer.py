@@ -8,22 +8,22 @@ import asyncio
 import json
 import queue
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator.informer import Informer, Store
 
-SELECTOR = f"{c.LABEL_JOB},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
+SELECTOR = f"{names.LABEL_JOB},{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
 def obj(name: str, job: str, rv: str = "1", ns: str = "team-a") -> dict:
-    return {"metadata": {"name": name, "namespace": ns, "resourceVersion": rv, "labels": {c.LABEL_JOB: job}}}
+    return {"metadata": {"name": name, "namespace": ns, "resourceVersion": rv, "labels": {names.LABEL_JOB: job}}}
 
 
-def names(view: list) -> list[str]:
+def names_of(view: list) -> list[str]:
     return sorted(x["metadata"]["name"] for x in view)
 
 
 def store() -> Store:
-    return Store(c.LABEL_JOB, lambda o: o)
+    return Store(names.LABEL_JOB, lambda o: o)
 
 
 # ---------------------------------------------------------------- Store
@@ -34,10 +34,10 @@ def test_events_update_the_jobs_buckets():
     assert s.apply("ADDED", obj("a-0", "a")) == {("team-a", "a")}
     s.apply("ADDED", obj("a-1", "a"))
     s.apply("MODIFIED", obj("a-1", "a", rv="2"))
-    assert names(s.get(("team-a", "a"))) == ["a-0", "a-1"]
+    assert names_of(s.get(("team-a", "a"))) == ["a-0", "a-1"]
     assert s.get(("team-a", "a"))[1]["metadata"]["resourceVersion"] == "2"
     assert s.apply("DELETED", obj("a-0", "a")) == {("team-a", "a")}
-    assert names(s.get(("team-a", "a"))) == ["a-1"]
+    assert names_of(s.get(("team-a", "a"))) == ["a-1"]
     assert s.get(("team-b", "a")) == []  # namespaces apart
 
 
@@ -45,7 +45,7 @@ def test_an_object_relabelled_to_another_job_leaves_the_old_one():
     s = store()
     s.apply("ADDED", obj("x", "a"))
     assert s.apply("MODIFIED", obj("x", "b")) == {("team-a", "a"), ("team-a", "b")}
-    assert s.get(("team-a", "a")) == [] and names(s.get(("team-a", "b"))) == ["x"]
+    assert s.get(("team-a", "a")) == [] and names_of(s.get(("team-a", "b"))) == ["x"]
 
 
 def test_a_listing_replaces_everything_and_names_jobs_before_and_after():
@@ -54,7 +54,7 @@ def test_a_listing_replaces_everything_and_names_jobs_before_and_after():
     s.apply("ADDED", obj("b-0", "b"))
     assert s.replace([obj("b-0", "b"), obj("c-0", "c")]) == {("team-a", k) for k in "abc"}
     assert s.get(("team-a", "a")) == []  # deleted while nobody watched
-    assert names(s.get(("team-a", "c"))) == ["c-0"]
+    assert names_of(s.get(("team-a", "c"))) == ["c-0"]
 
 
 # ---------------------------------------------------------------- Informer
@@ -136,7 +136,7 @@ def test_list_then_watch_from_its_resource_version():
         first.put({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}})
         first.put({"type": "DELETED", "object": obj("a-0", "a", "13")})
         assert await changes_until(changes, 2) == [(("team-a", "a"), "ADDED"), (("team-a", "a"), "DELETED")]
-        assert names(s.get(("team-a", "a"))) == ["a-1"]
+        assert names_of(s.get(("team-a", "a"))) == ["a-1"]
         second = queue.Queue()
         fake.streams.put(second)
         first.put(None)  # the server ends the watch: it resumes from the last version seen
@@ -159,7 +159,7 @@ def test_a_too_old_watch_lists_again():
         # a-0 was deleted while the watch was gone: the new listing drops it and names its job
         got = await changes_until(changes, 2)
         assert sorted(got) == [(("team-a", "a"), None), (("team-a", "b"), None)]
-        assert s.get(("team-a", "a")) == [] and names(s.get(("team-a", "b"))) == ["b-0"]
+        assert s.get(("team-a", "a")) == [] and names_of(s.get(("team-a", "b"))) == ["b-0"]
         assert [x["resource_version"] for x in await watches_until(fake, 2)] == ["10", "20"]
         assert len(watch_calls(fake)) == 2
         inf.stop()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import objects
 
@@ -31,7 +31,7 @@ def test_build_pod_carries_placement_and_owner():
     assert pod["spec"] == {"containers": [], "nodeSelector": {"pool": "gpu"},
                            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                            "volumes": [{"name": "tmp", "emptyDir": {}}]}
-    assert pod["metadata"]["ownerReferences"][0] == {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "demo",
+    assert pod["metadata"]["ownerReferences"][0] == {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "demo",
                                                      "uid": "0000-1111", "controller": True, "blockOwnerDeletion": True}
 
 

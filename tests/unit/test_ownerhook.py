@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import ownerhook
 
 UID = "0b5c1f3e-real"
@@ -29,8 +29,8 @@ def request(obj: dict, resource: str = "pods", operation: str = "CREATE") -> dic
 
 
 def child(job: str, *uids: str) -> dict:
-    return {"metadata": {"labels": {c.LABEL_JOB: job, c.LABEL_MANAGED_BY: c.MANAGED_BY},
-                         "ownerReferences": [{"kind": c.KIND, "name": job, "uid": u} for u in uids]}}
+    return {"metadata": {"labels": {names.LABEL_JOB: job, names.LABEL_MANAGED_BY: names.MANAGED_BY},
+                         "ownerReferences": [{"kind": names.KIND, "name": job, "uid": u} for u in uids]}}
 
 
 def answer(body: dict, lookup=get_job) -> dict:
@@ -58,17 +58,17 @@ def test_another_uid_or_a_second_owner_is_refused():
 
 
 def test_events_are_checked_by_their_object():
-    event = {"metadata": {"labels": {c.LABEL_JOB: "real"}}, "involvedObject": {"name": "real", "uid": UID}}
+    event = {"metadata": {"labels": {names.LABEL_JOB: "real"}}, "involvedObject": {"name": "real", "uid": UID}}
     assert answer(request(event, "events"))["allowed"]
     event["involvedObject"]["uid"] = "forged"
     assert not answer(request(event, "events"))["allowed"]
-    regarding = {"metadata": {"labels": {c.LABEL_JOB: "real"}}, "regarding": {"name": "real", "uid": UID}}
+    regarding = {"metadata": {"labels": {names.LABEL_JOB: "real"}}, "regarding": {"name": "real", "uid": UID}}
     assert answer(request(regarding, "events"))["allowed"]
 
 
 def test_no_job_label_is_refused():
-    got = answer(request({"metadata": {"labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}}))
-    assert not got["allowed"] and c.LABEL_JOB in got["status"]["message"]
+    got = answer(request({"metadata": {"labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}}))
+    assert not got["allowed"] and names.LABEL_JOB in got["status"]["message"]
 
 
 def test_a_failed_lookup_fails_closed_and_says_why():
@@ -87,7 +87,7 @@ def test_the_configuration_fails_closed_for_the_operators_labelled_objects_only(
     config = ownerhook.webhook_configuration(b"CA", url="https://127.0.0.1:1")
     hook = config["webhooks"][0]
     assert hook["failurePolicy"] == "Fail" and hook["clientConfig"]["url"] == "https://127.0.0.1:1/validate-owner"
-    assert hook["objectSelector"] == {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}
+    assert hook["objectSelector"] == {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}
     assert [m["name"] for m in hook["matchConditions"]] == ["operator-identity"]
     assert {p for r in hook["rules"] for p in r["resources"]} == set(ownerhook.RESOURCES)
     assert all(r["operations"] == ["CREATE"] for r in hook["rules"])

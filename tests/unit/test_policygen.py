@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.status import RFTJobStatus
 from rft_operator import policygen
 
@@ -41,7 +41,7 @@ def test_every_document_is_a_policy_or_its_binding():
     (owner,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
                 and d["spec"]["policyName"] == policygen.OWNER_POLICY]
     assert owner["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Deny"}
-    assert owner["spec"]["matchResources"]["objectSelector"] == {"matchLabels": {c.LABEL_MANAGED_BY: c.MANAGED_BY}}
+    assert owner["spec"]["matchResources"]["objectSelector"] == {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}
     (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] ==
                  policygen.OWNER_POLICY]
     assert {op for rule in policy["spec"]["matchConstraints"]["resourceRules"] for op in rule["operations"]} \

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import progress_deadline
 from rft_operator.reconcile import Observed, PodView, reconcile
 
@@ -60,10 +60,10 @@ class Sim:
         for name in plan.delete_pods:  # KWOK-like: deleted pods go at once
             self.pods.pop(name, None)
         for obj in plan.create:  # rollout pods are left out: they never start here
-            if obj["kind"] == "Pod" and obj["metadata"]["labels"][c.LABEL_ROLE] == c.ROLE_TRAINER:
+            if obj["kind"] == "Pod" and obj["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER:
                 labels = obj["metadata"]["labels"]
                 self.pods[obj["metadata"]["name"]] = PodView(
-                    obj["metadata"]["name"], int(labels[c.LABEL_ATTEMPT]), int(labels[c.LABEL_RANK]), "Pending")
+                    obj["metadata"]["name"], int(labels[names.LABEL_ATTEMPT]), int(labels[names.LABEL_RANK]), "Pending")
         self.plans.append(plan)
         return plan
 
@@ -72,7 +72,7 @@ class Sim:
         self.at(seconds)
         self.run_gang()
         plan = self.at(seconds)
-        assert self.status["phase"] == c.RUNNING
+        assert self.status["phase"] == names.RUNNING
         return plan
 
 
@@ -82,12 +82,12 @@ def progress(status) -> tuple:
     return p.get("step"), p["attempt"], p["since"]
 
 
-def cond(status, type_=c.COND_PROGRESSING):
+def cond(status, type_=names.COND_PROGRESSING):
     return next(x for x in status["conditions"] if x["type"] == type_)
 
 
 def fired(plans) -> list:
-    return [e for p in plans for e in p.events if e.reason == c.REASON_PROGRESS_DEADLINE]
+    return [e for p in plans for e in p.events if e.reason == names.REASON_PROGRESS_DEADLINE]
 
 
 def test_the_deadline_fires_once_and_restarts_the_gang_like_a_failure():
@@ -95,38 +95,38 @@ def test_the_deadline_fires_once_and_restarts_the_gang_like_a_failure():
     plan = sim.running(0)
     assert progress(sim.status) == (None, 1, "2026-11-30T12:00:00Z")
     assert plan.requeue_after == DEADLINE  # comes back when the deadline would pass
-    assert cond(sim.status)["status"] == "True" and cond(sim.status)["reason"] == c.REASON_STEPPING
+    assert cond(sim.status)["status"] == "True" and cond(sim.status)["reason"] == names.REASON_STEPPING
 
     plan = sim.at(DEADLINE)  # exactly the deadline: not past it
-    assert sim.status["phase"] == c.RUNNING and plan.requeue_after == 0 and not fired(sim.plans)
+    assert sim.status["phase"] == names.RUNNING and plan.requeue_after == 0 and not fired(sim.plans)
 
     plan = sim.at(DEADLINE + 1)
-    assert sim.status["phase"] == c.RESTARTING and sim.status["restarts"] == 1
+    assert sim.status["phase"] == names.RESTARTING and sim.status["restarts"] == 1
     failure = sim.status["lastFailure"]
     assert (failure["attempt"], failure["reason"], failure["pod"], failure["exitCode"]) == (
-        1, c.REASON_PROGRESS_DEADLINE, None, None)
+        1, names.REASON_PROGRESS_DEADLINE, None, None)
     assert "attempt 1 reported no step in 601s" in failure["message"]
     assert "progressDeadlineSeconds=600" in failure["message"]
     assert sorted(plan.delete_pods) == ["demo-trainer-1-0", "demo-trainer-1-1"]
     progressing = cond(sim.status)
-    assert (progressing["status"], progressing["reason"]) == ("False", c.REASON_PROGRESS_DEADLINE)
+    assert (progressing["status"], progressing["reason"]) == ("False", names.REASON_PROGRESS_DEADLINE)
     assert progressing["message"] == failure["message"]
-    assert [(e.type, e.reason) for e in plan.events] == [("Warning", c.REASON_PROGRESS_DEADLINE),
-                                                         ("Warning", c.REASON_RESTARTING)]
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", names.REASON_PROGRESS_DEADLINE),
+                                                         ("Warning", names.REASON_RESTARTING)]
     assert plan.events[0].message == failure["message"]
     assert plan.requeue_after == 30  # the backoff
 
     # Restarting: the clock does not run, nothing fires again however late the pass.
     sim.at(DEADLINE + 20)
-    assert sim.status["phase"] == c.RESTARTING and sim.status["restarts"] == 1
+    assert sim.status["phase"] == names.RESTARTING and sim.status["restarts"] == 1
     sim.at(DEADLINE + 31)  # backoff over: attempt 2
-    assert (sim.status["phase"], sim.status["attempt"]) == (c.PENDING, 2)
-    assert cond(sim.status)["reason"] == c.REASON_PROGRESS_DEADLINE  # until the next gang runs
+    assert (sim.status["phase"], sim.status["attempt"]) == (names.PENDING, 2)
+    assert cond(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE  # until the next gang runs
     assert sorted(sim.pods) == ["demo-trainer-2-0", "demo-trainer-2-1"]
     sim.at(DEADLINE * 3)  # pods pending a long time: not counted
     sim.run_gang()
     sim.at(DEADLINE * 3 + 1)
-    assert sim.status["phase"] == c.RUNNING and sim.status["restarts"] == 1
+    assert sim.status["phase"] == names.RUNNING and sim.status["restarts"] == 1
     assert progress(sim.status) == (None, 2, "2026-11-30T12:30:01Z")
     assert cond(sim.status)["status"] == "True"
     assert len(fired(sim.plans)) == 1
@@ -141,12 +141,12 @@ def test_no_fire_while_the_step_moves():
         assert sim.status["progress"]["step"] == i + 1
         assert plan.requeue_after == DEADLINE  # counted from this step
         sim.at(t + DEADLINE)  # exactly the deadline after the step: still in time
-    assert sim.status["phase"] == c.RUNNING and sim.status["restarts"] == 0 and not fired(sim.plans)
+    assert sim.status["phase"] == names.RUNNING and sim.status["restarts"] == 0 and not fired(sim.plans)
     assert cond(sim.status)["message"].startswith("step 10 of attempt 1 reported at ")
 
 
 def test_a_step_of_the_previous_attempt_is_not_progress_of_this_one():
-    sim = Sim(status={"phase": c.PENDING, "attempt": 2, "restarts": 1})
+    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1})
     sim.report(step=7, attempt=1)
     sim.running(0)
     assert progress(sim.status)[0] is None
@@ -154,14 +154,14 @@ def test_a_step_of_the_previous_attempt_is_not_progress_of_this_one():
     sim.at(DEADLINE)
     assert progress(sim.status) == (7, 2, "2026-11-30T12:10:00Z")
     sim.at(DEADLINE + DEADLINE)
-    assert sim.status["phase"] == c.RUNNING
+    assert sim.status["phase"] == names.RUNNING
 
 
 def test_the_message_carries_the_trainers_waiting_reason():
     sim = Sim()
     sim.running(0)
     sim.report(step=4, attempt=1, buffer={"droppedStale": 12, "consumed": {"e000": 40}},
-               waiting={"reason": c.WAIT_DATA, "message": "no new shard in s3://ckpts/demo/buffer",
+               waiting={"reason": names.WAIT_DATA, "message": "no new shard in s3://ckpts/demo/buffer",
                         "since": "2026-11-30T12:00:10Z", "seconds": 5.0})
     sim.at(10)
     sim.at(10 + DEADLINE + 1)
@@ -180,13 +180,13 @@ def test_the_message_names_weight_sync_lag_and_explorers_not_running():
     sim.running(0)
     sim.report(step=4, attempt=1, buffer={"droppedStale": 128, "consumed": {"e000": 384}},
                latestWeights={"version": 4, "uri": "s3://ckpts/demo/weights/step-00000004", "id": "abc"},
-               waiting={"reason": c.WAIT_STALE, "since": "2026-11-30T12:00:00Z"})
+               waiting={"reason": names.WAIT_STALE, "since": "2026-11-30T12:00:00Z"})
     sim.status = merge(sim.status, {"weightSync": {"replicas": {
         "demo-inference-0": {"version": 4, "id": "abc"},
         "demo-inference-1": {"version": 2, "id": "old", "error": "SyncError: checksum mismatch"}}}})
     sim.at(1)
-    sim.pods["demo-explorer-0"] = PodView("demo-explorer-0", -1, -1, "Running", role=c.ROLE_EXPLORER)
-    sim.pods["demo-explorer-1"] = PodView("demo-explorer-1", -1, -1, "Pending", role=c.ROLE_EXPLORER)
+    sim.pods["demo-explorer-0"] = PodView("demo-explorer-0", -1, -1, "Running", role=names.ROLE_EXPLORER)
+    sim.pods["demo-explorer-1"] = PodView("demo-explorer-1", -1, -1, "Pending", role=names.ROLE_EXPLORER)
     sim.at(DEADLINE + 2)
     assert sim.status["lastFailure"]["message"] == (
         "step 4 has not moved for 601s (spec.failurePolicy.progressDeadlineSeconds=600): "
@@ -202,38 +202,38 @@ def test_zero_turns_the_deadline_off():
     plan = sim.running(0)
     assert plan.requeue_after is None
     plan = sim.at(86400 * 30)
-    assert sim.status["phase"] == c.RUNNING and plan.requeue_after is None and not fired(sim.plans)
+    assert sim.status["phase"] == names.RUNNING and plan.requeue_after is None and not fired(sim.plans)
     assert sim.status["progress"]["since"] == "2026-11-30T12:00:00Z"  # still recorded
     assert "no progress deadline" in cond(sim.status)["message"]
 
 
 def test_the_deadline_spends_the_restart_budget_then_fails_the_job():
-    sim = Sim(status={"phase": c.PENDING, "attempt": 3, "restarts": 2})  # maxRestarts: 2
+    sim = Sim(status={"phase": names.PENDING, "attempt": 3, "restarts": 2})  # maxRestarts: 2
     sim.running(0)
     plan = sim.at(DEADLINE + 1)
-    assert sim.status["phase"] == c.FAILED and sim.status["restarts"] == 2
-    assert sim.status["lastFailure"]["reason"] == c.REASON_PROGRESS_DEADLINE
+    assert sim.status["phase"] == names.FAILED and sim.status["restarts"] == 2
+    assert sim.status["lastFailure"]["reason"] == names.REASON_PROGRESS_DEADLINE
     assert "restart budget exhausted after 2 restarts (spec.failurePolicy.maxRestarts=2)" in sim.status["message"]
-    failed = cond(sim.status, c.COND_FAILED)
-    assert (failed["status"], failed["reason"]) == ("True", c.REASON_PROGRESS_DEADLINE)
-    assert cond(sim.status)["reason"] == c.REASON_PROGRESS_DEADLINE
+    failed = cond(sim.status, names.COND_FAILED)
+    assert (failed["status"], failed["reason"]) == ("True", names.REASON_PROGRESS_DEADLINE)
+    assert cond(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE
     assert sorted(plan.delete_pods) == ["demo-trainer-3-0", "demo-trainer-3-1"]
-    assert [e.reason for e in plan.events] == [c.REASON_PROGRESS_DEADLINE, c.REASON_PROGRESS_DEADLINE]
+    assert [e.reason for e in plan.events] == [names.REASON_PROGRESS_DEADLINE, names.REASON_PROGRESS_DEADLINE]
     sim.at(DEADLINE * 5)
-    assert cond(sim.status, c.COND_FAILED)["reason"] == c.REASON_PROGRESS_DEADLINE  # kept on later passes
+    assert cond(sim.status, names.COND_FAILED)["reason"] == names.REASON_PROGRESS_DEADLINE  # kept on later passes
 
 
 @pytest.mark.parametrize("phase, spec", [
-    (c.PENDING, BASE),
-    (c.RESTARTING, BASE),
-    (c.SUSPENDED, {**BASE, "suspend": True}),
+    (names.PENDING, BASE),
+    (names.RESTARTING, BASE),
+    (names.SUSPENDED, {**BASE, "suspend": True}),
 ])
 def test_the_clock_does_not_run_outside_running(phase, spec):
     stuck = {"step": 3, "attempt": 1, "since": "2026-11-30T10:00:00Z"}
-    failure = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
+    failure = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
                "time": "2026-11-30T12:00:00Z"}
     sim = Sim(spec, {"phase": phase, "attempt": 1, "restarts": 1, "progress": stuck, "lastFailure": failure})
-    if phase == c.PENDING:
+    if phase == names.PENDING:
         sim.pods = {"demo-trainer-1-0": PodView("demo-trainer-1-0", 1, 0, "Running")}  # rank 1 unscheduled
     plan = sim.at(1)
     assert sim.status["phase"] == phase and sim.status["restarts"] == 1 and not fired([plan])
@@ -243,7 +243,7 @@ def test_the_clock_does_not_run_outside_running(phase, spec):
 
 def test_a_record_of_an_earlier_attempt_is_replaced_not_counted():
     stuck = {"step": 3, "attempt": 1, "since": "2026-11-30T10:00:00Z"}
-    sim = Sim(status={"phase": c.PENDING, "attempt": 2, "restarts": 1, "progress": stuck})
+    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1, "progress": stuck})
     sim.running(0)
     assert progress(sim.status) == (None, 2, "2026-11-30T12:00:00Z")
     assert not fired(sim.plans)
@@ -262,10 +262,10 @@ def test_the_progress_record_keeps_its_time_until_step_or_attempt_moves():
 @pytest.mark.parametrize("trainer, want", [
     ({}, ""),
     ({"waiting": None}, ""),
-    ({"waiting": {"reason": c.WAIT_DATA, "seconds": 42.7}}, "trainer waiting for experiences for 42s"),
-    ({"waiting": {"reason": c.WAIT_DATA, "since": "not a time", "seconds": 3}},
+    ({"waiting": {"reason": names.WAIT_DATA, "seconds": 42.7}}, "trainer waiting for experiences for 42s"),
+    ({"waiting": {"reason": names.WAIT_DATA, "since": "not a time", "seconds": 3}},
      "trainer waiting for experiences for 3s"),
-    ({"waiting": {"reason": c.WAIT_STALE, "since": "2026-11-30T11:30:00Z"}, "buffer": {"droppedStale": 0}},
+    ({"waiting": {"reason": names.WAIT_STALE, "since": "2026-11-30T11:30:00Z"}, "buffer": {"droppedStale": 0}},
      "trainer waiting for fresh experiences for 1800s"),
     ({"waiting": {"reason": "Other", "message": "why"}}, "trainer waiting (Other): why"),
 ])
@@ -274,8 +274,8 @@ def test_describe_trainer_wait(trainer, want):
 
 
 def test_what_an_earlier_attempt_reported_is_not_in_the_message():
-    sim = Sim(status={"phase": c.PENDING, "attempt": 2, "restarts": 1})
-    sim.report(step=7, attempt=1, waiting={"reason": c.WAIT_DATA, "since": "2026-11-30T11:00:00Z"},
+    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1})
+    sim.report(step=7, attempt=1, waiting={"reason": names.WAIT_DATA, "since": "2026-11-30T11:00:00Z"},
                buffer={"droppedStale": 3})
     sim.running(0)
     sim.at(DEADLINE + 1)
@@ -288,12 +288,12 @@ def test_a_trainer_still_preparing_gets_the_model_download_timeout_on_top():
     default) is not a stall; once the trainer reports a step the plain deadline applies."""
     sim = Sim()
     sim.running(0)
-    sim.report(waiting={"reason": c.WAIT_PREPARING, "message": "loading the model", "attempt": 1})
+    sim.report(waiting={"reason": names.WAIT_PREPARING, "message": "loading the model", "attempt": 1})
     plan = sim.at(DEADLINE + 1)
-    assert sim.status["phase"] == c.RUNNING and not fired(sim.plans)
+    assert sim.status["phase"] == names.RUNNING and not fired(sim.plans)
     assert plan.requeue_after == DEADLINE + 3600 - (DEADLINE + 1)
     sim.at(DEADLINE + 3600 + 1)
-    assert sim.status["phase"] == c.RESTARTING and len(fired(sim.plans)) == 1
+    assert sim.status["phase"] == names.RESTARTING and len(fired(sim.plans)) == 1
 
 
 def test_preparing_reported_by_this_attempt_counts_although_the_step_is_an_earlier_attempts():
@@ -305,10 +305,10 @@ def test_preparing_reported_by_this_attempt_counts_although_the_step_is_an_earli
     sim.at(DEADLINE + 40)  # backoff over: attempt 2
     sim.run_gang()
     sim.at(DEADLINE + 41)
-    assert (sim.status["phase"], sim.status["attempt"]) == (c.RUNNING, 2)
-    sim.report(waiting={"reason": c.WAIT_PREPARING, "message": "resuming", "attempt": 2})
+    assert (sim.status["phase"], sim.status["attempt"]) == (names.RUNNING, 2)
+    sim.report(waiting={"reason": names.WAIT_PREPARING, "message": "resuming", "attempt": 2})
     sim.at(2 * DEADLINE + 50)
-    assert sim.status["phase"] == c.RUNNING and sim.status["restarts"] == 1
+    assert sim.status["phase"] == names.RUNNING and sim.status["restarts"] == 1
     sim.at(DEADLINE + 41 + DEADLINE + 3600 + 1)
     assert sim.status["restarts"] == 2
 
@@ -319,7 +319,7 @@ def test_no_deadline_after_the_last_step():
     sim.running(0)
     sim.report(step=100, attempt=1)  # totalSteps
     plan = sim.at(DEADLINE * 5)
-    assert sim.status["phase"] == c.RUNNING and not fired(sim.plans) and plan.requeue_after is None
+    assert sim.status["phase"] == names.RUNNING and not fired(sim.plans) and plan.requeue_after is None
 
 
 def test_progress_says_where_this_attempt_resumed_from():
@@ -334,7 +334,7 @@ def test_progress_says_where_this_attempt_resumed_from():
     sim.at(2)  # the step moved, the record restarts: where it began stays
     assert sim.status["progress"]["resumedFrom"] == {"step": 0} and sim.status["progress"]["step"] == 3
     # The next attempt: nothing until its own trainer reports, then its own start.
-    sim = Sim(status={"phase": c.PENDING, "attempt": 2, "restarts": 1, "progress": sim.status["progress"],
+    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1, "progress": sim.status["progress"],
                       "trainer": sim.status["trainer"]})
     sim.running(3)
     assert "resumedFrom" not in sim.status["progress"], sim.status["progress"]

@@ -2,7 +2,7 @@
 
 from datetime import timedelta
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import builders
 from rft_contract.spec import parse_spec
 from rft_operator.reconcile import Observed, PodView, reconcile
@@ -18,7 +18,7 @@ STATIC = {
 
 
 CURRENT = builders.build_configmap(builders.JobRef("demo", "team-a", "0000-1111"), parse_spec(SPEC))
-CURRENT_HASH = CURRENT["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+CURRENT_HASH = CURRENT["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
 
 
 def observed(pods=(), cm_hash=CURRENT_HASH):
@@ -45,49 +45,49 @@ def test_new_job_creates_children_and_gang():
     kinds = [o["kind"] for o in plan.create]
     assert kinds == ["ConfigMap", "Pod", "Pod"]  # static children exist except the ConfigMap
     assert [o["metadata"]["name"] for o in plan.create[1:]] == ["demo-trainer-1-0", "demo-trainer-1-1"]
-    assert plan.status["phase"] == c.PENDING and plan.status["attempt"] == 1
+    assert plan.status["phase"] == names.PENDING and plan.status["attempt"] == 1
     assert plan.status["restarts"] == 0
     assert plan.status["trainer"] == {"totalSteps": 100, "progress": "0/100"}
-    assert [e.reason for e in plan.events] == [c.REASON_CREATED]
+    assert [e.reason for e in plan.events] == [names.REASON_CREATED]
     assert plan.status_changed
 
 
 def test_missing_static_children_are_recreated():
-    plan = reconcile(make_job(status=status(c.RUNNING)), Observed(pods=[pod(1, 0), pod(1, 1)]), NOW)
+    plan = reconcile(make_job(status=status(names.RUNNING)), Observed(pods=[pod(1, 0), pod(1, 1)]), NOW)
     assert sorted(o["kind"] for o in plan.create) == ["ConfigMap", "Role", "RoleBinding", "Service", "ServiceAccount"]
 
 
 def test_drifted_configmap_is_replaced():
-    plan = reconcile(make_job(status=status(c.RUNNING)), observed([pod(1, 0), pod(1, 1)], cm_hash="stale"), NOW)
+    plan = reconcile(make_job(status=status(names.RUNNING)), observed([pod(1, 0), pod(1, 1)], cm_hash="stale"), NOW)
     assert [o["kind"] for o in plan.replace] == ["ConfigMap"]
 
 
 def test_all_running_sets_phase_running_and_start_time():
-    plan = reconcile(make_job(status=status(c.PENDING)), observed([pod(1, 0), pod(1, 1)]), NOW)
-    assert plan.status["phase"] == c.RUNNING
+    plan = reconcile(make_job(status=status(names.PENDING)), observed([pod(1, 0), pod(1, 1)]), NOW)
+    assert plan.status["phase"] == names.RUNNING
     assert plan.status["startTime"] == "2026-11-30T12:00:00Z"
-    assert cond(plan, c.COND_RUNNING)["status"] == "True"
-    assert [e.reason for e in plan.events] == [c.REASON_ALL_RUNNING]
+    assert cond(plan, names.COND_RUNNING)["status"] == "True"
+    assert [e.reason for e in plan.events] == [names.REASON_ALL_RUNNING]
     assert not [o for o in plan.create if o["kind"] == "Pod"]
 
 
 def test_partially_scheduled_gang_stays_pending_and_fills_gaps():
-    plan = reconcile(make_job(status=status(c.PENDING)), observed([pod(1, 0)]), NOW)
-    assert plan.status["phase"] == c.PENDING
+    plan = reconcile(make_job(status=status(names.PENDING)), observed([pod(1, 0)]), NOW)
+    assert plan.status["phase"] == names.PENDING
     assert [o["metadata"]["name"] for o in plan.create if o["kind"] == "Pod"] == ["demo-trainer-1-1"]
     assert plan.status["message"] == "attempt 1: waiting for all 2 trainer pods to run"
 
 
 def test_a_pod_that_starts_while_the_gang_is_pending_costs_no_status_write():
-    job = make_job(status=status(c.PENDING))
+    job = make_job(status=status(names.PENDING))
     first = reconcile(job, observed([pod(1, 0, "Pending"), pod(1, 1, "Pending")]), NOW)
     job["status"] = first.status
     plan = reconcile(job, observed([pod(1, 0), pod(1, 1, "Pending")]), NOW)
-    assert plan.status["phase"] == c.PENDING and not plan.status_changed
+    assert plan.status["phase"] == names.PENDING and not plan.status_changed
 
 
 def test_steady_state_is_a_no_op():
-    first = reconcile(make_job(status=status(c.PENDING)), observed([pod(1, 0), pod(1, 1)]), NOW)
+    first = reconcile(make_job(status=status(names.PENDING)), observed([pod(1, 0), pod(1, 1)]), NOW)
     job = make_job(status={**first.status})
     again = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW + timedelta(seconds=5))
     assert again.status_changed is False
@@ -95,72 +95,72 @@ def test_steady_state_is_a_no_op():
 
 
 def test_retryable_failure_restarts_the_whole_gang():
-    job = make_job(status=status(c.RUNNING))
+    job = make_job(status=status(names.RUNNING))
     plan = reconcile(job, observed([pod(1, 0), pod(1, 1, "Failed", exit_code=1)]), NOW)
-    assert plan.status["phase"] == c.RESTARTING
+    assert plan.status["phase"] == names.RESTARTING
     assert plan.status["restarts"] == 1
     assert plan.delete_pods == ["demo-trainer-1-0"]  # the failed pod stays for its logs
     assert plan.status["lastFailure"]["pod"] == "demo-trainer-1-1"
     assert plan.status["lastFailure"]["exitCode"] == 1
     assert plan.requeue_after == 30
-    assert plan.events[0].type == "Warning" and plan.events[0].reason == c.REASON_RESTARTING
+    assert plan.events[0].type == "Warning" and plan.events[0].reason == names.REASON_RESTARTING
 
 
 def test_restarting_waits_for_backoff_then_starts_next_attempt():
     failure = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": "PodFailed", "time": "2026-11-30T12:00:00Z"}
-    job = make_job(status=status(c.RESTARTING, restarts=1, lastFailure=failure))
+    job = make_job(status=status(names.RESTARTING, restarts=1, lastFailure=failure))
     early = reconcile(job, observed([pod(1, 1, "Failed", exit_code=1)]), NOW + timedelta(seconds=10))
-    assert early.status["phase"] == c.RESTARTING
+    assert early.status["phase"] == names.RESTARTING
     assert early.delete_pods == []  # the failed pod stays for its logs
     assert early.requeue_after == 20
     waiting = reconcile(job, observed([pod(1, 0, "Running", deleting=True)]), NOW + timedelta(seconds=31))
-    assert waiting.status["phase"] == c.RESTARTING and not waiting.create
+    assert waiting.status["phase"] == names.RESTARTING and not waiting.create
     due = reconcile(job, observed([pod(1, 1, "Failed", exit_code=1)]), NOW + timedelta(seconds=31))
-    assert due.status["attempt"] == 2 and due.status["phase"] == c.PENDING
+    assert due.status["attempt"] == 2 and due.status["phase"] == names.PENDING
     assert [o["metadata"]["name"] for o in due.create if o["kind"] == "Pod"] == ["demo-trainer-2-0", "demo-trainer-2-1"]
-    pod_labels = [o["metadata"]["labels"][c.LABEL_ATTEMPT] for o in due.create if o["kind"] == "Pod"]
+    pod_labels = [o["metadata"]["labels"][names.LABEL_ATTEMPT] for o in due.create if o["kind"] == "Pod"]
     assert pod_labels == ["2", "2"]
 
 
 def test_fatal_exit_code_fails_the_job():
-    plan = reconcile(make_job(status=status(c.RUNNING)), observed([pod(1, 0), pod(1, 1, "Failed", exit_code=78)]), NOW)
-    assert plan.status["phase"] == c.FAILED
+    plan = reconcile(make_job(status=status(names.RUNNING)), observed([pod(1, 0), pod(1, 1, "Failed", exit_code=78)]), NOW)
+    assert plan.status["phase"] == names.FAILED
     assert plan.status["restarts"] == 0
     assert "fatal" in plan.status["message"] and "78" in plan.status["message"]
     assert plan.delete_pods == ["demo-trainer-1-0"]
-    assert cond(plan, c.COND_FAILED)["reason"] == c.REASON_FATAL_EXIT
+    assert cond(plan, names.COND_FAILED)["reason"] == names.REASON_FATAL_EXIT
     assert plan.status["completionTime"] == "2026-11-30T12:00:00Z"
 
 
 def test_exhausted_budget_fails_the_job():
-    plan = reconcile(make_job(status=status(c.RUNNING, attempt=3, restarts=2)),
+    plan = reconcile(make_job(status=status(names.RUNNING, attempt=3, restarts=2)),
                      observed([pod(3, 0, "Failed", exit_code=1), pod(3, 1)]), NOW)
-    assert plan.status["phase"] == c.FAILED
+    assert plan.status["phase"] == names.FAILED
     assert "maxRestarts=2" in plan.status["message"]
-    assert cond(plan, c.COND_FAILED)["reason"] == c.REASON_BACKOFF_LIMIT
+    assert cond(plan, names.COND_FAILED)["reason"] == names.REASON_BACKOFF_LIMIT
 
 
 def test_pod_deleted_by_hand_while_running_ends_the_attempt():
-    plan = reconcile(make_job(status=status(c.RUNNING)), observed([pod(1, 0)]), NOW)
-    assert plan.status["phase"] == c.RESTARTING
-    assert plan.status["lastFailure"]["reason"] == c.REASON_POD_DELETED
+    plan = reconcile(make_job(status=status(names.RUNNING)), observed([pod(1, 0)]), NOW)
+    assert plan.status["phase"] == names.RESTARTING
+    assert plan.status["lastFailure"]["reason"] == names.REASON_POD_DELETED
 
 
 def test_pod_deleted_before_gang_ran_is_recreated():
-    plan = reconcile(make_job(status=status(c.PENDING)), observed([pod(1, 0, "Pending")]), NOW)
-    assert plan.status["phase"] == c.PENDING
+    plan = reconcile(make_job(status=status(names.PENDING)), observed([pod(1, 0, "Pending")]), NOW)
+    assert plan.status["phase"] == names.PENDING
     assert [o["metadata"]["name"] for o in plan.create if o["kind"] == "Pod"] == ["demo-trainer-1-1"]
 
 
 def test_all_succeeded():
-    plan = reconcile(make_job(status=status(c.RUNNING)), observed([pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")]), NOW)
-    assert plan.status["phase"] == c.SUCCEEDED
+    plan = reconcile(make_job(status=status(names.RUNNING)), observed([pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")]), NOW)
+    assert plan.status["phase"] == names.SUCCEEDED
     assert plan.status["completionTime"] == "2026-11-30T12:00:00Z"
-    assert cond(plan, c.COND_SUCCEEDED)["status"] == "True"
+    assert cond(plan, names.COND_SUCCEEDED)["status"] == "True"
 
 
 def test_terminal_job_is_left_alone():
-    job = make_job(status=status(c.SUCCEEDED, completionTime="2026-11-30T11:00:00Z"))
+    job = make_job(status=status(names.SUCCEEDED, completionTime="2026-11-30T11:00:00Z"))
     plan = reconcile(job, observed([pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")]), NOW)
     assert plan.create == [] and plan.delete_pods == []
     assert plan.status["completionTime"] == "2026-11-30T11:00:00Z"
@@ -168,36 +168,36 @@ def test_terminal_job_is_left_alone():
 
 def test_suspend_deletes_pods_and_resume_starts_a_new_attempt():
     spec = {**SPEC, "suspend": True}
-    plan = reconcile(make_job(spec, status=status(c.RUNNING)), observed([pod(1, 0), pod(1, 1)]), NOW)
-    assert plan.status["phase"] == c.SUSPENDED
+    plan = reconcile(make_job(spec, status=status(names.RUNNING)), observed([pod(1, 0), pod(1, 1)]), NOW)
+    assert plan.status["phase"] == names.SUSPENDED
     assert sorted(plan.delete_pods) == ["demo-trainer-1-0", "demo-trainer-1-1"]
-    assert cond(plan, c.COND_SUSPENDED)["status"] == "True"
+    assert cond(plan, names.COND_SUSPENDED)["status"] == "True"
     assert plan.status["restarts"] == 0
     resumed = reconcile(make_job(status=plan.status), observed([]), NOW)
-    assert resumed.status["phase"] == c.PENDING and resumed.status["attempt"] == 2
+    assert resumed.status["phase"] == names.PENDING and resumed.status["attempt"] == 2
     assert resumed.status["restarts"] == 0
-    assert [e.reason for e in resumed.events] == [c.REASON_RESUMED]
+    assert [e.reason for e in resumed.events] == [names.REASON_RESUMED]
     assert len([o for o in resumed.create if o["kind"] == "Pod"]) == 2
 
 
 def test_new_gang_waits_until_old_attempt_is_gone():
-    plan = reconcile(make_job(status=status(c.PENDING, attempt=2)), observed([pod(1, 0, deleting=True)]), NOW)
+    plan = reconcile(make_job(status=status(names.PENDING, attempt=2)), observed([pod(1, 0, deleting=True)]), NOW)
     assert not [o for o in plan.create if o["kind"] == "Pod"]
-    plan = reconcile(make_job(status=status(c.PENDING, attempt=2)), observed([pod(1, 0)]), NOW)
+    plan = reconcile(make_job(status=status(names.PENDING, attempt=2)), observed([pod(1, 0)]), NOW)
     assert plan.delete_pods == ["demo-trainer-1-0"]
 
 
 def test_invalid_stored_spec_fails_with_field_name():
     spec = {**SPEC, "trainer": {**SPEC["trainer"], "nodes": 0}}
     plan = reconcile(make_job(spec), observed(), NOW)
-    assert plan.status["phase"] == c.FAILED
+    assert plan.status["phase"] == names.FAILED
     assert "spec.trainer.nodes" in plan.status["message"]
     assert plan.create == []
 
 
 def test_pod_view_reads_exit_code():
     body = {
-        "metadata": {"name": "demo-trainer-1-0", "labels": {c.LABEL_ATTEMPT: "1", c.LABEL_RANK: "0"}},
+        "metadata": {"name": "demo-trainer-1-0", "labels": {names.LABEL_ATTEMPT: "1", names.LABEL_RANK: "0"}},
         "status": {"phase": "Failed", "containerStatuses": [
             {"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]},
     }
@@ -206,15 +206,15 @@ def test_pod_view_reads_exit_code():
 
 
 def test_checkpointed_condition_follows_the_trainers_report():
-    job = make_job(status=status(c.RUNNING))
+    job = make_job(status=status(names.RUNNING))
     plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)
-    assert cond(plan, c.COND_CHECKPOINTED)["status"] == "False"
-    assert cond(plan, c.COND_CHECKPOINTED)["reason"] == c.REASON_NO_CHECKPOINT
-    reported = {**status(c.RUNNING), "trainer": {"progress": "5/100",
+    assert cond(plan, names.COND_CHECKPOINTED)["status"] == "False"
+    assert cond(plan, names.COND_CHECKPOINTED)["reason"] == names.REASON_NO_CHECKPOINT
+    reported = {**status(names.RUNNING), "trainer": {"progress": "5/100",
                                                  "lastCheckpoint": {"step": 5, "uri": "s3://ckpts/demo/ckpt/step-00000005"}}}
     plan = reconcile(make_job(status=reported), observed([pod(1, 0), pod(1, 1)]), NOW)
-    checkpointed = cond(plan, c.COND_CHECKPOINTED)
-    assert checkpointed["status"] == "True" and checkpointed["reason"] == c.REASON_CHECKPOINT_SAVED
+    checkpointed = cond(plan, names.COND_CHECKPOINTED)
+    assert checkpointed["status"] == "True" and checkpointed["reason"] == names.REASON_CHECKPOINT_SAVED
     assert "step 5" in checkpointed["message"]
     assert "trainer" not in plan.status  # the operator never writes the trainer's subtree
 
@@ -245,7 +245,7 @@ def test_a_spec_changed_in_place_is_rendered_again():
     from rft_operator.reconcile import RenderCache
 
     renders = RenderCache()
-    job = make_job(status=status(c.RUNNING))
+    job = make_job(status=status(names.RUNNING))
     assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders).replace
     job["spec"]["trainer"]["totalSteps"] = 7  # same dict, same generation: content decides
     plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)

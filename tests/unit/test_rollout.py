@@ -4,7 +4,7 @@ from datetime import timedelta
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import rollout
 from rft_operator.model import PodView
@@ -18,8 +18,8 @@ REF = JobRef("demo", "team-a", "0000-1111")
 LOOP = {**SPEC, "inference": {"replicas": 2, "port": 8000},
         "explorer": {"replicas": 1, "tasksetUri": "s3://data/a.jsonl"}}
 ALL = ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
-SYNCED = Cond(c.COND_WEIGHTS_SYNCED, True, c.REASON_SYNCED)
-SYNCING = Cond(c.COND_WEIGHTS_SYNCED, False, c.REASON_SYNCING)
+SYNCED = Cond(names.COND_WEIGHTS_SYNCED, True, names.REASON_SYNCED)
+SYNCING = Cond(names.COND_WEIGHTS_SYNCED, False, names.REASON_SYNCING)
 DONE_1M_AGO = "2026-11-30T11:59:00Z"
 DONE_11M_AGO = "2026-11-30T11:49:00Z"
 
@@ -32,38 +32,38 @@ def pods(phase="Running", drop=(), stale=(), failed=(), deleting=(), extra=()):
         name = m["name"]
         if name in drop:
             continue
-        h = "stale" if name in stale else m["annotations"][c.ANNOTATION_SPEC_HASH]
+        h = "stale" if name in stale else m["annotations"][names.ANNOTATION_SPEC_HASH]
         out.append(PodView(name, -1, -1, "Failed" if name in failed else phase, name in deleting,
-                           role=m["labels"][c.LABEL_ROLE], spec_hash=h))
-    return out + [PodView(n, -1, -1, "Running", role=c.ROLE_INFERENCE, spec_hash="x") for n in extra]
+                           role=m["labels"][names.LABEL_ROLE], spec_hash=h))
+    return out + [PodView(n, -1, -1, "Running", role=names.ROLE_INFERENCE, spec_hash="x") for n in extra]
 
 
 # id, spec (None: invalid), gang phase, completionTime, WeightsSynced, pods,
 # expected: created names, deleted names, requeue_after
 CASES = [
-    ("invalid-spec-removes-all", None, c.FAILED, None, None, pods(), ([], ALL, None)),
-    ("invalid-spec-removes-all-in-any-phase", None, c.RUNNING, None, None, pods(), ([], ALL, None)),
-    ("suspended-removes-all", LOOP, c.SUSPENDED, None, SYNCED, pods(), ([], ALL, None)),
-    ("failed-removes-all-but-the-deleting", LOOP, c.FAILED, None, SYNCED, pods(deleting=["demo-inference-1"]),
+    ("invalid-spec-removes-all", None, names.FAILED, None, None, pods(), ([], ALL, None)),
+    ("invalid-spec-removes-all-in-any-phase", None, names.RUNNING, None, None, pods(), ([], ALL, None)),
+    ("suspended-removes-all", LOOP, names.SUSPENDED, None, SYNCED, pods(), ([], ALL, None)),
+    ("failed-removes-all-but-the-deleting", LOOP, names.FAILED, None, SYNCED, pods(deleting=["demo-inference-1"]),
      ([], ["demo-inference-0", "demo-explorer-0"], None)),
-    ("new-job-creates-all", LOOP, c.PENDING, None, SYNCING, [], (ALL, [], None)),
-    ("steady-state", LOOP, c.RUNNING, None, SYNCED, pods(), ([], [], None)),
-    ("restarting-keeps-them", LOOP, c.RESTARTING, None, SYNCED, pods(), ([], [], None)),
-    ("missing-one-is-created", LOOP, c.RUNNING, None, SYNCED, pods(drop=["demo-inference-1"]),
+    ("new-job-creates-all", LOOP, names.PENDING, None, SYNCING, [], (ALL, [], None)),
+    ("steady-state", LOOP, names.RUNNING, None, SYNCED, pods(), ([], [], None)),
+    ("restarting-keeps-them", LOOP, names.RESTARTING, None, SYNCED, pods(), ([], [], None)),
+    ("missing-one-is-created", LOOP, names.RUNNING, None, SYNCED, pods(drop=["demo-inference-1"]),
      (["demo-inference-1"], [], None)),
-    ("drifted-and-failed-are-deleted-not-yet-created", LOOP, c.RUNNING, None, SYNCED,
+    ("drifted-and-failed-are-deleted-not-yet-created", LOOP, names.RUNNING, None, SYNCED,
      pods(stale=["demo-explorer-0"], failed=["demo-inference-0"]), ([], ["demo-inference-0", "demo-explorer-0"], None)),
-    ("unwanted-replica-is-deleted", LOOP, c.RUNNING, None, SYNCED, pods(extra=["demo-inference-2"]),
+    ("unwanted-replica-is-deleted", LOOP, names.RUNNING, None, SYNCED, pods(extra=["demo-inference-2"]),
      ([], ["demo-inference-2"], None)),
-    ("deleting-drifted-pod-is-left-alone", LOOP, c.RUNNING, None, SYNCED,
+    ("deleting-drifted-pod-is-left-alone", LOOP, names.RUNNING, None, SYNCED,
      pods(stale=["demo-explorer-0"], deleting=["demo-explorer-0"]), ([], [], None)),
-    ("succeeded-and-synced-removes-all", LOOP, c.SUCCEEDED, DONE_1M_AGO, SYNCED, pods(),
+    ("succeeded-and-synced-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCED, pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
-    ("succeeded-train-only-removes-all", LOOP, c.SUCCEEDED, DONE_1M_AGO, None, pods(),
+    ("succeeded-train-only-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, None, pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
-    ("succeeded-syncing-keeps-inference-in-grace", LOOP, c.SUCCEEDED, DONE_1M_AGO, SYNCING, pods(),
+    ("succeeded-syncing-keeps-inference-in-grace", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCING, pods(),
      ([], ["demo-explorer-0"], 540.0)),
-    ("succeeded-syncing-grace-spent", LOOP, c.SUCCEEDED, DONE_11M_AGO, SYNCING, pods(),
+    ("succeeded-syncing-grace-spent", LOOP, names.SUCCEEDED, DONE_11M_AGO, SYNCING, pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
 ]
 
@@ -96,7 +96,7 @@ def test_compute_final_sync_wait(cond, done, after, want):
     ("Running", "h", False, True),
 ])
 def test_should_replace(phase, h, wanted, want):
-    want_obj = {"metadata": {"annotations": {c.ANNOTATION_SPEC_HASH: "h"}}} if wanted else None
+    want_obj = {"metadata": {"annotations": {names.ANNOTATION_SPEC_HASH: "h"}}} if wanted else None
     assert rollout.should_replace(PodView("p", -1, -1, phase, spec_hash=h), want_obj) is want
 
 
@@ -123,7 +123,7 @@ def test_the_sync_agent_serves_its_children_on_a_named_port_and_reads_its_parent
     assert agent["ports"] == [{"name": "weights", "containerPort": WEIGHTS_PEER_PORT}]
     env = {e["name"]: e for e in agent["env"]}
     # The agent advertises http://$RFT_POD_IP:<port> in its status entry.
-    assert env[c.ENV_POD_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env[names.ENV_POD_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     engine_ports = {p["containerPort"] for ct in pod["spec"]["containers"] if ct["name"] != "sync-agent"
                     for p in ct.get("ports", [])}
     assert WEIGHTS_PEER_PORT not in engine_ports

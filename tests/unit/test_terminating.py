@@ -4,7 +4,7 @@ what an admin can do."""
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import terminating
 from rft_operator.reconcile import Observed, reconcile
 
@@ -14,8 +14,8 @@ from .test_failure_policy import NODE, at, failed, pod_dict, run, views
 
 # ------------------------------------------------------------------ stuck terminating
 
-RESTARTING = {"phase": c.RESTARTING, "attempt": 1, "restarts": 1,
-              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": c.REASON_POD_FAILED,
+RESTARTING = {"phase": names.RESTARTING, "attempt": 1, "restarts": 1,
+              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
                               "time": at(-600)}}
 MARGIN = terminating.FORCE_DELETE_MARGIN_SECONDS
 
@@ -31,9 +31,9 @@ GONE = {NODE: terminating.NODE_GONE}
 ], ids=["margin-not-over", "within-grace", "due", "due-long-grace"])
 def test_old_pod_stuck_terminating_is_force_deleted_after_the_bound(deleted_at, grace, want_force, want_requeue):
     g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING, nodes=GONE)
-    assert g.phase == c.RESTARTING  # the next attempt waits until the pod is gone
+    assert g.phase == names.RESTARTING  # the next attempt waits until the pod is gone
     assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
-    warnings = [e for e in g.events if e.reason == c.REASON_STUCK_TERMINATING]
+    warnings = [e for e in g.events if e.reason == names.REASON_STUCK_TERMINATING]
     if want_force:
         assert len(warnings) == 1 and warnings[0].type == "Warning" and "demo-trainer-1-0" in warnings[0].message
     else:
@@ -55,9 +55,9 @@ STUCK = -30 - MARGIN - 1  # deleted this long ago, grace period 30 s: past the b
 ], ids=["node-gone", "out-of-service", "node-present", "node-unreadable", "unknown", "unscheduled"])
 def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
     g = run([pod_dict(1, 0, deleted_at=STUCK, node=node), failed(1, 1, -600)], old=RESTARTING, nodes=nodes)
-    assert g.phase == c.RESTARTING
+    assert g.phase == names.RESTARTING
     assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
-    assert [(e.type, e.reason) for e in g.events] == [("Warning", c.REASON_STUCK_TERMINATING)]
+    assert [(e.type, e.reason) for e in g.events] == [("Warning", names.REASON_STUCK_TERMINATING)]
     message = g.events[0].message
     if want_force:
         assert "force-deleting" in message and g.status.get("message") == RESTARTING.get("message")
@@ -75,13 +75,13 @@ def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
     again = run([pod_dict(1, 0, deleted_at=STUCK - 600), failed(1, 1, -600)],
                 old={**RESTARTING, "message": message}, nodes=nodes)
     assert (again.phase, again.force_delete, again.events, again.status["message"]) == (
-        c.RESTARTING, (), (), message)
+        names.RESTARTING, (), (), message)
 
 
 def test_a_stuck_pod_goes_on_by_itself_once_gone():
     waiting = run([pod_dict(1, 0, deleted_at=STUCK), failed(1, 1, -600)], old=RESTARTING, nodes={NODE: terminating.NODE_UP})
     g = run([failed(1, 1, -600)], old={**RESTARTING, "message": waiting.status["message"]})
-    assert (g.phase, g.attempt, [e.reason for e in g.events]) == (c.PENDING, 2, [c.REASON_RESTARTED])
+    assert (g.phase, g.attempt, [e.reason for e in g.events]) == (names.PENDING, 2, [names.REASON_RESTARTED])
 
 
 def test_stuck_nodes_are_only_those_of_pods_past_the_bound():
@@ -94,22 +94,22 @@ def test_a_force_deleted_pod_is_not_forced_again():
     stuck = pod_dict(1, 0, deleted_at=-30 - MARGIN - 100)
     stuck["metadata"]["deletionGracePeriodSeconds"] = 0  # what the force delete leaves (e.g. a finalizer holds it)
     g = run([stuck], old=RESTARTING, nodes=GONE)
-    assert (g.phase, g.force_delete, g.events) == (c.RESTARTING, (), ())
+    assert (g.phase, g.force_delete, g.events) == (names.RESTARTING, (), ())
 
 
 def test_stale_attempt_stuck_terminating_blocks_the_new_gang_until_forced():
-    old = {"phase": c.PENDING, "attempt": 2, "restarts": 1}
+    old = {"phase": names.PENDING, "attempt": 2, "restarts": 1}
     g = run([pod_dict(1, 0, deleted_at=STUCK)], old=old, nodes=GONE)
     assert g.force_delete == ("demo-trainer-1-0",) and g.create == ()
     observed = Observed(pods=views(pod_dict(1, 0, deleted_at=STUCK)), nodes=GONE)
     plan = reconcile(make_job(status=old), observed, NOW)
     assert plan.force_delete_pods == ["demo-trainer-1-0"] and plan.delete_pods == []
-    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
+    assert [e.reason for e in plan.events] == [names.REASON_STUCK_TERMINATING]
     # A node that may still run it: the new gang waits, and the Pending message says why.
     plan = reconcile(make_job(status=old), Observed(pods=observed.pods, nodes={NODE: terminating.NODE_UP}), NOW)
     assert plan.force_delete_pods == [] and not [x for x in plan.create if x["kind"] == "Pod"]
-    assert plan.status["phase"] == c.PENDING and plan.status["message"].startswith("waiting for pod demo-trainer-1-0")
-    assert [e.reason for e in plan.events] == [c.REASON_STUCK_TERMINATING]
+    assert plan.status["phase"] == names.PENDING and plan.status["message"].startswith("waiting for pod demo-trainer-1-0")
+    assert [e.reason for e in plan.events] == [names.REASON_STUCK_TERMINATING]
 
 
 # ------------------------------------------------------------------ the rules on their own

@@ -2,10 +2,10 @@
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_operator import builders, weightsync as sync
 from rft_contract.spec import parse_spec
-from rft_operator.reconcile import Observed, PodView, reconcile
+from rft_operator.reconcile import PodView, reconcile
 
 from .conftest import NOW, SPEC, make_job
 from .test_reconcile import STATIC, cond, observed, pod, status
@@ -20,8 +20,8 @@ def rollout_pods(spec=LOOP, phase="Running", hashes=None):
     out = []
     for obj in builders.build_rollout_pods(REF, parse_spec(spec)):
         meta = obj["metadata"]
-        h = (hashes or {}).get(meta["name"], meta["annotations"][c.ANNOTATION_SPEC_HASH])
-        out.append(PodView(meta["name"], -1, -1, phase, role=meta["labels"][c.LABEL_ROLE], spec_hash=h))
+        h = (hashes or {}).get(meta["name"], meta["annotations"][names.ANNOTATION_SPEC_HASH])
+        out.append(PodView(meta["name"], -1, -1, phase, role=meta["labels"][names.LABEL_ROLE], spec_hash=h))
     return out
 
 
@@ -30,11 +30,11 @@ def loop_observed(extra=(), **kw):
     loop_accounts = {("ServiceAccount", f"demo-rft-{r}"): "" for r in ("inference", "explorer")}
     readers = {(kind, "demo-status-reader"): "" for kind in ("Role", "RoleBinding")}
     obs.children = {**STATIC, **loop_accounts, **readers, ("Service", "demo-inference"): "", **{
-        ("ConfigMap", "demo-config"): builders.build_configmap(REF, parse_spec(LOOP))["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]}}
+        ("ConfigMap", "demo-config"): builders.build_configmap(REF, parse_spec(LOOP))["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]}}
     return obs
 
 
-def run(trainer=None, replicas=None, spec=LOOP, phase=c.RUNNING, pods=None, old_target=None, **st):
+def run(trainer=None, replicas=None, spec=LOOP, phase=names.RUNNING, pods=None, old_target=None, **st):
     ws = {"replicas": replicas or {}}
     if old_target:
         ws["target"] = old_target
@@ -44,12 +44,12 @@ def run(trainer=None, replicas=None, spec=LOOP, phase=c.RUNNING, pods=None, old_
 
 def test_new_loop_job_creates_inference_and_explorer_pods_and_targets_the_base_model():
     plan = run(pods=[])
-    names = [o["metadata"]["name"] for o in plan.create]
-    assert names == ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
+    created = [o["metadata"]["name"] for o in plan.create]
+    assert created == ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
     ws = plan.status["weightSync"]
     assert ws["target"] == {"version": 0, "uri": "s3://models/tiny-qwen", "id": None}
     assert ws["synced"] == "0/2" and ws["desiredReplicas"] == 2
-    assert cond(plan, c.COND_WEIGHTS_SYNCED)["reason"] == c.REASON_SYNCING
+    assert cond(plan, names.COND_WEIGHTS_SYNCED)["reason"] == names.REASON_SYNCING
 
 
 def test_latest_weights_are_promoted_and_replicas_counted():
@@ -69,7 +69,7 @@ def test_latest_weights_are_promoted_and_replicas_counted():
                          "demo-inference-1": {"version": 3, "id": "abc"}},
                old_target={"version": 3, "uri": W + "00000003", "id": "abc"})
     assert plan.status["weightSync"]["synced"] == "2/2"
-    assert cond(plan, c.COND_WEIGHTS_SYNCED)["status"] == "True"
+    assert cond(plan, names.COND_WEIGHTS_SYNCED)["status"] == "True"
     assert not [e for e in plan.events if e.reason == "WeightsTarget"]  # no change, no event
 
 
@@ -91,9 +91,9 @@ def test_pinned_version(pin, versions, want, ok):
     trainer = {"step": 3, "latestWeights": {"version": 3, "uri": W + "00000003"}, "weightVersions": versions}
     plan = run(trainer, spec=spec, old_target={"version": 3, "uri": W + "00000003"})
     assert plan.status.get("weightSync", {}).get("target", {"version": 3})["version"] == want
-    c_ = cond(plan, c.COND_WEIGHTS_SYNCED)
+    c_ = cond(plan, names.COND_WEIGHTS_SYNCED)
     if not ok:
-        assert c_["status"] == "False" and c_["reason"] == c.REASON_PIN_MISSING
+        assert c_["status"] == "False" and c_["reason"] == names.REASON_PIN_MISSING
         assert "pinnedVersion=7" in c_["message"] and "1, 2, 3" in c_["message"]
     elif pin == 2:
         # Every key is sent: `id: None` deletes the old target's id in the merge patch.
@@ -103,8 +103,8 @@ def test_pinned_version(pin, versions, want, ok):
 def test_replica_errors_show_in_the_condition():
     plan = run({"step": 1}, {"demo-inference-0": {"version": 0},
                              "demo-inference-1": {"version": None, "error": "download failed: SlowDown"}})
-    c_ = cond(plan, c.COND_WEIGHTS_SYNCED)
-    assert c_["reason"] == c.REASON_SYNC_ERROR and "demo-inference-1: download failed" in c_["message"]
+    c_ = cond(plan, names.COND_WEIGHTS_SYNCED)
+    assert c_["reason"] == names.REASON_SYNC_ERROR and "demo-inference-1: download failed" in c_["message"]
 
 
 def test_entries_of_removed_replicas_are_pruned():
@@ -117,14 +117,14 @@ def test_entries_of_removed_replicas_are_pruned():
 
 def test_drifted_or_failed_rollout_pods_are_replaced_but_not_the_trainers():
     pods = rollout_pods(hashes={"demo-explorer-0": "stale"})
-    pods[0] = PodView(pods[0].name, -1, -1, "Failed", role=c.ROLE_INFERENCE, spec_hash=pods[0].spec_hash)
+    pods[0] = PodView(pods[0].name, -1, -1, "Failed", role=names.ROLE_INFERENCE, spec_hash=pods[0].spec_hash)
     plan = run({"step": 1}, pods=pods)
     assert sorted(plan.delete_pods) == ["demo-explorer-0", "demo-inference-0"]
 
 
-@pytest.mark.parametrize("phase", [c.SUSPENDED, c.FAILED])
+@pytest.mark.parametrize("phase", [names.SUSPENDED, names.FAILED])
 def test_suspend_and_failure_remove_rollout_pods(phase):
-    spec = {**LOOP, "suspend": phase == c.SUSPENDED}
+    spec = {**LOOP, "suspend": phase == names.SUSPENDED}
     plan = run({"step": 1}, spec=spec, phase=phase)
     assert {"demo-inference-0", "demo-inference-1", "demo-explorer-0"} <= set(plan.delete_pods)
     assert not [o for o in plan.create if o["kind"] == "Pod"]
@@ -133,18 +133,18 @@ def test_suspend_and_failure_remove_rollout_pods(phase):
 def test_after_success_inference_waits_for_the_final_weights_then_goes():
     trainer = {"step": 5, "latestWeights": {"version": 5, "uri": W + "00000005", "id": "f"}}
     done = {"completionTime": "2026-11-30T11:59:00Z"}
-    plan = run(trainer, {"demo-inference-0": {"version": 5, "id": "f"}}, phase=c.SUCCEEDED, **done)
+    plan = run(trainer, {"demo-inference-0": {"version": 5, "id": "f"}}, phase=names.SUCCEEDED, **done)
     rollout_deletes = lambda plan: sorted(x for x in plan.delete_pods if "-trainer-" not in x)  # noqa: E731
     assert rollout_deletes(plan) == ["demo-explorer-0"] and plan.requeue_after > 0
     plan = run(trainer, {n: {"version": 5, "id": "f"} for n in ("demo-inference-0", "demo-inference-1")},
-               phase=c.SUCCEEDED, **done)
+               phase=names.SUCCEEDED, **done)
     assert rollout_deletes(plan) == ["demo-explorer-0", "demo-inference-0", "demo-inference-1"]
 
 
 def test_train_only_jobs_have_no_weight_sync_status():
-    plan = reconcile(make_job(SPEC, status(c.RUNNING)), observed([pod(1, 0), pod(1, 1)]), NOW)
+    plan = reconcile(make_job(SPEC, status(names.RUNNING)), observed([pod(1, 0), pod(1, 1)]), NOW)
     assert "weightSync" not in plan.status
-    assert all(x["type"] != c.COND_WEIGHTS_SYNCED for x in plan.status["conditions"])
+    assert all(x["type"] != names.COND_WEIGHTS_SYNCED for x in plan.status["conditions"])
 
 
 def test_count_synced_lag_uses_the_oldest_served_version():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import weightsync
 
@@ -21,21 +21,21 @@ CASES = [
     ("invalid-spec", None, {}, {}, (None, None, None, [])),
     ("train-only", SPEC, {"latestWeights": W3}, {}, (None, None, None, [])),
     ("new-job-targets-base", LOOP, {}, {},
-     (PATCH, 0, (False, c.REASON_SYNCING), ["WeightsTarget"])),
+     (PATCH, 0, (False, names.REASON_SYNCING), ["WeightsTarget"])),
     ("export-promoted", LOOP, {"step": 4, "latestWeights": W3}, {"target": BASE},
-     (PATCH, 3, (False, c.REASON_SYNCING), [])),  # routine: no event
+     (PATCH, 3, (False, names.REASON_SYNCING), [])),  # routine: no event
     ("all-synced-nothing-new", LOOP, {"step": 4, "latestWeights": W3},
-     {"target": W3, "replicas": BOTH_ON_3, **COUNTS_2_OF_2}, (None, 3, (True, c.REASON_SYNCED), [])),
+     {"target": W3, "replicas": BOTH_ON_3, **COUNTS_2_OF_2}, (None, 3, (True, names.REASON_SYNCED), [])),
     ("target-without-none-keys-is-the-same", LOOP, {"step": 0}, {"target": {"version": 0, "uri": BASE["uri"]},
      "replicas": {"demo-inference-0": {"version": 0}, "demo-inference-1": {"version": 0}}, **COUNTS_2_OF_2, "lagSteps": 0},
-     (None, 0, (True, c.REASON_SYNCED), [])),
+     (None, 0, (True, names.REASON_SYNCED), [])),
     ("counts-changed", LOOP, {"step": 4, "latestWeights": W3}, {"target": W3, "replicas": BOTH_ON_3},
-     (PATCH, 3, (True, c.REASON_SYNCED), [])),
+     (PATCH, 3, (True, names.REASON_SYNCED), [])),
     ("removed-replica-pruned", LOOP, {"step": 4, "latestWeights": W3},
      {"target": W3, "replicas": {**BOTH_ON_3, "demo-inference-2": {"version": 3}}, **COUNTS_2_OF_2},
-     (sorted(PATCH + ["replicas"]), 3, (True, c.REASON_SYNCED), [])),
+     (sorted(PATCH + ["replicas"]), 3, (True, names.REASON_SYNCED), [])),
     ("missing-pin-keeps-target", {**LOOP, "sync": {"pinnedVersion": 9}}, {"step": 4, "latestWeights": W3},
-     {"target": W3, "replicas": BOTH_ON_3, **COUNTS_2_OF_2}, (None, 3, (False, c.REASON_PIN_MISSING), [])),
+     {"target": W3, "replicas": BOTH_ON_3, **COUNTS_2_OF_2}, (None, 3, (False, names.REASON_PIN_MISSING), [])),
 ]
 
 
@@ -47,7 +47,7 @@ def test_compute_weight_sync(spec, trainer, old, want):
     if version is not None:
         assert (ws.status or old)["target"]["version"] == version
     assert ((ws.condition.status, ws.condition.reason) if ws.condition else None) == cond
-    assert ws.condition is None or ws.condition.type == c.COND_WEIGHTS_SYNCED
+    assert ws.condition is None or ws.condition.type == names.COND_WEIGHTS_SYNCED
     assert [e.reason for e in ws.events] == events
 
 

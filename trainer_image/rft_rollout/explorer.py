@@ -63,9 +63,8 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config

@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rft_contract import names as c
+from rft_contract import names
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.probe import read_probe
 from rft_contract.storage import get_storage
@@ -335,14 +335,14 @@ class SyncAgent:
 
     def parent(self) -> Peer | None:
         """The replica to read weights from (relay.py's tree), if it advertises a server."""
-        prefix = c.inference_pod_name(self.job, 0)[:-1]
+        prefix = names.inference_pod_name(self.job, 0)[:-1]
         index = self.pod[len(prefix):]
         if self.fanout < 1 or not self.pod.startswith(prefix) or not index.isdigit():
             return None
         p = parent_index(int(index), self.fanout)
         if p is None:
             return None
-        pod = c.inference_pod_name(self.job, p)
+        pod = names.inference_pod_name(self.job, p)
         url = (((self._status.get("weightSync") or {}).get("replicas") or {}).get(pod) or {}).get("peer")
         return Peer(pod, url) if url else None
 
