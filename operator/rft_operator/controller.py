@@ -249,7 +249,7 @@ class Controller:
                 *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message)
                   for ev in (plan.events if step == 0 else ())),
                 *(partial(self._create_expected, key, body, obj) for obj in plan.create if now(obj)),
-                *(partial(self._write, body, obj, "patching", self.kube.replace) for obj in plan.replace if now(obj)),
+                *(partial(self._write, body, obj, "patching", self.kube.merge_patch) for obj in plan.patch if now(obj)),
                 *(partial(self._recreate, body, obj) for obj in plan.recreate if now(obj)))
         await self._together(
             *(partial(self.kube.delete_pod, ns, pod) for pod in plan.delete_pods),
@@ -338,7 +338,7 @@ class Controller:
         if owner == drift.OURS:
             # Ours, yet not in the index: someone took our labels off. Put them back.
             if obj["kind"] != "Pod" and not drift.covers(managed_fields(live), managed_fields(obj)):
-                self._write(body, drift.compute_patch(obj, live), "patching", self.kube.replace)
+                self._write(body, drift.compute_patch(obj, live), "patching", self.kube.merge_patch)
             return False
         if owner == drift.PREVIOUS:
             raise Retry(f"{what} still belongs to a deleted {names.KIND} of the same name; waiting for the "

@@ -155,7 +155,7 @@ class Kube:
         return json.loads(self._send("GET", self._path(kind, namespace, name)))
 
     @_timed
-    def replace(self, obj: Obj) -> None:
+    def merge_patch(self, obj: Obj) -> None:
         """Bring a drifted child back to its rendered form. A merge patch: rendered keys win,
         lists (ports, subjects, rules) are replaced whole, keys set to null go (labels and
         annotations we no longer render: `drift.compute_patch`), what the server added is kept."""

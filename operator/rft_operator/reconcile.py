@@ -78,7 +78,7 @@ class Plan:
     status: Obj  # operator-owned status fields, complete
     status_changed: bool
     create: list[Obj] = field(default_factory=list)
-    replace: list[Obj] = field(default_factory=list)  # merge-patch back to the rendered form
+    patch: list[Obj] = field(default_factory=list)  # merge patches back to the rendered form
     recreate: list[Obj] = field(default_factory=list)  # delete, then create (an immutable field drifted)
     delete: list[Obj] = field(default_factory=list)  # static children the spec no longer renders
     delete_pods: list[str] = field(default_factory=list)
@@ -130,7 +130,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
         status=status,
         status_changed=changed or "trainer" in status or "weightSync" in status,
         create=[*static.create, *g.create, *ro.create],
-        replace=static.replace,
+        patch=static.patch,
         recreate=static.recreate,
         delete=static.delete,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
@@ -208,7 +208,7 @@ def _parse(spec: Obj) -> tuple[RFTJobSpec | None, str]:
 
 class StaticChildren(NamedTuple):
     create: list[Obj]  # missing
-    replace: list[Obj]  # drifted: merge patches (`drift.compute_patch`)
+    patch: list[Obj]  # drifted: merge patches (`drift.compute_patch`)
     recreate: list[Obj]  # drifted in a field that cannot change: delete, then create
     delete: list[Obj]  # no longer rendered: {kind, metadata: {name, namespace}}
 
@@ -246,7 +246,7 @@ def compute_static_children(ref: JobRef, spec: RFTJobSpec | None, phase: str | N
         if have is not None and any(f in have and have[f] != obj.get(f) for f in IMMUTABLE_FIELDS.get(obj["kind"], ())):
             out.recreate.append(copy.deepcopy(obj))
         elif hash_drift or (have is not None and not drift.covers(have, fields)):
-            out.replace.append(drift.compute_patch(obj, have))
+            out.patch.append(drift.compute_patch(obj, have))
     out.delete.extend({"kind": kind, "metadata": {"name": name, "namespace": ref.namespace}}
                       for kind, name in sorted(present) if (kind, name) not in seen)
     return out

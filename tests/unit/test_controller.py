@@ -63,8 +63,8 @@ class FakeKube:
         self.calls.append(("read", kind, name))
         return copy.deepcopy(self.existing[(kind, name)])
 
-    def replace(self, obj):
-        self.calls.append(("replace", obj["kind"], obj["metadata"]["name"]))
+    def merge_patch(self, obj):
+        self.calls.append(("merge_patch", obj["kind"], obj["metadata"]["name"]))
 
     def delete(self, obj):
         self.calls.append(("delete", obj["kind"], obj["metadata"]["name"]))
@@ -108,7 +108,7 @@ def test_existing_unowned_configmap_fails_the_job_and_is_left_alone():
     assert status["message"] == ("ConfigMap team-a/demo-config exists and is not owned by this RFTJob; "
                                  "delete or rename it")
     # Nothing written to it, and no pod started that would mount it.
-    assert not [x for x in kube.calls if x[0] in ("replace", "delete") and x[1] == "ConfigMap"]
+    assert not [x for x in kube.calls if x[0] in ("merge_patch", "delete") and x[1] == "ConfigMap"]
     assert not [x for x in kube.calls if x[:2] == ("create", "Pod")]
     assert ("Warning", names.REASON_CHILD_CONFLICT, status["message"]) in kube.events
 
@@ -127,7 +127,7 @@ def test_our_own_child_on_409_is_success():
     passes(controller(kube))
     assert kube.job["status"]["phase"] == names.PENDING
     # Its labels are gone (that is why the index missed it): patched back.
-    assert ("replace", "ConfigMap", "demo-config") in kube.calls
+    assert ("merge_patch", "ConfigMap", "demo-config") in kube.calls
 
 
 def test_child_of_a_deleted_job_with_the_same_name_waits_for_the_garbage_collector():

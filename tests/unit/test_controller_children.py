@@ -49,7 +49,7 @@ def plan(objs, spec=SPEC):
     o = observe(objs)
     static = compute_static_children(REF, parse_spec(spec), names.RUNNING, o.children, o.live)
     assert static.delete == []
-    return ([x["kind"] for x in static.create], [(x["kind"], x["metadata"]["name"]) for x in static.replace],
+    return ([x["kind"] for x in static.create], [(x["kind"], x["metadata"]["name"]) for x in static.patch],
             [(x["kind"], x["metadata"]["name"]) for x in static.recreate])
 
 
@@ -99,7 +99,7 @@ def test_a_spec_change_shows_as_hash_drift():
     assert sorted(plan(live, spec)[1]) == want
     # The hash alone tells, without the live fields.
     hashes = observe(live).children
-    replace = compute_static_children(REF, parse_spec(spec), names.RUNNING, hashes).replace
+    replace = compute_static_children(REF, parse_spec(spec), names.RUNNING, hashes).patch
     assert sorted((x["kind"], x["metadata"]["name"]) for x in replace) == want
 
 
@@ -118,7 +118,7 @@ def _served_with(spec, edit=lambda o: None):
 def _patches(live, spec):
     o = observe(live)
     return {(x["kind"], x["metadata"]["name"]): x
-            for x in compute_static_children(REF, parse_spec(spec), names.RUNNING, o.children, o.live).replace}
+            for x in compute_static_children(REF, parse_spec(spec), names.RUNNING, o.children, o.live).patch}
 
 
 def test_an_annotation_dropped_from_the_spec_is_removed_and_others_keys_stay():

@@ -63,7 +63,7 @@ def test_a_name_taken_is_false_and_a_refusal_carries_the_servers_message():
 def test_rbac_children_and_drift_patches():
     kube, sent = kube_answering((200, {}))
     role = {"kind": "Role", "metadata": {"name": "r", "namespace": "ns"}, "rules": []}
-    kube.replace(role)
+    kube.merge_patch(role)
     assert sent[0]["method"] == "PATCH"
     assert sent[0]["url"].endswith("/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r")
     assert sent[0]["headers"]["Content-Type"] == "application/merge-patch+json"

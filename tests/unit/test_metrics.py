@@ -126,7 +126,7 @@ class FakeKube:
         self.requests += 1
         return True
 
-    def replace(self, obj):
+    def merge_patch(self, obj):
         self.requests += 1
 
     def delete_pod(self, ns, name):

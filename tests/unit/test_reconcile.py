@@ -59,7 +59,7 @@ def test_missing_static_children_are_recreated():
 
 def test_drifted_configmap_is_replaced():
     plan = reconcile(make_job(status=status(names.RUNNING)), observed([pod(1, 0), pod(1, 1)], cm_hash="stale"), NOW)
-    assert [o["kind"] for o in plan.replace] == ["ConfigMap"]
+    assert [o["kind"] for o in plan.patch] == ["ConfigMap"]
 
 
 def test_all_running_sets_phase_running_and_start_time():
@@ -246,10 +246,10 @@ def test_a_spec_changed_in_place_is_rendered_again():
 
     renders = RenderCache()
     job = make_job(status=status(names.RUNNING))
-    assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders).replace
+    assert not reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders).patch
     job["spec"]["trainer"]["totalSteps"] = 7  # same dict, same generation: content decides
     plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)
-    assert [o["kind"] for o in plan.replace] == ["ConfigMap"]
+    assert [o["kind"] for o in plan.patch] == ["ConfigMap"]
     assert plan.status["trainer"] == {"totalSteps": 7, "progress": "0/7"}
 
 
