@@ -26,18 +26,18 @@ vLLM 0.32.0, as its CPU build behaves here (routes and behaviours, seen on the r
       `return_weight_versions` is accepted and ignored (extra="allow"). `honours_opt_in=True`
       plays a later vLLM that returns choices[].weight_versions spans
   errors: {"error": {message, type, param, code}}; validation errors -> 400
-SGLang 0.5.23 (sglang/srt/...):
-  entrypoints/http_server.py:1300-1326               POST /update_weights_from_disk (200/400, success)
-  entrypoints/http_server.py:812-850                 GET /model_info (weight_version, model_path, ...)
-  entrypoints/http_server.py:635-692                 validation errors -> 400 ErrorResponse
-  managers/io_struct.py:1970-1999                    UpdateWeightFromDiskReqInput / ReqOutput
-  utils/msgspec_utils.py:70-118                      msgspec bodies: extra keys ignored, no default = required
-  managers/tokenizer_manager.py:2288-2322, 2365-2370 version label only on success; model renamed to model_path
-  managers/scheduler_components/weight_updater.py:118-160   flush refused while requests run -> success false
-  entrypoints/openai/protocol.py:365-, 506-543       CompletionRequest (extra ignored), metadata
-  entrypoints/openai/serving_completions.py:639-647  metadata from the FIRST choice only
-  entrypoints/openai/serving_base.py:40-60           only a ':' in `model` means a LoRA adapter
-  utils/weight_versions.py:90-117                    {"weight_version", "weight_versions": [{version, start, end}]}
+SGLang 0.5.23 (sglang/srt/...), the behaviour and where it lives:
+  POST /update_weights_from_disk (200/400, success)  (entrypoints/http_server.py)
+  GET /model_info (weight_version, model_path, ...)  (entrypoints/http_server.py)
+  validation errors -> 400 ErrorResponse  (entrypoints/http_server.py)
+  UpdateWeightFromDiskReqInput / ReqOutput  (managers/io_struct.py)
+  msgspec bodies: extra keys ignored, no default = required  (utils/msgspec_utils.py)
+  version label only on success; model renamed to model_path  (managers/tokenizer_manager.py)
+  flush refused while requests run -> success false  (managers/scheduler_components/weight_updater.py)
+  CompletionRequest (extra ignored), metadata  (entrypoints/openai/protocol.py)
+  metadata from the FIRST choice only  (entrypoints/openai/serving_completions.py)
+  only a ':' in `model` means a LoRA adapter  (entrypoints/openai/serving_base.py)
+  {"weight_version", "weight_versions": [{version, start, end}]}  (utils/weight_versions.py)
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _completion_text(i: int) -> str:
 
 class VLLMCompletionRequest(BaseModel):
     """entrypoints/openai/completion/protocol.py (the fields explorers send);
-    OpenAIBaseModel has extra="allow" (serve/engine/protocol.py:37-39)."""
+    OpenAIBaseModel has extra="allow" (serve/engine/protocol.py)."""
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     prompt: str | list[str] | list[int]
@@ -321,7 +321,7 @@ class FakeVLLM(Fake):
             await asyncio.sleep(0.005)
         choices, num_prompt, num_out = [], 0, 0
         for prompt in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
-            # serving.py:578-660: the engine's own prompt ids (BOS only if add_special_tokens)
+            # vLLM's serving.py: the engine's own prompt ids (BOS only if add_special_tokens)
             prompt_ids = [ENGINE_BOS] * req.add_special_tokens + engine_ids(prompt)
             num_prompt += len(prompt_ids)
             for i in range(req.n):
@@ -357,7 +357,7 @@ class FakeVLLM(Fake):
 
 
 class UpdateWeightFromDiskReqInput(BaseModel):
-    """managers/io_struct.py:1970-1992 (+ BaseReq's rid, http_worker_ipc); msgspec_utils.py
+    """managers/io_struct.py (+ BaseReq's rid, http_worker_ipc); msgspec_utils.py
     builds a typed dict with extra_behavior="ignore"."""
     model_config = ConfigDict(extra="ignore")
     rid: Optional[str] = None
@@ -376,7 +376,7 @@ class UpdateWeightFromDiskReqInput(BaseModel):
 
 
 class SGLangCompletionRequest(BaseModel):
-    """entrypoints/openai/protocol.py:365- (the fields explorers send); plain pydantic
+    """entrypoints/openai/protocol.py (the fields explorers send); plain pydantic
     BaseModel: unknown keys such as return_weight_versions are ignored."""
     model: str = "default"
     prompt: str | list[str]

@@ -9,10 +9,9 @@
 - `build_samples`: one server response -> `Sample`s (prompt ids + response ids, logprobs,
   reward, version). Token ids come from the server when it returns them (exact: the prompt
   the engine ran and the tokens the policy actually sampled), else from the tokenizer.
-  Every request asks `"return_token_ids": true`: vLLM 0.33.0 then returns each choice's
-  `prompt_token_ids` and `token_ids` (entrypoints/openai/completion/protocol.py:172-181,
-  675-702; serving.py:643-648), and so does SGLang 0.5.23 (srt/entrypoints/openai/
-  protocol.py:394, serving_completions.py:133, 622-628); the reference server always
+  Every request asks `"return_token_ids": true`: vLLM (0.33.0) then returns each choice's
+  `prompt_token_ids` and `token_ids` in its /v1/completions answer, and so does SGLang
+  (0.5.23, its OpenAI-compatible completions route); the reference server always
   returns top-level `prompt_token_ids` (one list per prompt) and each choice's `token_ids`
   and lists the field as ignored. The fallback tokenizes the prompt with the same
   `add_special_tokens` the request sent (false for chat prompts: the template already
@@ -29,11 +28,10 @@ choice's version is what the engine reports when it reports one:
 - reference server (rft_serving.serve): `weights_version` in the body, or the
   `X-RFT-Weights-Version` header; a request runs on one weights snapshot;
 - vLLM 0.33.0: `choices[i].weight_versions`, spans `[{version, start, end}]` of the
-  output tokens (entrypoints/openai/completion/protocol.py:702, serving.py:650-654); a
-  choice with more than one distinct version straddled a reload and is dropped;
-- SGLang 0.5.23: top-level `metadata` `{weight_version, weight_versions}`, built from the
-  FIRST choice only (srt/entrypoints/openai/serving_completions.py:639-647,
-  srt/utils/weight_versions.py:90-117): its version holds for every choice only when
+  output tokens in the /v1/completions answer; a choice with more than one distinct
+  version straddled a reload and is dropped;
+- SGLang 0.5.23: top-level `metadata` `{weight_version, weight_versions}` in the
+  completions answer, built from the FIRST choice only: its version holds for every choice only when
   `weight_versions` has a single version, else every choice is dropped. (The sync agent
   reloads SGLang under its writer lock, which waits for running requests, so a request's
   choices cannot straddle its reloads; the check guards against other reloads.)
