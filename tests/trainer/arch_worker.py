@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from rft_contract.config import load_config
 from rft_contract.layout import weights_uri
 from rft_contract.s3 import S3Storage
-from rft_trainer.checkpoint import CheckpointManager
+from rft_contract.storage import get_storage
+from rft_trainer.checkpoint import CheckpointManager, build_checkpointer
 from rft_trainer.engine import FSDPTrainEngine
 from rft_trainer.parallelize import init_distributed, tied_parameters
 from tests.fixtures.architectures import VOCAB, is_causal, save_tiny
@@ -66,16 +67,17 @@ def upload(case: dict, uri: str) -> None:
             S3Storage().upload_file(f, f"{uri}/{f.name}")
 
 
-def export_round_trip(engine: FSDPTrainEngine, trained: dict) -> dict | None:
+def export_round_trip(engine: FSDPTrainEngine, rt, trained: dict) -> dict | None:
     """Export (collective); rank 0 loads it with plain `from_pretrained` and compares."""
     from transformers import AutoModelForCausalLM
 
-    engine.save_state_dict(dtype="fp32")
-    if not engine.rt.is_main:
+    dest = weights_uri(engine.config.checkpoint.uri, engine.train_step_num)
+    engine.save_state_dict(S3Storage(), dest, "fp32")
+    if not rt.is_main:
         return None
     try:  # rank 0 alone: an error here must not skip a collective the other ranks enter
         with tempfile.TemporaryDirectory() as d:
-            local = S3Storage().download_prefix(weights_uri(engine.config.checkpoint.uri, engine.step), d)
+            local = S3Storage().download_prefix(dest, d)
             loaded = AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32).state_dict()
     except Exception as e:  # noqa: BLE001 - recorded for the test
         return {"error": f"{type(e).__name__}: {e}"}
@@ -98,19 +100,21 @@ def run_case(case: dict, plan: dict, rt, create: bool) -> dict:
             out["causal"] = is_causal(engine.actor.model)
         _, out["grpo"] = engine.train_step(batch)
         trained = full(engine.actor.model)
-        out["export"] = export_round_trip(engine, trained)
+        out["export"] = export_round_trip(engine, rt, trained)
         if deep:
             out["grpo_actor"] = trained
         del engine, trained
-    engine = FSDPTrainEngine(job("ppo", model, f"s3://{bucket}/ckpt/{name}-w{rt.world_size}", kl_coef), rt)
+    config = job("ppo", model, f"s3://{bucket}/ckpt/{name}-w{rt.world_size}", kl_coef)
+    engine = FSDPTrainEngine(config, rt)
     engine.prepare()
     _, out["ppo"] = engine.train_step(batch)
     trained = {"actor": full(engine.actor.model), "critic": full(engine.critic.model)}
     if deep:
         out.update(trained)
-        engine.save_checkpoint(block_until_saved=True)
+        storage = get_storage(config.checkpoint.uri)
+        build_checkpointer(config, storage, rt, engine.checkpoint_roles()).save(engine.train_step_num, {})
         if rt.world_size > 1:
-            one = CheckpointManager(engine.storage, f"s3://{bucket}/ckpt/{name}-w1", rt,
+            one = CheckpointManager(storage, f"s3://{bucket}/ckpt/{name}-w1", rt,
                                     roles={"actor": engine.actor, "critic": engine.critic})
             out["resumed_step"] = one.resume()
             out["resumed"] = {"actor": full(engine.actor.model), "critic": full(engine.critic.model)}

@@ -4,8 +4,9 @@
                   [--micro-batch-size M]
 
 Builds a PPO engine (actor + critic) on the tiny model, resumes from the newest verified
-checkpoint under URI (if any) through the engine's `load_checkpoint`, then trains up to
-step N on fixed synthetic batches
+checkpoint under URI (if any) into the engine's `checkpoint_roles()` with the job's
+checkpointer (`build_checkpointer`, as the Trainer does), then trains up to step N on
+fixed synthetic batches
 (batch of step s has seed s), calling `maybe_save` after every step. Rank 0 writes to OUT
 (test harness only) the resumed step/extra, and full-state snapshots: "resumed" and one
 per trained step, plus each step's metrics. With --request-log, every process appends one
@@ -24,8 +25,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict)
 
 from rft_contract.config import load_config
+from rft_contract.storage import get_storage
 from tests.fixtures.batches import synthetic_batch
+from rft_trainer.checkpoint import build_checkpointer
 from rft_trainer.engine import FSDPTrainEngine
+from rft_trainer.parallelize import init_distributed
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -94,12 +98,15 @@ def main() -> None:
         "trainer": {"total_steps": 100, "batch_size": 12, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": args.uri, "interval": args.interval, "keep": args.keep},
     })
-    engine = FSDPTrainEngine(config)
+    rt = init_distributed()
+    engine = FSDPTrainEngine(config, rt)
     engine.prepare()
-    extra = engine.load_checkpoint()  # the engine's hook around CheckpointManager.resume
-    ckpt = engine.checkpointer
-    result = {"resumed": ckpt.app.step if extra is not None else None, "extra": extra,
-              "world_size": engine.rt.world_size,
+    ckpt = build_checkpointer(config, get_storage(args.uri), rt, engine.checkpoint_roles())
+    resumed = ckpt.resume()
+    if resumed is not None:
+        engine.set_train_step_num(resumed)
+    result = {"resumed": resumed, "extra": None if resumed is None else ckpt.app.extra,
+              "world_size": rt.world_size,
               "sharded": isinstance(engine.actor.model, FSDPModule),
               "snapshots": {"resumed": snapshot(engine)}, "metrics": {}}
     while engine.step < args.steps:
@@ -107,8 +114,8 @@ def main() -> None:
         ckpt.maybe_save(engine.step, buffer_position(engine.step), block=args.block)
         result["metrics"][engine.step] = metrics
         result["snapshots"][engine.step] = snapshot(engine)
-    engine.wait_on_save_thread()
-    if engine.rt.is_main:
+    ckpt.wait()
+    if rt.is_main:
         torch.save(result, args.out)
     dist.barrier()
     dist.destroy_process_group()

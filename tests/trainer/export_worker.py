@@ -14,6 +14,7 @@ from rft_trainer.probe import build_probe
 from rft_contract.s3 import S3Storage
 from tests.fixtures.batches import synthetic_batch
 from rft_trainer.engine import FSDPTrainEngine
+from rft_trainer.parallelize import init_distributed
 
 
 def main(model_dir: str, dest: str, dtype: str, out: str) -> None:
@@ -23,14 +24,15 @@ def main(model_dir: str, dest: str, dtype: str, out: str) -> None:
         "trainer": {"total_steps": 5, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": "s3://unused/x"},
     })
-    engine = FSDPTrainEngine(config)
+    rt = init_distributed()
+    engine = FSDPTrainEngine(config, rt)
     engine.prepare()
     engine.train_step(synthetic_batch(8, 4, 6, vocab=24, seed=3))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     before = get_model_state_dict(engine.actor.model, options=options)
-    check = build_probe(engine.actor.model, engine.rt.device, engine.probe_tokens, dtype, 1)
+    check = build_probe(engine.actor.model, rt.device, engine.probe_tokens, dtype, 1)
     # Small shards so the export really streams several files.
-    export_hf(engine.actor.model, engine.rt, S3Storage(), dest, model_dir, step=1, dtype=dtype,
+    export_hf(engine.actor.model, rt, S3Storage(), dest, model_dir, step=1, dtype=dtype,
               max_shard_bytes=64 * 1024, extra_files={PROBE_FILE: check.to_json().encode()})
     full = get_model_state_dict(engine.actor.model, options=options)
     if dist.get_rank() == 0:

@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from rft_contract.config import load_config
 from rft_contract.storage import get_storage
+from rft_trainer.checkpoint import build_checkpointer
 from rft_trainer.engine import FSDPTrainEngine
 from rft_trainer.export import export_hf
-from rft_trainer.parallelize import fetch_model
+from rft_trainer.parallelize import fetch_model, init_distributed
 from tests.fixtures.batches import synthetic_batch
 
 VOCAB = 49152
@@ -45,28 +46,32 @@ def main() -> None:
         "trainer": {"total_steps": 100, "batch_size": 4, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": args.ckpt, "interval": 1000},
     }, env={})
-    engine = FSDPTrainEngine(config)
+    rt = init_distributed()
+    engine = FSDPTrainEngine(config, rt)
     engine.prepare()
+    ckpt = build_checkpointer(config, get_storage(args.ckpt), rt, engine.checkpoint_roles())
     if args.resume:
-        assert engine.load_checkpoint() is not None, "no checkpoint to resume from"
+        step = ckpt.resume()
+        assert step is not None, "no checkpoint to resume from"
+        engine.set_train_step_num(step)
     metrics = {}
     while engine.train_step_num < args.steps:
         batch = synthetic_batch(4, prompt_len=6, response_len=6, vocab=VOCAB, group_size=2,
                                 seed=engine.train_step_num)
         _, metrics = engine.train_step(batch)
         if engine.train_step_num == args.save_at:
-            engine.save_checkpoint(block_until_saved=True)
+            ckpt.save(engine.train_step_num, {})
     actor = engine.actor.model
     tied = actor.lm_head.weight is actor.model.embed_tokens.weight
     out = {"actor": full(actor), "tied": tied, "metrics": metrics, "step": engine.train_step_num}
     if engine.critic is not None:
         out["critic"] = full(engine.critic.model)
     if args.export:
-        export_hf(actor, engine.rt, get_storage(args.export), args.export, fetch_model(args.model, engine.rt),
+        export_hf(actor, rt, get_storage(args.export), args.export, fetch_model(args.model, rt),
                   engine.train_step_num, dtype="fp32")
     if dist.get_rank() == 0:
         torch.save(out, args.out)
-    engine.wait_on_save_thread()
+    ckpt.wait()
     dist.barrier()
     dist.destroy_process_group()
 

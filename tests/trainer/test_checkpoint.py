@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from rft_contract.manifest import MANIFEST, IntegrityError, download_verified, read_manifest
 from rft_trainer.checkpoint import (CheckpointError, CheckpointManager, CorruptCheckpoint, apply_retention,
-                                    latest_verified, list_steps, step_uri)
+                                    build_checkpointer, latest_verified, list_steps, step_uri)
 from rft_trainer.parallelize import Runtime
 from rft_contract.s3 import S3Storage
 from rft_contract.storage import LocalStorage, join
@@ -694,7 +694,8 @@ def test_a_checkpoint_from_before_the_value_model_and_the_decay_groups_resumes(t
         "checkpoint": {"uri": uri}}, env={})
     engine = FSDPTrainEngine(config, world_of_one)
     engine.prepare()
-    assert engine.load_checkpoint() == {} and engine.step == 2
+    ckpt = build_checkpointer(config, LocalStorage(), world_of_one, engine.checkpoint_roles())
+    assert ckpt.resume() == 2 and ckpt.app.extra == {}
     for name, role in (("actor", engine.actor), ("critic", engine.critic)):
         before, now = old[name], role
         assert_same(before.model.state_dict(), now.model.state_dict())

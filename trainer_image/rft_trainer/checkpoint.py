@@ -1,4 +1,8 @@
-"""Sharded, crash-consistent checkpoints in S3 (or any `Storage`), resumable on any world size.
+"""Owns the checkpoint format and its commit: `CheckpointManager` saves and resumes an engine's
+roles (+ step, extra, RNG) as sharded, crash-consistent DCP checkpoints in any `Storage`.
+
+The Trainer builds it (`build_checkpointer`) and offers it every step (`maybe_save` decides
+whether a save is due). A step saved on N ranks resumes on M.
 
 Layout (docs/design.md): `<uri>/ckpt/step-00000100/{.metadata, __0_0.distcp, __1_0.distcp, ...,
 manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our manifest.
@@ -39,6 +43,7 @@ manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -61,7 +66,7 @@ from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, 
                                    write_manifest)
 from rft_contract.manifest import apply_retention as manifest_retention
 from rft_contract.names import ENV_STAGING_DIR
-from rft_contract.storage import Storage, get_storage, join, upload_file
+from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 
 from .parallelize import Runtime
@@ -229,6 +234,19 @@ def saved_param_groups(path: str | Path, roles) -> dict[str, int]:
 # ---------------------------------------------------------------- the manager
 
 
+def config_hash(config) -> str:
+    """A short hash of the whole job config, recorded in each manifest to explain odd resumes."""
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_checkpointer(config, storage: Storage, rt: Runtime, roles: dict[str, Any]) -> "CheckpointManager":
+    """The job's checkpointer: `config.checkpoint`'s uri, keep and interval on `storage`,
+    saving `roles` (the engine's `checkpoint_roles()`)."""
+    c = config.checkpoint
+    return CheckpointManager(storage, c.uri, rt, c.keep, c.interval, roles, config_hash=config_hash(config))
+
+
+
 class CheckpointManager:
     """Saves and restores an `AppState` under `<uri>/ckpt/` (see the module docstring).
 
@@ -261,11 +279,6 @@ class CheckpointManager:
         self.last_committed: int | None = None  # manifest written
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-
-    @classmethod
-    def from_config(cls, config, rt: Runtime, roles: dict[str, Any]) -> "CheckpointManager":
-        """From a `CheckpointConfig` (uri, interval, keep)."""
-        return cls(get_storage(config.uri), config.uri, rt, config.keep, config.interval, roles)
 
     # ------------------------------------------------------------ save
 

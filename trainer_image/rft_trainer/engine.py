@@ -1,55 +1,72 @@
-"""The training engine behind the Trainer: `TrainEngineWrapper` (the seed's interface) and
-`FSDPTrainEngine`, the actor (+ reference for KL, + critic for PPO) sharded with FSDP2.
-The roles themselves (log-probs, policy and value updates) are in roles.py.
+"""Owns the model state of training: `TrainEngineWrapper` (the seed's interface, all the
+Trainer may reach) and `FSDPTrainEngine`, the actor (+ reference, + critic) on FSDP2.
+The roles themselves (log-probs, policy and value updates) are in roles.py; the runtime,
+storage and checkpointer belong to the Trainer (trainer.py), which hands the engine its
+`Runtime` and saves and resumes what `checkpoint_roles()` returns.
 """
 
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
 import time
+from typing import Any
 
 import torch
 
 from rft_contract.config import JobConfig
-from rft_contract.layout import weights_uri
 from rft_contract.probe import PROBE_FILE
-from rft_contract.storage import get_storage
+from rft_contract.storage import Storage
 
 from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
-from .checkpoint import CheckpointManager
 from .experience import Experiences
 from .export import export_hf
 from .parallelize import Runtime, build_model, fetch_model, init_distributed
 
 
 class TrainEngineWrapper(abc.ABC):
-    """A training engine behind the Trainer (the seed's interface)."""
+    """A training engine behind the Trainer (the seed's interface): everything the Trainer
+    reaches, so a second engine is written against this class alone.
+
+    The Trainer owns the runtime, the storage and the checkpointer (as torchtitan's does);
+    an engine trains, exposes the state a checkpoint holds, and exports its policy. The
+    seed's other engine methods live with their owner here: `save_checkpoint` is
+    `Trainer.save_checkpoint` (through the Trainer's CheckpointManager), and `sync_weight`
+    is `Trainer.sync_weight` (export with `save_state_dict`, then report the version the
+    sync agents load); there is no in-memory synchronizer, so no `upload_state_dict`.
+    """
 
     @abc.abstractmethod
-    def prepare(self) -> None: ...
+    def prepare(self) -> None:
+        """Build the models, optimizers and schedulers (before the Trainer resumes)."""
 
     @property
     @abc.abstractmethod
-    def train_step_num(self) -> int: ...
+    def train_step_num(self) -> int:
+        """Steps trained so far (a resume sets it with `set_train_step_num`)."""
 
     @abc.abstractmethod
-    def train_step(self, batch: Experiences) -> tuple[bool, dict]: ...
+    def set_train_step_num(self, step: int) -> None:
+        """After the Trainer resumed `checkpoint_roles()` from step `step`: count on from it."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, block_until_saved: bool = False) -> None: ...
+    def train_step(self, batch: Experiences) -> tuple[bool, dict]:
+        """One step on the global batch (the same on every rank): (continue, metrics)."""
 
     @abc.abstractmethod
-    def sync_weight(self) -> None: ...
+    def checkpoint_roles(self) -> dict[str, Any]:
+        """name -> role with `.model`, `.optimizer` and `.scheduler`: what a checkpoint holds
+        besides the step, the Trainer's `extra` and the RNG (checkpoint.AppState), saved
+        and loaded in place through DCP; None values are skipped. The names are the keys
+        in the checkpoint (`app.<name>.*`): keep them stable across versions."""
 
     @abc.abstractmethod
-    def upload_state_dict(self) -> None: ...
-
-    @abc.abstractmethod
-    def save_state_dict(self) -> None: ...
+    def save_state_dict(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+        """Only save the model state dict, for the synchronizer: the policy as an HF model
+        directory in `dtype` under `dest` (export.py's layout, `manifest.json` last, with the
+        probe the sync agents check each engine against). Collective: every rank calls it.
+        Returns the manifest on rank 0, None on the other ranks."""
 
 
 class FSDPTrainEngine(TrainEngineWrapper):
@@ -57,21 +74,12 @@ class FSDPTrainEngine(TrainEngineWrapper):
 
     def __init__(self, config: JobConfig, rt: Runtime | None = None):
         self.config = config
-        self.rt = rt
+        self.rt = rt  # the Trainer's; None: `prepare` joins (or forms) the group itself
         self.step = 0
         self.actor: roles.Actor | None = None
         self.ref: roles.Reference | None = None
         self.critic: roles.Critic | None = None
-        self.checkpointer: CheckpointManager | None = None
-        self._storage = None
         self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
-
-    @property
-    def storage(self):
-        """The checkpoint URI's storage, built once (an S3 client is not free per step)."""
-        if self._storage is None:
-            self._storage = get_storage(self.config.checkpoint.uri)
-        return self._storage
 
     # ------------------------------------------------------------ setup
 
@@ -113,6 +121,9 @@ class FSDPTrainEngine(TrainEngineWrapper):
     @property
     def train_step_num(self) -> int:
         return self.step
+
+    def set_train_step_num(self, step: int) -> None:
+        self.step = step
 
     # ------------------------------------------------------------ one step
 
@@ -183,59 +194,18 @@ class FSDPTrainEngine(TrainEngineWrapper):
         n = n_global // self.rt.world_size
         return torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=self.rt.device)
 
-    # ------------------------------------------------------------ checkpoints (checkpoint.py)
+    # ------------------------------------------------------------ state the Trainer saves and exports
 
-    def build_checkpointer(self) -> CheckpointManager:
-        if self.checkpointer is None:
-            c = self.config.checkpoint
-            # The manifest records which config produced the state, to explain odd resumes.
-            config_hash = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str)
-                                         .encode()).hexdigest()[:16]
-            self.checkpointer = CheckpointManager(self.storage, c.uri, self.rt, c.keep, c.interval,
-                                                  {"actor": self.actor, "critic": self.critic},
-                                                  config_hash=config_hash)
-        return self.checkpointer
+    def checkpoint_roles(self) -> dict[str, Any]:
+        # The frozen reference is not saved: it is the initial policy, reloaded from model.path.
+        return {"actor": self.actor, "critic": self.critic}
 
-    def load_checkpoint(self) -> dict | None:
-        """Resume from the newest verified checkpoint: returns its `extra` (e.g. the buffer
-        position) and sets the step, or None when there is none (a fresh start)."""
-        ckpt = self.build_checkpointer()
-        if ckpt.resume() is None:
-            return None
-        self.step = ckpt.app.step
-        return ckpt.app.extra
-
-    def save_checkpoint(self, block_until_saved: bool = False, extra: dict | None = None) -> None:
-        self.build_checkpointer().save(self.step, extra, block=block_until_saved)
-
-    def wait_on_save_thread(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-
-    # ------------------------------------------------------------ weights for inference
-
-    def sync_weight(self) -> dict | None:
-        """Publish the current policy for the inference pods: export it (collective) to
-        `<checkpoint.uri>/weights/step-N/`. The sync agents pick it up once the trainer
-        reports it in the job status (Trainer.sync_weight). Returns the manifest on rank 0."""
-        return self.upload_state_dict()
-
-    def upload_state_dict(self) -> dict | None:
-        """Export the policy for inference to `<checkpoint.uri>/weights/step-N/` (collective;
-        returns the manifest on rank 0)."""
-        return self.save_state_dict()
-
-    def save_state_dict(self, dtype: str | None = None) -> dict | None:
-        """Export the policy in `dtype` (default `sync.dtype`) with its probe
-        (rft_trainer.probe): what the sync agents check each engine against."""
-        dtype = dtype or self.config.sync.dtype
-        model, uri = self.actor.model, self.config.checkpoint.uri
-        tokens = self.probe_tokens or probe.fallback_tokens(
-            model.config.get_text_config().vocab_size)
+    def save_state_dict(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+        model = self.actor.model
+        tokens = self.probe_tokens or probe.fallback_tokens(model.config.get_text_config().vocab_size)
         check = probe.build_probe(model, self.rt.device, tokens, dtype, self.step)
-        return export_hf(model, self.rt, self.storage, weights_uri(uri, self.step),
-                         fetch_model(self.config.model.path, self.rt), self.step, dtype=dtype,
-                         extra_files={PROBE_FILE: check.to_json().encode()})
+        return export_hf(model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt), self.step,
+                         dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()})
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -271,7 +241,8 @@ def check_batch_layout(config: JobConfig, world_size: int) -> None:
                          f"mini-batch ({mini // world_size})")
 
 
-def get_trainer_wrapper(config: JobConfig) -> TrainEngineWrapper:
-    return FSDPTrainEngine(config)
+def get_trainer_wrapper(config: JobConfig, rt: Runtime | None = None) -> TrainEngineWrapper:
+    """The engine for `config` on the runtime `rt` (the Trainer's)."""
+    return FSDPTrainEngine(config, rt)
 
 

@@ -1,4 +1,5 @@
-"""FSDP engine: the actor, reference and critic roles of verl's workers, without Ray.
+"""Owns each role's model, optimizer and scheduler and how it computes and updates: the actor,
+reference and critic of verl's workers, without Ray (the FSDP engine's parts).
 
 Each role wraps one FSDP2-sharded model. Every rank holds 1/world of the global batch
 (a contiguous slice), runs it in micro-batches, and accumulates gradients; FSDP averages

@@ -1,7 +1,9 @@
-"""The Trainer API of Trinity-RFT's `trinity.trainer`, on torchrun + FSDP2 (no Ray).
+"""Owns the training loop and what it runs on: the runtime, the checkpoint storage and the
+checkpointer, the buffer and the status reports (Trinity-RFT's `Trainer`, on torchrun).
 
-`Trainer` consumes experiences from the buffer and trains; the engine (engine.py) decides
-what a step is, the buffer what data comes next. The loop reads on one screen.
+The engine (engine.py, reached only through `TrainEngineWrapper`) decides what a step is,
+the buffer what data comes next, the checkpointer when a save is due. The loop reads on
+one screen.
 
 Every rank takes the same decisions at the same step, or the collectives hang:
 - The batch: rank 0 reads the buffer (its position is the job's) and broadcasts the
@@ -20,7 +22,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,12 +31,14 @@ from rft_contract import names
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
 from rft_contract.layout import weights_uri
+from rft_contract.storage import Storage, get_storage
 
-from .checkpoint import should_save_on_stop, step_uri
+from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
 from .export import apply_weights_retention
 from .metrics import MetricsLog
+from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
 
 log = logging.getLogger("rft_trainer")
@@ -70,11 +74,19 @@ def _portable(error: Exception | None) -> Exception | None:
 
 
 class Trainer:
-    """Consume the experience and train the model."""
+    """Consume the experience and train the model.
 
-    def __init__(self, config: JobConfig):
+    `build_engine(config, rt)` makes the engine once the runtime exists (default: the FSDP
+    engine); the Trainer reaches it only through `TrainEngineWrapper`."""
+
+    def __init__(self, config: JobConfig,
+                 build_engine: Callable[[JobConfig, Runtime], TrainEngineWrapper] = get_trainer_wrapper):
         self.config = config
-        self.engine = get_trainer_wrapper(config)
+        self.build_engine = build_engine
+        self.rt: Runtime | None = None  # set by prepare(), as are the three below
+        self.engine: TrainEngineWrapper | None = None
+        self.storage: Storage | None = None  # the checkpoint URI's: checkpoints, weights, metrics
+        self.checkpointer: CheckpointManager | None = None
         self.buffer: BufferReader | None = None
         self._alive = True
         self.stop_requested = False  # this rank got SIGTERM
@@ -95,22 +107,38 @@ class Trainer:
             # deadline allows for it while this says so (the first step report clears it).
             self.reporter.report_waiting(names.WAIT_PREPARING, "loading the model and resuming from the "
                                          "last checkpoint", now(), 0.0)
+        self.rt = init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
+        self.engine = self.build_engine(self.config, self.rt)
         self.engine.prepare()
-        if self.engine.rt.is_main:
+        if self.rt.is_main:
             self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
-        ckpt = self.engine.build_checkpointer()
-        ckpt.on_commit = lambda step, prefix: self.reporter.report_checkpoint(
-            step, prefix, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
+        self.storage = get_storage(self.config.checkpoint.uri)  # built once: an S3 client is not free
+        self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
+        self.checkpointer.on_commit = self._report_commit
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
-        extra = self.engine.load_checkpoint()
+        extra = self.load_checkpoint()
         if extra and "buffer" in extra:
             self.buffer.load_state_dict(extra["buffer"])
         # Where this attempt starts, for the job's attempt history (and its Resumed event).
-        step, resumed = self.train_step_num, ckpt.last_committed  # None: no checkpoint, a fresh start
+        step, resumed = self.train_step_num, self.checkpointer.last_committed  # None: a fresh start
         self.reporter.report_resumed(step, None if resumed is None else step_uri(self.config.checkpoint.uri, resumed))
         if step:  # resumed: the status shows where this attempt starts
             self.reporter.report_step(step, self.config.trainer.total_steps)
+
+    def load_checkpoint(self) -> dict | None:
+        """Resume the engine's `checkpoint_roles()` and step from the newest complete
+        checkpoint: returns its `extra` (the buffer position), or None (a fresh start)."""
+        step = self.checkpointer.resume()
+        if step is None:
+            return None
+        self.engine.set_train_step_num(step)
+        return self.checkpointer.app.extra
+
+    def _report_commit(self, step: int, prefix: str) -> None:
+        """Rank 0, once a checkpoint's manifest is written (maybe in the upload thread)."""
+        ckpt = self.checkpointer
+        self.reporter.report_checkpoint(step, prefix, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
 
     async def train(self) -> str:
         while await self.train_step():
@@ -130,7 +158,7 @@ class Trainer:
         metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
         self.last_metrics = metrics
         self._report_buffer()
-        self.engine.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
+        self.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
         if self.need_sync():
             self.sync_weight()
         self._report(metrics)
@@ -146,7 +174,7 @@ class Trainer:
         waiting_since = None
         while not self.agree_stop():
             batch, error = None, None
-            if self.engine.rt is None or self.engine.rt.is_main:
+            if self.rt is None or self.rt.is_main:
                 try:
                     batch = self.buffer.next_batch(current_version=step, wait=b.wait,
                                                    timeout=b.poll_seconds if b.wait else None)
@@ -155,7 +183,7 @@ class Trainer:
             batch, state, error = self._share((batch, self.buffer.state_dict(), _portable(error)))
             if error is not None:
                 raise error
-            if self.engine.rt is not None and not self.engine.rt.is_main:
+            if self.rt is not None and not self.rt.is_main:
                 self.buffer.load_state_dict(state)  # the same position on every rank
             if batch is not None:
                 self._wait_marks = (None, None)
@@ -173,7 +201,7 @@ class Trainer:
     def _tell_waiting(self, step: int, started: float, since: str, dropped_before: int) -> None:
         """Rank 0: why no batch yet, with true counts and times, in the log (every
         minute) and in status.trainer.waiting (every WAIT_REPORT_EVERY seconds)."""
-        if self.engine.rt is not None and not self.engine.rt.is_main:
+        if self.rt is not None and not self.rt.is_main:
             return
         waited = time.monotonic() - started
         pending = sum(self.buffer.pending_stale.values())
@@ -195,7 +223,7 @@ class Trainer:
         self._wait_marks = (last_log, last_report)
 
     def _report_buffer(self) -> None:
-        if self.engine.rt is None or self.engine.rt.is_main:
+        if self.rt is None or self.rt.is_main:
             stale = self.buffer.stats["dropped_stale"] + sum(self.buffer.pending_stale.values())
             self.reporter.report_buffer(self.buffer.consumed_counts(), int(stale), int(self.buffer.stats["samples"]))
 
@@ -205,7 +233,7 @@ class Trainer:
         point, so all leave the loop after the same step and save together."""
         age = time.monotonic() - self._stop_at if self.stop_requested else -1.0
         if self._distributed():
-            t = torch.tensor([age], dtype=torch.float64, device=self.engine.rt.device)
+            t = torch.tensor([age], dtype=torch.float64, device=self.rt.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             age = float(t.item())
         if age >= 0 and not self.stopping:
@@ -216,15 +244,14 @@ class Trainer:
         return self.stopping
 
     def _distributed(self) -> bool:
-        rt = self.engine.rt
-        return rt is not None and rt.world_size > 1 and dist.is_initialized()
+        return self.rt is not None and self.rt.world_size > 1 and dist.is_initialized()
 
     def _share(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         if not self._distributed():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.engine.rt.device)
+        dist.broadcast_object_list(box, src=0, device=self.rt.device)
         return box[0]
 
     def checkpoint_extra(self) -> dict:
@@ -242,7 +269,7 @@ class Trainer:
         same, unless a checkpoint is recent or the save would not fit the time left before
         the workers are killed (`should_save_on_stop`, `stop_budget_seconds`); rank 0
         decides for every rank (a save is collective)."""
-        ckpt = self.engine.checkpointer
+        ckpt = self.checkpointer
         ckpt.wait()  # an upload in flight commits first (it is usually the recent one)
         if ckpt.last_saved == self.train_step_num or self.train_step_num == 0:
             if self.stopping:
@@ -255,7 +282,11 @@ class Trainer:
             log.info("stopping at step %d: %s", self.train_step_num, why)
             if not save:
                 return
-        ckpt.save(self.train_step_num, self.checkpoint_extra(), block=True)
+        self.save_checkpoint(block_until_saved=True)
+
+    def save_checkpoint(self, block_until_saved: bool = False) -> None:
+        """Save the current step now (the seed's engine method: the checkpointer is ours)."""
+        self.checkpointer.save(self.train_step_num, self.checkpoint_extra(), block=block_until_saved)
 
     def need_sync(self) -> bool:
         step = self.train_step_num
@@ -264,16 +295,14 @@ class Trainer:
     def sync_weight(self) -> None:
         """Export the policy (all ranks), then on rank 0: drop old versions and report
         `status.trainer.latestWeights`, which the operator promotes to the sync target."""
-        step = self.train_step_num
-        manifest = self.engine.sync_weight()
+        step, root, sync = self.train_step_num, self.config.checkpoint.uri, self.config.sync
+        manifest = self.engine.save_state_dict(self.storage, weights_uri(root, step), sync.dtype)
         self.last_synced = step
         if manifest is None:  # not rank 0
             return
-        root, sync = self.config.checkpoint.uri, self.config.sync
-        storage = self.engine.storage
         protect = {sync.pinned_version} if sync.pinned_version is not None else set()
         try:
-            versions = apply_weights_retention(storage, root, sync.keep, protect)
+            versions = apply_weights_retention(self.storage, root, sync.keep, protect)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training
             log.warning("weights retention failed: %s", e)
             versions = None
@@ -283,7 +312,7 @@ class Trainer:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
         if self.metrics_log is not None:
             self.metrics_log.append(self.train_step_num, metrics)
-        if self.engine.rt is not None and self.engine.rt.is_main:
+        if self.rt is not None and self.rt.is_main:
             every = max(1, getattr(self.config.reporting, "log_every", 1))
             if self.train_step_num % every == 0 or self.train_step_num == 1:
                 line = {"step": self.train_step_num, **{k: round(v, 6) for k, v in metrics.items()}}
@@ -292,8 +321,8 @@ class Trainer:
     async def shutdown(self) -> None:
         self._alive = False
         try:
-            if getattr(self.engine, "checkpointer", None) is not None:
-                self.engine.wait_on_save_thread()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         finally:
             self.reporter.close()
             if self.metrics_log is not None:
@@ -310,7 +339,7 @@ class Trainer:
 
     @property
     def train_step_num(self) -> int:
-        return self.engine.train_step_num
+        return self.engine.train_step_num if self.engine is not None else 0
 
     def is_alive(self) -> bool:
         return self._alive
