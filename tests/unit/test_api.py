@@ -10,7 +10,7 @@ from rft_operator import crdgen
 from rft_contract.checks import is_qualified_name, parse_quantity
 from rft_contract.spec import RFTJobSpec, parse_spec
 
-from .conftest import SPEC
+from .testing import SPEC
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import make_job
+from .testing import make_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "manifests" / "argocd" / "health.lua"

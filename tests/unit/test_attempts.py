@@ -6,7 +6,7 @@ from __future__ import annotations
 from rft_contract import names
 from rft_operator.attempts import KEEP, REASON_RESUMED_FROM, compute_attempts
 
-from .conftest import NOW
+from .testing import NOW
 
 CKPT = "s3://ckpts/run/ckpt/step-00000005"
 

@@ -14,10 +14,9 @@ from rft_contract import names
 from rft_operator import builders
 from rft_contract.spec import parse_spec
 
-from .conftest import SPEC
+from .testing import REF, SPEC
 
 GOLDEN = Path(__file__).parent / "golden"
-REF = builders.JobRef("demo", "team-a", "0000-1111")
 
 
 def check_golden(name: str, obj) -> None:

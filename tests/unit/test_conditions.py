@@ -9,7 +9,7 @@ from rft_contract import times
 from rft_operator import conditions
 from rft_operator.conditions import Cond
 
-from .conftest import NOW
+from .testing import NOW
 
 PHASE_TYPES = (names.COND_RUNNING, names.COND_SUSPENDED, names.COND_SUCCEEDED, names.COND_FAILED)
 

@@ -15,13 +15,12 @@ from kubernetes.client.rest import ApiException
 
 from rft_contract import names
 from rft_operator.controller import Controller, describe_error
-from rft_operator.model import ChildView, PodView
+from rft_operator.model import ChildView
 from rft_operator.objects import JobRef, owner_reference
 
-from .conftest import NOW, make_job
+from .testing import NODE, NOW, UID, condition, last_failure, make_job, pod, status, views
 
 KEY = ("team-a", "demo")
-UID = "0000-1111"
 
 
 def api_error(status: int, message: str, reason: str = "") -> ApiException:
@@ -104,7 +103,8 @@ def test_existing_unowned_configmap_fails_the_job_and_is_left_alone():
     kube.existing[("ConfigMap", "demo-config")] = configmap([])
     passes(controller(kube))
     status = kube.job["status"]
-    assert (status["phase"], _cond(status, names.COND_FAILED)["reason"]) == (names.FAILED, names.REASON_CHILD_CONFLICT)
+    assert (status["phase"], condition(status, names.COND_FAILED)["reason"]) == (
+        names.FAILED, names.REASON_CHILD_CONFLICT)
     assert status["message"] == ("ConfigMap team-a/demo-config exists and is not owned by this RFTJob; "
                                  "delete or rename it")
     # Nothing written to it, and no pod started that would mount it.
@@ -156,7 +156,7 @@ def test_422_fails_the_job_with_the_field_named():
     status = kube.job["status"]
     want = f"creating Pod team-a/demo-trainer-1-1: {message}"
     assert (status["phase"], status["message"]) == (names.FAILED, want)
-    assert _cond(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
+    assert condition(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
     assert ("Warning", "CreateFailed", f"creating Pod team-a/demo-trainer-1-1: HTTP 422 Unprocessable Entity: "
             f"{message}") in kube.events
     assert ("Warning", names.REASON_INVALID_SPEC, want) in kube.events
@@ -175,7 +175,7 @@ def test_a_pod_beyond_the_namespaces_pod_security_fails_the_job():
     passes(ctl, 2)
     status = kube.job["status"]
     assert status["phase"] == names.FAILED and "violates PodSecurity" in status["message"]
-    assert _cond(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
+    assert condition(status, names.COND_FAILED)["reason"] == names.REASON_INVALID_SPEC
     other = FakeKube(make_job())
     other.refuse[("Pod", "demo-trainer-1-0")] = api_error(403, "webhook x is down", "Forbidden")
     with pytest.raises(ApiException):  # to the queue, which retries it with backoff
@@ -207,8 +207,8 @@ def test_transient_errors_are_retried_not_failed():
 
 
 def test_only_children_this_job_controls_are_observed():
-    ours = PodView("demo-trainer-1-0", 1, 0, "Running", owner_uid=UID)
-    old = PodView("demo-trainer-1-1", 1, 1, "Running", owner_uid="old-uid")
+    ours = pod(1, 0, owner_uid=UID)
+    old = pod(1, 1, owner_uid="old-uid")
     children = [ChildView("Service", "demo-trainer", "h", UID), ChildView("ConfigMap", "demo-config", "h", "")]
     observed = controller(FakeKube(make_job()), [ours, old], children).observe(KEY, make_job())
     assert [p.name for p in observed.pods] == ["demo-trainer-1-0"]
@@ -216,9 +216,8 @@ def test_only_children_this_job_controls_are_observed():
 
 
 def test_recreate_and_force_deletions_are_applied():
-    kube = FakeKube(make_job(status={"phase": names.PENDING, "attempt": 2, "restarts": 1}))
-    stuck = PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID,
-                    deletion_deadline=NOW.replace(hour=11), deletion_grace_seconds=30, node_name="gone")
+    kube = FakeKube(make_job(status=status(names.PENDING, attempt=2, restarts=1)))
+    stuck = pod(1, 0, deleting=True, owner_uid=UID, deletion_deadline=NOW.replace(hour=11), grace=30, node="gone")
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": {"name": "demo-status-writer", "namespace": "team-a", "labels": {},
                             "ownerReferences": [owner_reference(JobRef("demo", "team-a", UID))]},
@@ -247,21 +246,15 @@ def test_describe_never_shows_the_request():
     assert "secret" not in describe_error(e) and "data: Too long" in describe_error(e)
 
 
-def _cond(status, type_):
-    return next(x for x in status["conditions"] if x["type"] == type_)
-
-
 # ------------------------------------------------------------------ pods stuck terminating
 
-NODE = "gpu-node-7"
-RESTARTING = {"phase": names.RESTARTING, "attempt": 1, "restarts": 1, "message": "pod demo-trainer-1-1 failed",
-              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
-                              "time": "2026-11-30T11:00:00Z"}}
+RESTARTING = status(names.RESTARTING, restarts=1, message="pod demo-trainer-1-1 failed",
+                    lastFailure=last_failure(-3600))
 
 
 def stuck_pod(seconds_past_deadline=600, node=NODE):
-    return PodView("demo-trainer-1-0", 1, 0, "Running", deleting=True, owner_uid=UID, node_name=node,
-                   deletion_deadline=NOW - timedelta(seconds=seconds_past_deadline), deletion_grace_seconds=30)
+    return pod(1, 0, deleting=True, owner_uid=UID, node=node,
+               deletion_deadline=NOW - timedelta(seconds=seconds_past_deadline), grace=30)
 
 
 def node(ready="False", taints=()):
@@ -271,7 +264,7 @@ def node(ready="False", taints=()):
 
 
 OUT_OF_SERVICE = {"key": "node.kubernetes.io/out-of-service", "value": "nodeshutdown", "effect": "NoExecute"}
-FORBIDDEN = api_error(403, 'nodes "gpu-node-7" is forbidden: User "system:serviceaccount:rft:op" cannot get '
+FORBIDDEN = api_error(403, f'nodes "{NODE}" is forbidden: User "system:serviceaccount:rft:op" cannot get '
                       'resource "nodes"', "Forbidden")
 
 
@@ -318,7 +311,7 @@ def test_read_nodes_classifies_what_it_reads():
 
 
 def test_children_the_spec_no_longer_renders_are_deleted():
-    kube = FakeKube(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}))
+    kube = FakeKube(make_job(status=status(names.RUNNING)))
     explorer_sa = {"apiVersion": "v1", "kind": "ServiceAccount",
                    "metadata": {"name": "demo-rft-explorer", "namespace": "team-a",
                                 "labels": {names.LABEL_JOB: "demo", names.LABEL_MANAGED_BY: names.MANAGED_BY},
@@ -360,7 +353,7 @@ def test_a_pass_waits_for_the_children_it_created_to_reach_the_informers(monkeyp
     create = kube.create
     kube.create = lambda obj: sent.append(obj) or create(obj)
     shown: list = []  # what the informers show
-    pods = lambda key: [PodView.from_pod(o) for o in shown if o["kind"] == "Pod"]  # noqa: E731
+    pods = lambda key: views(*(o for o in shown if o["kind"] == "Pod"))  # noqa: E731
     children = lambda key: [ChildView.from_object(o["kind"], o) for o in shown if o["kind"] != "Pod"]  # noqa: E731
 
     def creates():

@@ -11,12 +11,9 @@ from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import drift
 from rft_operator.model import ChildView
-from rft_operator.objects import JobRef
 from rft_operator.reconcile import Observed, compute_static_children, reconcile
 
-from .conftest import NOW, SPEC, make_job
-
-REF = JobRef("demo", "team-a", "0000-1111")
+from .testing import NOW, REF, SPEC, make_job, merge_patch, status
 
 
 def rendered(spec=SPEC):
@@ -152,19 +149,6 @@ def test_an_annotation_dropped_from_the_spec_is_removed_and_others_keys_stay():
     assert not set(SA_ANNOTATIONS) & set(live[sa]["metadata"]["annotations"])
 
 
-def merge_patch(target, patch):
-    """RFC 7386, as the API server applies application/merge-patch+json."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = merge_patch(out.get(k), v)
-    return out
-
-
 def test_a_label_in_our_namespace_we_no_longer_render_is_removed():
     def stale(obj):
         obj["metadata"]["labels"]["rft.dev/replica"] = "0"  # e.g. rendered by an older operator
@@ -203,6 +187,6 @@ def test_children_the_spec_no_longer_renders_are_deleted():
 
 def test_reconcile_plans_the_deletions():
     o = observe({k: as_served(v) for k, v in rendered(FULL).items()})
-    plan_ = reconcile(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}), o, NOW)
+    plan_ = reconcile(make_job(status=status(names.RUNNING)), o, NOW)
     assert ("ServiceAccount", "demo-rft-inference") in [(x["kind"], x["metadata"]["name"]) for x in plan_.delete]
     assert not [x for x in plan_.delete_pods if x.startswith("demo-trainer")]

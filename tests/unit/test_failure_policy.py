@@ -10,84 +10,11 @@ import pytest
 
 from rft_contract import names
 from rft_contract.spec import FailurePolicy, parse_spec
-from rft_operator import failure_policy, gang, logtail
+from rft_operator import failure_policy, logtail
 from rft_operator.model import PodView
-from rft_operator.objects import JobRef
-from rft_contract.times import format_time
 from rft_operator.reconcile import Observed, reconcile
 
-from .conftest import NOW, SPEC, make_job
-from .test_gang import pod, st
-
-REF = JobRef("demo", "team-a", "0000-1111")
-
-
-NODE = "gpu-node-1"
-
-
-def at(seconds: float) -> str:
-    return format_time(NOW + timedelta(seconds=seconds))
-
-
-def pod_dict(attempt: int, rank: int, phase: str = "Running", *, exit_code: int | None = None,
-             finished: float | None = None, disrupted: str | None = None, disrupted_at: float = -120,
-             deleted_at: float | None = None, grace: int = 30, terminated_reason: str = "Error",
-             node: str = NODE, said: str = "") -> dict:
-    """A trainer pod as `kubectl get pod -o json` shows it. `finished`, `disrupted_at` and
-    `deleted_at` are seconds from NOW; `deleted_at` is when the delete request came: the API
-    server sets deletionTimestamp to that plus the grace period."""
-    name = f"demo-trainer-{attempt}-{rank}"
-    meta = {
-        "name": name, "namespace": "team-a", "uid": f"uid-{name}", "resourceVersion": "1000",
-        "creationTimestamp": at(-600),
-        "labels": {names.LABEL_JOB: "demo", names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_ROLE: names.ROLE_TRAINER,
-                   names.LABEL_ATTEMPT: str(attempt), names.LABEL_RANK: str(rank)},
-        "ownerReferences": [{"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "demo", "uid": REF.uid,
-                             "controller": True, "blockOwnerDeletion": True}],
-    }
-    if deleted_at is not None:
-        meta["deletionTimestamp"] = at(deleted_at + grace)
-        meta["deletionGracePeriodSeconds"] = grace
-    conditions = [{"type": t, "status": "True" if phase == "Running" else "False", "lastProbeTime": None,
-                   "lastTransitionTime": at(-590)} for t in ("Initialized", "Ready", "ContainersReady")]
-    conditions.append({"type": "PodScheduled", "status": "True", "lastProbeTime": None,
-                       "lastTransitionTime": at(-595)})
-    if disrupted:
-        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disrupted,
-                           "message": "Eviction API: evicting", "lastProbeTime": None,
-                           "lastTransitionTime": at(disrupted_at)})
-    if exit_code is None:
-        state = {"running": {"startedAt": at(-590)}}
-    else:
-        state = {"terminated": {"exitCode": exit_code, "reason": terminated_reason, "startedAt": at(-590),
-                                "finishedAt": at(finished if finished is not None else -60),
-                                "containerID": f"containerd://{rank}"}}
-        if said:  # the kubelet's termination message: with FallbackToLogsOnError, the log's tail
-            state["terminated"]["message"] = said
-    status = {"phase": phase, "conditions": conditions, "hostIP": "10.0.0.1", "podIP": f"10.1.0.{rank}",
-              "startTime": at(-595), "qosClass": "Burstable",
-              "containerStatuses": [{"name": "trainer", "image": "trainer:0.1", "imageID": "", "ready": False,
-                                     "restartCount": 0, "started": exit_code is None, "state": state,
-                                     "lastState": {}, "containerID": f"containerd://{rank}"}]}
-    if phase == "Failed" and disrupted == "TerminationByKubelet":
-        status["reason"] = "Evicted"
-        conditions[-1]["message"] = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 0."
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": {"containers": [{"name": "trainer"}], "nodeName": node}, "status": status}
-
-
-def views(*pods: dict) -> list[PodView]:
-    return [PodView.from_pod(p) for p in pods]
-
-
-def run(pods, old=None, after: float = 0, nodes=None, **fp):
-    spec = parse_spec({**SPEC, "failurePolicy": {**SPEC["failurePolicy"], **fp}})
-    old = old or {"phase": names.RUNNING, "attempt": 1, "restarts": 0}
-    return gang.compute_gang(REF, spec, "", old, views(*pods), NOW + timedelta(seconds=after), nodes=nodes)
-
-
-def failed(rank, code, finished, **kw):
-    return pod_dict(1, rank, "Failed", exit_code=code, finished=finished, **kw)
+from .testing import NOW, REF, SPEC, failed, gang_for, make_job, pod, pod_dict, status, views
 
 
 # ------------------------------------------------------------------ fatal vs retryable, root cause
@@ -151,7 +78,7 @@ ALLOW_137 = {"deleted-rank-0-then-rank-1-aborted", "deleted-rank-0-exited-143-th
 
 @pytest.mark.parametrize("case, pods, want", CASES, ids=[x[0] for x in CASES])
 def test_root_cause_across_the_gang(case, pods, want):
-    g = run(pods, **({"retryableExitCodes": [137]} if case in ALLOW_137 else {}))
+    g = gang_for(pods, **({"retryableExitCodes": [137]} if case in ALLOW_137 else {}))
     failure = g.status["lastFailure"]
     got = (g.phase, g.events[-1].reason, failure["pod"], g.status["restarts"], g.status["disruptions"])
     assert got == want
@@ -174,7 +101,7 @@ def test_root_cause_across_the_gang(case, pods, want):
 def test_which_disruptions_use_the_budget(reason, status_reason, free):
     pod = failed(0, 137, -100, disrupted=reason)
     pod["status"]["reason"] = status_reason
-    g = run([pod, pod_dict(1, 1)], old={"phase": names.RUNNING, "attempt": 1, "restarts": 0})
+    g = gang_for([pod, pod_dict(1, 1)], old=status(names.RUNNING))
     assert (g.status["restarts"], g.status["disruptions"]) == ((0, 1) if free else (1, 0))
     assert g.status["lastFailure"]["reason"] == names.REASON_POD_DISRUPTED  # recorded with its reason either way
     assert reason in g.status["lastFailure"]["message"]
@@ -184,35 +111,35 @@ def test_which_disruptions_use_the_budget(reason, status_reason, free):
 
 def test_node_pressure_eviction_says_what_ran_out_and_fails_once_the_budget_is_spent():
     pods = [failed(0, 137, -100, disrupted="TerminationByKubelet"), pod_dict(1, 1)]
-    g = run(pods)
+    g = gang_for(pods)
     assert "evicted by the kubelet for node pressure" in g.status["message"]
     assert "low on resource: memory" in g.status["lastFailure"]["message"]
-    g = run(pods, old={"phase": names.RUNNING, "attempt": 1, "restarts": 2})  # maxRestarts 2
+    g = gang_for(pods, old=status(names.RUNNING, restarts=2))  # maxRestarts 2
     assert (g.phase, g.failed_reason) == (names.FAILED, names.REASON_BACKOFF_LIMIT)
     # Its exit code is the kill's: not judged, even outside an allow-list.
-    assert run(pods, retryableExitCodes=[1]).phase == names.RESTARTING
+    assert gang_for(pods, retryableExitCodes=[1]).phase == names.RESTARTING
 
 
 def test_message_counts_the_other_ranks_that_ended():
-    g = run([failed(0, 1, -60), failed(1, 137, -30), pod_dict(1, 2, "Unknown"), pod_dict(1, 3)],
-            old={"phase": names.RUNNING, "attempt": 1, "restarts": 0})
+    g = gang_for([failed(0, 1, -60), failed(1, 137, -30), pod_dict(1, 2, "Unknown"), pod_dict(1, 3)],
+                 old=status(names.RUNNING))
     assert g.status["lastFailure"]["pod"] == "demo-trainer-1-0"
     assert "(2 other ranks also ended)" in g.status["lastFailure"]["message"]
 
 
 def test_disruption_restarts_even_with_the_budget_spent():
     pods = [pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1)]
-    g = run(pods, old={"phase": names.RUNNING, "attempt": 1, "restarts": 2, "disruptions": 4})  # maxRestarts 2
+    g = gang_for(pods, old=status(names.RUNNING, restarts=2, disruptions=4))  # maxRestarts 2
     assert (g.phase, g.status["restarts"], g.status["disruptions"]) == (names.RESTARTING, 2, 5)
     assert g.delete == ("demo-trainer-1-1",) and g.requeue_after == 30.0
     # The same crash with the budget spent fails the job.
-    g = run([failed(0, 1, -60), pod_dict(1, 1)], old={"phase": names.RUNNING, "attempt": 1, "restarts": 2})
+    g = gang_for([failed(0, 1, -60), pod_dict(1, 1)], old=status(names.RUNNING, restarts=2))
     assert (g.phase, g.failed_reason) == (names.FAILED, names.REASON_BACKOFF_LIMIT)
 
 
 def test_disruptions_reach_the_status_through_reconcile():
     pods = views(pod_dict(1, 0, disrupted="EvictionByEvictionAPI", deleted_at=-1), pod_dict(1, 1))
-    plan = reconcile(make_job(status={"phase": names.RUNNING, "attempt": 1, "restarts": 0}), Observed(pods=pods), NOW)
+    plan = reconcile(make_job(status=status(names.RUNNING)), Observed(pods=pods), NOW)
     assert (plan.status["restarts"], plan.status["disruptions"]) == (0, 1)
     assert plan.status["lastFailure"]["reason"] == names.REASON_POD_DISRUPTED
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", names.REASON_POD_DISRUPTED)]
@@ -244,7 +171,7 @@ TRACEBACK = "\n".join([f"[rank1] INFO step {i}" for i in range(60)] + [
 
 
 def test_a_failed_pods_last_log_lines_are_in_last_failure_and_its_last_line_in_the_message():
-    g = run([pod_dict(1, 0), failed(1, 1, -30, said=TRACEBACK)])
+    g = gang_for([pod_dict(1, 0), failed(1, 1, -30, said=TRACEBACK)])
     failure = g.status["lastFailure"]
     assert failure["message"].startswith("pod demo-trainer-1-1 failed with exit code 1: botocore.exceptions.ClientError")
     assert failure["log"].endswith("when calling the UploadPart operation")
@@ -255,13 +182,13 @@ def test_a_failed_pods_last_log_lines_are_in_last_failure_and_its_last_line_in_t
 
 
 def test_a_deleted_pods_log_is_not_its_failure():
-    g = run([pod_dict(1, 0), failed(1, 143, -30, deleted_at=-40, said="terminated\n")])
+    g = gang_for([pod_dict(1, 0), failed(1, 143, -30, deleted_at=-40, said="terminated\n")])
     assert "log" not in g.status["lastFailure"]
     assert g.status["lastFailure"]["message"] == "pod demo-trainer-1-1 was deleted"
 
 
 def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
-    g = run([pod_dict(1, 0), failed(1, 137, -30, terminated_reason="OOMKilled", said="[rank1] INFO step 12\n")])
+    g = gang_for([pod_dict(1, 0), failed(1, 137, -30, terminated_reason="OOMKilled", said="[rank1] INFO step 12\n")])
     failure = g.status["lastFailure"]
     assert failure["message"] == "pod demo-trainer-1-1 failed with exit code 137 (OOMKilled)"
     assert failure["log"] == "[rank1] INFO step 12"
@@ -271,13 +198,13 @@ def test_an_oom_killed_pod_says_so_and_quotes_no_unrelated_line():
 
 
 @pytest.mark.parametrize("old, gang_pods, want", [  # the gang-wide rules: above
-    (st(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
-    (st(names.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
-    (st(names.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, names.REASON_POD_DELETED, "disappeared")),
-    (st(names.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
-    (st(names.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, names.REASON_POD_DELETED, "lost its node")),
-    (st(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, names.REASON_POD_FAILED, "exit code 137")),
-    (st(names.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, names.REASON_POD_FAILED, "(no exit code)")),
+    (status(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1)}, None),
+    (status(names.PENDING), {0: pod(1, 0)}, None),  # never ran: the missing pod is just created
+    (status(names.RUNNING), {0: pod(1, 0)}, ("demo-trainer-1-1", None, names.REASON_POD_DELETED, "disappeared")),
+    (status(names.RUNNING, 2), {0: pod(1, 0)}, None),  # the running gang was another attempt
+    (status(names.RUNNING), {0: pod(1, 0, "Unknown"), 1: pod(1, 1, "Failed", 1)}, ("demo-trainer-1-0", None, names.REASON_POD_DELETED, "lost its node")),
+    (status(names.RUNNING), {0: pod(1, 0), 1: pod(1, 1, "Failed", 137)}, ("demo-trainer-1-1", 137, names.REASON_POD_FAILED, "exit code 137")),
+    (status(names.RUNNING), {1: pod(1, 1, "Failed")}, ("demo-trainer-1-1", None, names.REASON_POD_FAILED, "(no exit code)")),
 ])
 def test_compute_failure(old, gang_pods, want):
     got = failure_policy.compute_failure("demo", old, 1, gang_pods, 2, parse_spec(SPEC).failure_policy)

@@ -7,21 +7,10 @@ import pytest
 from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import gang
-from rft_operator.model import PodView
-from rft_operator.objects import JobRef
 
-from .conftest import NOW, SPEC
+from .testing import NOW, REF, SPEC, last_failure, pod, status
 
-REF = JobRef("demo", "team-a", "0000-1111")
-FAILED_AT = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": "PodFailed", "time": "2026-11-30T12:00:00Z"}
-
-
-def pod(attempt, rank, phase="Running", exit_code=None, deleting=False):
-    return PodView(f"demo-trainer-{attempt}-{rank}", attempt, rank, phase, deleting, exit_code)
-
-
-def st(phase, attempt=1, restarts=0, **extra):
-    return {"phase": phase, "attempt": attempt, "restarts": restarts, **extra}
+FAILED_AT = last_failure()
 
 
 # id, spec overrides (None: invalid spec), stored status, pods, seconds after NOW,
@@ -29,41 +18,42 @@ def st(phase, attempt=1, restarts=0, **extra):
 CASES = [
     ("new-job", {}, {}, [], 0,
      (names.PENDING, 1, 0, ["demo-trainer-1-0", "demo-trainer-1-1"], [], [names.REASON_CREATED], None)),
-    ("invalid-spec", None, st(names.RUNNING), [pod(1, 0), pod(1, 1, deleting=True)], 0,
+    ("invalid-spec", None, status(names.RUNNING), [pod(1, 0), pod(1, 1, deleting=True)], 0,
      (names.FAILED, 1, 0, [], ["demo-trainer-1-0"], [names.REASON_INVALID_SPEC], None)),
-    ("terminal-stops-live-pods", {}, st(names.SUCCEEDED), [pod(1, 0), pod(1, 1, "Succeeded")], 0,
+    ("terminal-stops-live-pods", {}, status(names.SUCCEEDED), [pod(1, 0), pod(1, 1, "Succeeded")], 0,
      (names.SUCCEEDED, 1, 0, [], ["demo-trainer-1-0"], [], None)),
-    ("suspend", {"suspend": True}, st(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+    ("suspend", {"suspend": True}, status(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
      (names.SUSPENDED, 1, 0, [], ["demo-trainer-1-0", "demo-trainer-1-1"], [names.REASON_SUSPENDED], None)),
     ("created-suspended-stays-at-attempt-0", {"suspend": True}, {}, [], 0,
      (names.SUSPENDED, 0, 0, [], [], [names.REASON_SUSPENDED], None)),
-    ("resume", {}, st(names.SUSPENDED), [], 0,
+    ("resume", {}, status(names.SUSPENDED), [], 0,
      (names.PENDING, 2, 0, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [names.REASON_RESUMED], None)),
     # A running gang comes back when its progress deadline (1800 s by default) would pass.
-    ("all-running", {}, st(names.PENDING), [pod(1, 0), pod(1, 1)], 0,
+    ("all-running", {}, status(names.PENDING), [pod(1, 0), pod(1, 1)], 0,
      (names.RUNNING, 1, 0, [], [], [names.REASON_ALL_RUNNING], 1800.0)),
-    ("running-steady-no-event", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
+    ("running-steady-no-event", {}, status(names.RUNNING), [pod(1, 0), pod(1, 1)], 0,
      (names.RUNNING, 1, 0, [], [], [], 1800.0)),
-    ("partial-gang-fills-gaps", {}, st(names.PENDING), [pod(1, 1, "Pending")], 0,
+    ("partial-gang-fills-gaps", {}, status(names.PENDING), [pod(1, 1, "Pending")], 0,
      (names.PENDING, 1, 0, ["demo-trainer-1-0"], [], [], None)),
-    ("all-succeeded", {}, st(names.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,
+    ("all-succeeded", {}, status(names.RUNNING), [pod(1, 0, "Succeeded"), pod(1, 1, "Succeeded")], 0,
      (names.SUCCEEDED, 1, 0, [], [], [names.REASON_SUCCEEDED], None)),
-    ("retryable-failure-restarts", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], 0,
+    ("retryable-failure-restarts", {}, status(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], 0,
      (names.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [names.REASON_RESTARTING], 30.0)),
-    ("fatal-exit-fails", {}, st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], 0,
+    ("fatal-exit-fails", {}, status(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], 0,
      (names.FAILED, 1, 0, [], ["demo-trainer-1-0"], [names.REASON_FATAL_EXIT], None)),
-    ("budget-spent-fails", {}, st(names.RUNNING, 3, 2), [pod(3, 0, "Failed", 1), pod(3, 1)], 0,
+    ("budget-spent-fails", {}, status(names.RUNNING, 3, 2), [pod(3, 0, "Failed", 1), pod(3, 1)], 0,
      (names.FAILED, 3, 2, [], ["demo-trainer-3-1"], [names.REASON_BACKOFF_LIMIT], None)),
-    ("vanished-pod-while-running", {}, st(names.RUNNING), [pod(1, 0)], 0,
+    ("vanished-pod-while-running", {}, status(names.RUNNING), [pod(1, 0)], 0,
      (names.RESTARTING, 1, 1, [], ["demo-trainer-1-0"], [names.REASON_RESTARTING], 30.0)),
-    ("backoff-not-over", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 10,
+    ("backoff-not-over", {}, status(names.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 10,
      (names.RESTARTING, 1, 1, [], [], [], 20.0)),
-    ("backoff-over-old-pod-terminating", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT),
+    ("backoff-over-old-pod-terminating", {}, status(names.RESTARTING, restarts=1, lastFailure=FAILED_AT),
      [pod(1, 0, deleting=True)], 31,
      (names.RESTARTING, 1, 1, [], [], [], None)),
-    ("backoff-over-next-attempt", {}, st(names.RESTARTING, restarts=1, lastFailure=FAILED_AT), [pod(1, 1, "Failed", 1)], 31,
+    ("backoff-over-next-attempt", {}, status(names.RESTARTING, restarts=1, lastFailure=FAILED_AT),
+     [pod(1, 1, "Failed", 1)], 31,
      (names.PENDING, 2, 1, ["demo-trainer-2-0", "demo-trainer-2-1"], [], [names.REASON_RESTARTED], None)),
-    ("stale-attempt-stopped-before-new-gang", {}, st(names.PENDING, 2), [pod(1, 0)], 0,
+    ("stale-attempt-stopped-before-new-gang", {}, status(names.PENDING, 2), [pod(1, 0)], 0,
      (names.PENDING, 2, 0, [], ["demo-trainer-1-0"], [], None)),
 ]
 
@@ -78,10 +68,11 @@ def test_compute_gang(spec_over, old, pods, after, want):
 
 
 @pytest.mark.parametrize("old, pods, want_reason, want_warning, want_failed_reason", [
-    (st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)], names.REASON_FATAL_EXIT, True, names.REASON_FATAL_EXIT),
-    (st(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], names.REASON_RESTARTING, True, None),
-    (st(names.PENDING), [pod(1, 0), pod(1, 1)], names.REASON_ALL_RUNNING, False, None),
-    (st(names.FAILED), [pod(1, 0), pod(1, 1)], None, None, None),  # terminal: nothing more to say
+    (status(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 78)],
+     names.REASON_FATAL_EXIT, True, names.REASON_FATAL_EXIT),
+    (status(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 1)], names.REASON_RESTARTING, True, None),
+    (status(names.PENDING), [pod(1, 0), pod(1, 1)], names.REASON_ALL_RUNNING, False, None),
+    (status(names.FAILED), [pod(1, 0), pod(1, 1)], None, None, None),  # terminal: nothing more to say
 ])
 def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_failed_reason):
     g = gang.compute_gang(REF, parse_spec(SPEC), "", old, pods, NOW)
@@ -93,10 +84,11 @@ def test_events_and_failed_reason(old, pods, want_reason, want_warning, want_fai
 
 
 @pytest.mark.parametrize("old, key, want", [
-    (st(names.PENDING), "startTime", "2026-11-30T12:00:00Z"),
-    (st(names.PENDING, startTime="2026-11-30T10:00:00Z"), "startTime", "2026-11-30T10:00:00Z"),  # kept
-    (st(names.RUNNING, completionTime="2026-11-30T10:00:00Z"), "completionTime", "2026-11-30T10:00:00Z"),  # fail keeps it
-    (st(names.RUNNING), "completionTime", "2026-11-30T12:00:00Z"),
+    (status(names.PENDING), "startTime", "2026-11-30T12:00:00Z"),
+    (status(names.PENDING, startTime="2026-11-30T10:00:00Z"), "startTime", "2026-11-30T10:00:00Z"),  # kept
+    (status(names.RUNNING, completionTime="2026-11-30T10:00:00Z"), "completionTime",
+     "2026-11-30T10:00:00Z"),  # fail keeps it
+    (status(names.RUNNING), "completionTime", "2026-11-30T12:00:00Z"),
 ])
 def test_times_are_set_once(old, key, want):
     pods = [pod(1, 0), pod(1, 1)] if key == "startTime" else [pod(1, 0), pod(1, 1, "Failed", 78)]

@@ -5,7 +5,7 @@ import pytest
 
 from rft_operator import logtail
 
-from .test_failure_policy import failed, pod_dict, run
+from .testing import failed, gang_for, pod_dict
 
 
 @pytest.mark.parametrize("text, want", [
@@ -36,7 +36,7 @@ def test_last_line_is_the_last_non_blank_line_cut_short():
     ("\x1b[31mRuntimeError\x1b[0m: boom\x07", "RuntimeError: boom", ("\x1b", "\x07")),
 ])
 def test_credentials_in_a_failed_pods_log_do_not_reach_status(line, kept, hidden):
-    g = run([pod_dict(1, 0), failed(1, 1, -30, said=f"[rank1] INFO step 3\n{line}\n")])
+    g = gang_for([pod_dict(1, 0), failed(1, 1, -30, said=f"[rank1] INFO step 3\n{line}\n")])
     failure = g.status["lastFailure"]
     for text in (failure["message"], failure["log"], g.status["message"]):
         assert kept in text and not any(h in text for h in hidden), text

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rft_operator.controller import Controller
 from rft_operator.metrics import OperatorMetrics
 
-from .conftest import NOW, make_job
+from .testing import NOW, make_job
 
 A, B, C = ("team-a", "alpha"), ("team-a", "beta"), ("team-b", "gamma")
 

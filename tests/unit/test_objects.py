@@ -6,9 +6,7 @@ from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import objects
 
-from .conftest import SPEC
-
-REF = objects.JobRef("demo", "team-a", "0000-1111")
+from .testing import REF, SPEC
 
 
 def spec_with(**trainer):

@@ -10,10 +10,10 @@ import pytest
 
 from rft_contract import names
 from rft_operator import progress_deadline
-from rft_operator.reconcile import Observed, PodView, reconcile
+from rft_operator.model import PodView
+from rft_operator.reconcile import reconcile
 
-from .conftest import NOW, SPEC, make_job
-from .test_reconcile import STATIC, CURRENT_HASH
+from .testing import NOW, SPEC, condition, last_failure, make_job, observed, pod, rollout_pod, status
 
 DEADLINE = 600
 BASE = {**SPEC, "failurePolicy": {**SPEC["failurePolicy"], "progressDeadlineSeconds": DEADLINE}}
@@ -49,12 +49,10 @@ class Sim:
         """The scheduler and kubelet: every pod of the current attempt runs."""
         attempt = self.status["attempt"]
         for rank in range(2):
-            name = f"demo-trainer-{attempt}-{rank}"
-            self.pods[name] = PodView(name, attempt, rank, "Running")
+            self.pods[f"demo-trainer-{attempt}-{rank}"] = pod(attempt, rank)
 
     def at(self, seconds: float):
-        children = {**STATIC, ("ConfigMap", "demo-config"): CURRENT_HASH}
-        plan = reconcile(make_job(self.spec, self.status), Observed(list(self.pods.values()), children),
+        plan = reconcile(make_job(self.spec, self.status), observed(self.pods.values()),
                          NOW + timedelta(seconds=seconds))
         self.status = merge(self.status, plan.status)
         for name in plan.delete_pods:  # KWOK-like: deleted pods go at once
@@ -62,8 +60,8 @@ class Sim:
         for obj in plan.create:  # rollout pods are left out: they never start here
             if obj["kind"] == "Pod" and obj["metadata"]["labels"][names.LABEL_ROLE] == names.ROLE_TRAINER:
                 labels = obj["metadata"]["labels"]
-                self.pods[obj["metadata"]["name"]] = PodView(
-                    obj["metadata"]["name"], int(labels[names.LABEL_ATTEMPT]), int(labels[names.LABEL_RANK]), "Pending")
+                self.pods[obj["metadata"]["name"]] = pod(
+                    int(labels[names.LABEL_ATTEMPT]), int(labels[names.LABEL_RANK]), "Pending")
         self.plans.append(plan)
         return plan
 
@@ -82,8 +80,8 @@ def progress(status) -> tuple:
     return p.get("step"), p["attempt"], p["since"]
 
 
-def cond(status, type_=names.COND_PROGRESSING):
-    return next(x for x in status["conditions"] if x["type"] == type_)
+def progressing(job_status: dict) -> dict:
+    return condition(job_status, names.COND_PROGRESSING)
 
 
 def fired(plans) -> list:
@@ -95,7 +93,7 @@ def test_the_deadline_fires_once_and_restarts_the_gang_like_a_failure():
     plan = sim.running(0)
     assert progress(sim.status) == (None, 1, "2026-11-30T12:00:00Z")
     assert plan.requeue_after == DEADLINE  # comes back when the deadline would pass
-    assert cond(sim.status)["status"] == "True" and cond(sim.status)["reason"] == names.REASON_STEPPING
+    assert progressing(sim.status)["status"] == "True" and progressing(sim.status)["reason"] == names.REASON_STEPPING
 
     plan = sim.at(DEADLINE)  # exactly the deadline: not past it
     assert sim.status["phase"] == names.RUNNING and plan.requeue_after == 0 and not fired(sim.plans)
@@ -108,9 +106,9 @@ def test_the_deadline_fires_once_and_restarts_the_gang_like_a_failure():
     assert "attempt 1 reported no step in 601s" in failure["message"]
     assert "progressDeadlineSeconds=600" in failure["message"]
     assert sorted(plan.delete_pods) == ["demo-trainer-1-0", "demo-trainer-1-1"]
-    progressing = cond(sim.status)
-    assert (progressing["status"], progressing["reason"]) == ("False", names.REASON_PROGRESS_DEADLINE)
-    assert progressing["message"] == failure["message"]
+    got = progressing(sim.status)
+    assert (got["status"], got["reason"]) == ("False", names.REASON_PROGRESS_DEADLINE)
+    assert got["message"] == failure["message"]
     assert [(e.type, e.reason) for e in plan.events] == [("Warning", names.REASON_PROGRESS_DEADLINE),
                                                          ("Warning", names.REASON_RESTARTING)]
     assert plan.events[0].message == failure["message"]
@@ -121,14 +119,14 @@ def test_the_deadline_fires_once_and_restarts_the_gang_like_a_failure():
     assert sim.status["phase"] == names.RESTARTING and sim.status["restarts"] == 1
     sim.at(DEADLINE + 31)  # backoff over: attempt 2
     assert (sim.status["phase"], sim.status["attempt"]) == (names.PENDING, 2)
-    assert cond(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE  # until the next gang runs
+    assert progressing(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE  # until the next gang runs
     assert sorted(sim.pods) == ["demo-trainer-2-0", "demo-trainer-2-1"]
     sim.at(DEADLINE * 3)  # pods pending a long time: not counted
     sim.run_gang()
     sim.at(DEADLINE * 3 + 1)
     assert sim.status["phase"] == names.RUNNING and sim.status["restarts"] == 1
     assert progress(sim.status) == (None, 2, "2026-11-30T12:30:01Z")
-    assert cond(sim.status)["status"] == "True"
+    assert progressing(sim.status)["status"] == "True"
     assert len(fired(sim.plans)) == 1
 
 
@@ -142,11 +140,11 @@ def test_no_fire_while_the_step_moves():
         assert plan.requeue_after == DEADLINE  # counted from this step
         sim.at(t + DEADLINE)  # exactly the deadline after the step: still in time
     assert sim.status["phase"] == names.RUNNING and sim.status["restarts"] == 0 and not fired(sim.plans)
-    assert cond(sim.status)["message"].startswith("step 10 of attempt 1 reported at ")
+    assert progressing(sim.status)["message"].startswith("step 10 of attempt 1 reported at ")
 
 
 def test_a_step_of_the_previous_attempt_is_not_progress_of_this_one():
-    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1})
+    sim = Sim(status=status(names.PENDING, attempt=2, restarts=1))
     sim.report(step=7, attempt=1)
     sim.running(0)
     assert progress(sim.status)[0] is None
@@ -170,7 +168,7 @@ def test_the_message_carries_the_trainers_waiting_reason():
     # Counted from the trainer's `since` with the operator's clock, not its stale `seconds`.
     assert "trainer waiting for experiences for 601s (12 stale dropped): no new shard in s3://ckpts/demo/buffer" \
         in message
-    assert cond(sim.status)["message"] == message
+    assert progressing(sim.status)["message"] == message
 
 
 def test_the_message_names_weight_sync_lag_and_explorers_not_running():
@@ -185,8 +183,8 @@ def test_the_message_names_weight_sync_lag_and_explorers_not_running():
         "demo-inference-0": {"version": 4, "id": "abc"},
         "demo-inference-1": {"version": 2, "id": "old", "error": "SyncError: checksum mismatch"}}}})
     sim.at(1)
-    sim.pods["demo-explorer-0"] = PodView("demo-explorer-0", -1, -1, "Running", role=names.ROLE_EXPLORER)
-    sim.pods["demo-explorer-1"] = PodView("demo-explorer-1", -1, -1, "Pending", role=names.ROLE_EXPLORER)
+    sim.pods["demo-explorer-0"] = rollout_pod("demo-explorer-0", role=names.ROLE_EXPLORER)
+    sim.pods["demo-explorer-1"] = rollout_pod("demo-explorer-1", "Pending", role=names.ROLE_EXPLORER)
     sim.at(DEADLINE + 2)
     assert sim.status["lastFailure"]["message"] == (
         "step 4 has not moved for 601s (spec.failurePolicy.progressDeadlineSeconds=600): "
@@ -204,23 +202,23 @@ def test_zero_turns_the_deadline_off():
     plan = sim.at(86400 * 30)
     assert sim.status["phase"] == names.RUNNING and plan.requeue_after is None and not fired(sim.plans)
     assert sim.status["progress"]["since"] == "2026-11-30T12:00:00Z"  # still recorded
-    assert "no progress deadline" in cond(sim.status)["message"]
+    assert "no progress deadline" in progressing(sim.status)["message"]
 
 
 def test_the_deadline_spends_the_restart_budget_then_fails_the_job():
-    sim = Sim(status={"phase": names.PENDING, "attempt": 3, "restarts": 2})  # maxRestarts: 2
+    sim = Sim(status=status(names.PENDING, attempt=3, restarts=2))  # maxRestarts: 2
     sim.running(0)
     plan = sim.at(DEADLINE + 1)
     assert sim.status["phase"] == names.FAILED and sim.status["restarts"] == 2
     assert sim.status["lastFailure"]["reason"] == names.REASON_PROGRESS_DEADLINE
     assert "restart budget exhausted after 2 restarts (spec.failurePolicy.maxRestarts=2)" in sim.status["message"]
-    failed = cond(sim.status, names.COND_FAILED)
+    failed = condition(sim.status, names.COND_FAILED)
     assert (failed["status"], failed["reason"]) == ("True", names.REASON_PROGRESS_DEADLINE)
-    assert cond(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE
+    assert progressing(sim.status)["reason"] == names.REASON_PROGRESS_DEADLINE
     assert sorted(plan.delete_pods) == ["demo-trainer-3-0", "demo-trainer-3-1"]
     assert [e.reason for e in plan.events] == [names.REASON_PROGRESS_DEADLINE, names.REASON_PROGRESS_DEADLINE]
     sim.at(DEADLINE * 5)
-    assert cond(sim.status, names.COND_FAILED)["reason"] == names.REASON_PROGRESS_DEADLINE  # kept on later passes
+    assert condition(sim.status, names.COND_FAILED)["reason"] == names.REASON_PROGRESS_DEADLINE  # kept on later passes
 
 
 @pytest.mark.parametrize("phase, spec", [
@@ -230,20 +228,18 @@ def test_the_deadline_spends_the_restart_budget_then_fails_the_job():
 ])
 def test_the_clock_does_not_run_outside_running(phase, spec):
     stuck = {"step": 3, "attempt": 1, "since": "2026-11-30T10:00:00Z"}
-    failure = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
-               "time": "2026-11-30T12:00:00Z"}
-    sim = Sim(spec, {"phase": phase, "attempt": 1, "restarts": 1, "progress": stuck, "lastFailure": failure})
+    sim = Sim(spec, status(phase, restarts=1, progress=stuck, lastFailure=last_failure()))
     if phase == names.PENDING:
-        sim.pods = {"demo-trainer-1-0": PodView("demo-trainer-1-0", 1, 0, "Running")}  # rank 1 unscheduled
+        sim.pods = {"demo-trainer-1-0": pod(1, 0)}  # rank 1 unscheduled
     plan = sim.at(1)
     assert sim.status["phase"] == phase and sim.status["restarts"] == 1 and not fired([plan])
     assert sim.status["progress"] == stuck
-    assert cond(sim.status)["status"] == "False" and cond(sim.status)["reason"] == phase
+    assert progressing(sim.status)["status"] == "False" and progressing(sim.status)["reason"] == phase
 
 
 def test_a_record_of_an_earlier_attempt_is_replaced_not_counted():
     stuck = {"step": 3, "attempt": 1, "since": "2026-11-30T10:00:00Z"}
-    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1, "progress": stuck})
+    sim = Sim(status=status(names.PENDING, attempt=2, restarts=1, progress=stuck))
     sim.running(0)
     assert progress(sim.status) == (None, 2, "2026-11-30T12:00:00Z")
     assert not fired(sim.plans)
@@ -274,7 +270,7 @@ def test_describe_trainer_wait(trainer, want):
 
 
 def test_what_an_earlier_attempt_reported_is_not_in_the_message():
-    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1})
+    sim = Sim(status=status(names.PENDING, attempt=2, restarts=1))
     sim.report(step=7, attempt=1, waiting={"reason": names.WAIT_DATA, "since": "2026-11-30T11:00:00Z"},
                buffer={"droppedStale": 3})
     sim.running(0)
@@ -334,8 +330,8 @@ def test_progress_says_where_this_attempt_resumed_from():
     sim.at(2)  # the step moved, the record restarts: where it began stays
     assert sim.status["progress"]["resumedFrom"] == {"step": 0} and sim.status["progress"]["step"] == 3
     # The next attempt: nothing until its own trainer reports, then its own start.
-    sim = Sim(status={"phase": names.PENDING, "attempt": 2, "restarts": 1, "progress": sim.status["progress"],
-                      "trainer": sim.status["trainer"]})
+    sim = Sim(status=status(names.PENDING, attempt=2, restarts=1, progress=sim.status["progress"],
+                            trainer=sim.status["trainer"]))
     sim.running(3)
     assert "resumedFrom" not in sim.status["progress"], sim.status["progress"]
     sim.report(attempt=2, resumedFrom={"attempt": 2, "step": 5, "checkpoint": ckpt})

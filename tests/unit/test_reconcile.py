@@ -3,41 +3,10 @@
 from datetime import timedelta
 
 from rft_contract import names
-from rft_operator import builders
 from rft_contract.spec import parse_spec
 from rft_operator.reconcile import Observed, PodView, reconcile
 
-from .conftest import NOW, SPEC, make_job
-
-STATIC = {
-    ("ServiceAccount", "demo-rft-trainer"): "",
-    ("Role", "demo-status-writer"): "",
-    ("RoleBinding", "demo-status-writer"): "",
-    ("Service", "demo-trainer"): "",
-}
-
-
-CURRENT = builders.build_configmap(builders.JobRef("demo", "team-a", "0000-1111"), parse_spec(SPEC))
-CURRENT_HASH = CURRENT["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
-
-
-def observed(pods=(), cm_hash=CURRENT_HASH):
-    children = dict(STATIC)
-    if cm_hash is not None:
-        children[("ConfigMap", "demo-config")] = cm_hash
-    return Observed(pods=list(pods), children=children)
-
-
-def pod(attempt, rank, phase="Running", exit_code=None, deleting=False):
-    return PodView(f"demo-trainer-{attempt}-{rank}", attempt, rank, phase, deleting, exit_code)
-
-
-def status(phase, attempt=1, restarts=0, **extra):
-    return {"phase": phase, "attempt": attempt, "restarts": restarts, **extra}
-
-
-def cond(plan, type_):
-    return next(x for x in plan.status["conditions"] if x["type"] == type_)
+from .testing import NOW, SPEC, cond, last_failure, make_job, observed, pod, status
 
 
 def test_new_job_creates_children_and_gang():
@@ -107,8 +76,7 @@ def test_retryable_failure_restarts_the_whole_gang():
 
 
 def test_restarting_waits_for_backoff_then_starts_next_attempt():
-    failure = {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": "PodFailed", "time": "2026-11-30T12:00:00Z"}
-    job = make_job(status=status(names.RESTARTING, restarts=1, lastFailure=failure))
+    job = make_job(status=status(names.RESTARTING, restarts=1, lastFailure=last_failure()))
     early = reconcile(job, observed([pod(1, 1, "Failed", exit_code=1)]), NOW + timedelta(seconds=10))
     assert early.status["phase"] == names.RESTARTING
     assert early.delete_pods == []  # the failed pod stays for its logs

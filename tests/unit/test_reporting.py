@@ -15,6 +15,8 @@ from rft_trainer.reporting import (
     StatusReporter, backoff_delay, compute_flush_timeout, describe_status, merge,
 )
 
+from .testing import merge_patch
+
 WAIT = 10  # seconds: only reached when a test fails
 
 
@@ -25,18 +27,6 @@ class ApiDown(Exception):
 
     def __str__(self) -> str:
         return "HTTP response body: Authorization: Bearer SECRET-TOKEN"
-
-
-def apply_merge_patch(target: dict, patch: dict) -> dict:
-    """RFC 7386, as the API server applies `application/merge-patch+json`."""
-    for k, v in patch.items():
-        if v is None:
-            target.pop(k, None)
-        elif isinstance(v, dict):
-            target[k] = apply_merge_patch(target.get(k) if isinstance(target.get(k), dict) else {}, v)
-        else:
-            target[k] = copy.deepcopy(v)
-    return target
 
 
 class FakeApi:
@@ -62,7 +52,7 @@ class FakeApi:
             if not failing:
                 trainer = copy.deepcopy(body["status"]["trainer"])
                 self.delivered.append(trainer)
-                apply_merge_patch(self.state, trainer)
+                self.state = merge_patch(self.state, trainer)
             self.cond.notify_all()
         if failing:
             raise ApiDown()

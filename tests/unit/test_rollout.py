@@ -7,16 +7,11 @@ import pytest
 from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import rollout
-from rft_operator.model import PodView
-from rft_operator.objects import JobRef
 from rft_operator.conditions import Cond
 from rft_operator.rollout_pods import WEIGHTS_FANOUT, WEIGHTS_PEER_PORT, build_inference_pod, build_rollout_pods
 
-from .conftest import NOW, SPEC
+from .testing import LOOP, NOW, REF, rollout_pod, rollout_pods
 
-REF = JobRef("demo", "team-a", "0000-1111")
-LOOP = {**SPEC, "inference": {"replicas": 2, "port": 8000},
-        "explorer": {"replicas": 1, "tasksetUri": "s3://data/a.jsonl"}}
 ALL = ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
 SYNCED = Cond(names.COND_WEIGHTS_SYNCED, True, names.REASON_SYNCED)
 SYNCING = Cond(names.COND_WEIGHTS_SYNCED, False, names.REASON_SYNCING)
@@ -24,46 +19,33 @@ DONE_1M_AGO = "2026-11-30T11:59:00Z"
 DONE_11M_AGO = "2026-11-30T11:49:00Z"
 
 
-def pods(phase="Running", drop=(), stale=(), failed=(), deleting=(), extra=()):
-    """The desired rollout pods as observed, with some changed."""
-    out = []
-    for obj in build_rollout_pods(REF, parse_spec(LOOP)):
-        m = obj["metadata"]
-        name = m["name"]
-        if name in drop:
-            continue
-        h = "stale" if name in stale else m["annotations"][names.ANNOTATION_SPEC_HASH]
-        out.append(PodView(name, -1, -1, "Failed" if name in failed else phase, name in deleting,
-                           role=m["labels"][names.LABEL_ROLE], spec_hash=h))
-    return out + [PodView(n, -1, -1, "Running", role=names.ROLE_INFERENCE, spec_hash="x") for n in extra]
-
-
 # id, spec (None: invalid), gang phase, completionTime, WeightsSynced, pods,
 # expected: created names, deleted names, requeue_after
 CASES = [
-    ("invalid-spec-removes-all", None, names.FAILED, None, None, pods(), ([], ALL, None)),
-    ("invalid-spec-removes-all-in-any-phase", None, names.RUNNING, None, None, pods(), ([], ALL, None)),
-    ("suspended-removes-all", LOOP, names.SUSPENDED, None, SYNCED, pods(), ([], ALL, None)),
-    ("failed-removes-all-but-the-deleting", LOOP, names.FAILED, None, SYNCED, pods(deleting=["demo-inference-1"]),
-     ([], ["demo-inference-0", "demo-explorer-0"], None)),
+    ("invalid-spec-removes-all", None, names.FAILED, None, None, rollout_pods(), ([], ALL, None)),
+    ("invalid-spec-removes-all-in-any-phase", None, names.RUNNING, None, None, rollout_pods(), ([], ALL, None)),
+    ("suspended-removes-all", LOOP, names.SUSPENDED, None, SYNCED, rollout_pods(), ([], ALL, None)),
+    ("failed-removes-all-but-the-deleting", LOOP, names.FAILED, None, SYNCED,
+     rollout_pods(deleting=["demo-inference-1"]), ([], ["demo-inference-0", "demo-explorer-0"], None)),
     ("new-job-creates-all", LOOP, names.PENDING, None, SYNCING, [], (ALL, [], None)),
-    ("steady-state", LOOP, names.RUNNING, None, SYNCED, pods(), ([], [], None)),
-    ("restarting-keeps-them", LOOP, names.RESTARTING, None, SYNCED, pods(), ([], [], None)),
-    ("missing-one-is-created", LOOP, names.RUNNING, None, SYNCED, pods(drop=["demo-inference-1"]),
+    ("steady-state", LOOP, names.RUNNING, None, SYNCED, rollout_pods(), ([], [], None)),
+    ("restarting-keeps-them", LOOP, names.RESTARTING, None, SYNCED, rollout_pods(), ([], [], None)),
+    ("missing-one-is-created", LOOP, names.RUNNING, None, SYNCED, rollout_pods(drop=["demo-inference-1"]),
      (["demo-inference-1"], [], None)),
     ("drifted-and-failed-are-deleted-not-yet-created", LOOP, names.RUNNING, None, SYNCED,
-     pods(stale=["demo-explorer-0"], failed=["demo-inference-0"]), ([], ["demo-inference-0", "demo-explorer-0"], None)),
-    ("unwanted-replica-is-deleted", LOOP, names.RUNNING, None, SYNCED, pods(extra=["demo-inference-2"]),
+     rollout_pods(stale=["demo-explorer-0"], failed=["demo-inference-0"]),
+     ([], ["demo-inference-0", "demo-explorer-0"], None)),
+    ("unwanted-replica-is-deleted", LOOP, names.RUNNING, None, SYNCED, rollout_pods(extra=["demo-inference-2"]),
      ([], ["demo-inference-2"], None)),
     ("deleting-drifted-pod-is-left-alone", LOOP, names.RUNNING, None, SYNCED,
-     pods(stale=["demo-explorer-0"], deleting=["demo-explorer-0"]), ([], [], None)),
-    ("succeeded-and-synced-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCED, pods(),
+     rollout_pods(stale=["demo-explorer-0"], deleting=["demo-explorer-0"]), ([], [], None)),
+    ("succeeded-and-synced-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCED, rollout_pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
-    ("succeeded-train-only-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, None, pods(),
+    ("succeeded-train-only-removes-all", LOOP, names.SUCCEEDED, DONE_1M_AGO, None, rollout_pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
-    ("succeeded-syncing-keeps-inference-in-grace", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCING, pods(),
+    ("succeeded-syncing-keeps-inference-in-grace", LOOP, names.SUCCEEDED, DONE_1M_AGO, SYNCING, rollout_pods(),
      ([], ["demo-explorer-0"], 540.0)),
-    ("succeeded-syncing-grace-spent", LOOP, names.SUCCEEDED, DONE_11M_AGO, SYNCING, pods(),
+    ("succeeded-syncing-grace-spent", LOOP, names.SUCCEEDED, DONE_11M_AGO, SYNCING, rollout_pods(),
      ([], ["demo-explorer-0", "demo-inference-0", "demo-inference-1"], None)),
 ]
 
@@ -97,7 +79,7 @@ def test_compute_final_sync_wait(cond, done, after, want):
 ])
 def test_should_replace(phase, h, wanted, want):
     want_obj = {"metadata": {"annotations": {names.ANNOTATION_SPEC_HASH: "h"}}} if wanted else None
-    assert rollout.should_replace(PodView("p", -1, -1, phase, spec_hash=h), want_obj) is want
+    assert rollout.should_replace(rollout_pod("p", phase, spec_hash=h), want_obj) is want
 
 
 # ------------------------------------------------------------------ the weight relay
@@ -154,5 +136,5 @@ def test_a_pod_from_an_operator_before_termination_messages_is_not_replaced():
         assert all(x["terminationMessagePolicy"] == "FallbackToLogsOnError" for x in containers)
         before = {**spec, **{kind: [{k: v for k, v in x.items() if k != "terminationMessagePolicy"} for x in spec[kind]]
                              for kind in ("initContainers", "containers") if kind in spec}}
-        old = PodView(obj["metadata"]["name"], -1, -1, "Running", spec_hash=spec_hash(before))
+        old = rollout_pod(obj["metadata"]["name"], spec_hash=spec_hash(before))
         assert not rollout.should_replace(old, obj)

@@ -8,15 +8,12 @@ from rft_contract import names
 from rft_operator import terminating
 from rft_operator.reconcile import Observed, reconcile
 
-from .conftest import NOW, make_job
-from .test_failure_policy import NODE, at, failed, pod_dict, run, views
+from .testing import NODE, NOW, failed, gang_for, last_failure, make_job, pod_dict, status, views
 
 
 # ------------------------------------------------------------------ stuck terminating
 
-RESTARTING = {"phase": names.RESTARTING, "attempt": 1, "restarts": 1,
-              "lastFailure": {"attempt": 1, "pod": "demo-trainer-1-1", "exitCode": 1, "reason": names.REASON_POD_FAILED,
-                              "time": at(-600)}}
+RESTARTING = status(names.RESTARTING, restarts=1, lastFailure=last_failure(-600))
 MARGIN = terminating.FORCE_DELETE_MARGIN_SECONDS
 
 
@@ -30,7 +27,7 @@ GONE = {NODE: terminating.NODE_GONE}
     (-300 - MARGIN - 5, 300, True, None),         # a longer grace period counts too
 ], ids=["margin-not-over", "within-grace", "due", "due-long-grace"])
 def test_old_pod_stuck_terminating_is_force_deleted_after_the_bound(deleted_at, grace, want_force, want_requeue):
-    g = run([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING, nodes=GONE)
+    g = gang_for([pod_dict(1, 0, deleted_at=deleted_at, grace=grace), failed(1, 1, -600)], old=RESTARTING, nodes=GONE)
     assert g.phase == names.RESTARTING  # the next attempt waits until the pod is gone
     assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
     warnings = [e for e in g.events if e.reason == names.REASON_STUCK_TERMINATING]
@@ -54,7 +51,7 @@ STUCK = -30 - MARGIN - 1  # deleted this long ago, grace period 30 s: past the b
     ({}, "", True),                                     # never scheduled: nothing runs it
 ], ids=["node-gone", "out-of-service", "node-present", "node-unreadable", "unknown", "unscheduled"])
 def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
-    g = run([pod_dict(1, 0, deleted_at=STUCK, node=node), failed(1, 1, -600)], old=RESTARTING, nodes=nodes)
+    g = gang_for([pod_dict(1, 0, deleted_at=STUCK, node=node), failed(1, 1, -600)], old=RESTARTING, nodes=nodes)
     assert g.phase == names.RESTARTING
     assert g.force_delete == (("demo-trainer-1-0",) if want_force else ())
     assert [(e.type, e.reason) for e in g.events] == [("Warning", names.REASON_STUCK_TERMINATING)]
@@ -72,15 +69,16 @@ def test_force_delete_only_when_the_node_runs_nothing(nodes, node, want_force):
     if nodes.get(NODE) == terminating.NODE_UNREADABLE:
         assert "the operator may not read it" in message
     # The next pass, with the message stored: still waiting, no second event, no write.
-    again = run([pod_dict(1, 0, deleted_at=STUCK - 600), failed(1, 1, -600)],
-                old={**RESTARTING, "message": message}, nodes=nodes)
+    again = gang_for([pod_dict(1, 0, deleted_at=STUCK - 600), failed(1, 1, -600)],
+                     old={**RESTARTING, "message": message}, nodes=nodes)
     assert (again.phase, again.force_delete, again.events, again.status["message"]) == (
         names.RESTARTING, (), (), message)
 
 
 def test_a_stuck_pod_goes_on_by_itself_once_gone():
-    waiting = run([pod_dict(1, 0, deleted_at=STUCK), failed(1, 1, -600)], old=RESTARTING, nodes={NODE: terminating.NODE_UP})
-    g = run([failed(1, 1, -600)], old={**RESTARTING, "message": waiting.status["message"]})
+    waiting = gang_for([pod_dict(1, 0, deleted_at=STUCK), failed(1, 1, -600)], old=RESTARTING,
+                       nodes={NODE: terminating.NODE_UP})
+    g = gang_for([failed(1, 1, -600)], old={**RESTARTING, "message": waiting.status["message"]})
     assert (g.phase, g.attempt, [e.reason for e in g.events]) == (names.PENDING, 2, [names.REASON_RESTARTED])
 
 
@@ -93,13 +91,13 @@ def test_stuck_nodes_are_only_those_of_pods_past_the_bound():
 def test_a_force_deleted_pod_is_not_forced_again():
     stuck = pod_dict(1, 0, deleted_at=-30 - MARGIN - 100)
     stuck["metadata"]["deletionGracePeriodSeconds"] = 0  # what the force delete leaves (e.g. a finalizer holds it)
-    g = run([stuck], old=RESTARTING, nodes=GONE)
+    g = gang_for([stuck], old=RESTARTING, nodes=GONE)
     assert (g.phase, g.force_delete, g.events) == (names.RESTARTING, (), ())
 
 
 def test_stale_attempt_stuck_terminating_blocks_the_new_gang_until_forced():
-    old = {"phase": names.PENDING, "attempt": 2, "restarts": 1}
-    g = run([pod_dict(1, 0, deleted_at=STUCK)], old=old, nodes=GONE)
+    old = status(names.PENDING, attempt=2, restarts=1)
+    g = gang_for([pod_dict(1, 0, deleted_at=STUCK)], old=old, nodes=GONE)
     assert g.force_delete == ("demo-trainer-1-0",) and g.create == ()
     observed = Observed(pods=views(pod_dict(1, 0, deleted_at=STUCK)), nodes=GONE)
     plan = reconcile(make_job(status=old), observed, NOW)

@@ -2,7 +2,7 @@
 
 from rft_contract import times
 
-from .conftest import NOW
+from .testing import NOW
 
 
 def test_time_roundtrip():

@@ -3,26 +3,14 @@
 import pytest
 
 from rft_contract import names
-from rft_operator import builders, weightsync as sync
+from rft_operator import weightsync as sync
+from rft_operator.builders import build_configmap
 from rft_contract.spec import parse_spec
-from rft_operator.reconcile import PodView, reconcile
+from rft_operator.reconcile import reconcile
 
-from .conftest import NOW, SPEC, make_job
-from .test_reconcile import STATIC, cond, observed, pod, status
+from .testing import LOOP, NOW, REF, SPEC, STATIC, cond, make_job, observed, pod, rollout_pods, status
 
-LOOP = {**SPEC, "inference": {"replicas": 2, "port": 8000},
-        "explorer": {"replicas": 1, "tasksetUri": "s3://data/a.jsonl"}}
-REF = builders.JobRef("demo", "team-a", "0000-1111")
 W = "s3://ckpts/demo/weights/step-"
-
-
-def rollout_pods(spec=LOOP, phase="Running", hashes=None):
-    out = []
-    for obj in builders.build_rollout_pods(REF, parse_spec(spec)):
-        meta = obj["metadata"]
-        h = (hashes or {}).get(meta["name"], meta["annotations"][names.ANNOTATION_SPEC_HASH])
-        out.append(PodView(meta["name"], -1, -1, phase, role=meta["labels"][names.LABEL_ROLE], spec_hash=h))
-    return out
 
 
 def loop_observed(extra=(), **kw):
@@ -30,7 +18,7 @@ def loop_observed(extra=(), **kw):
     loop_accounts = {("ServiceAccount", f"demo-rft-{r}"): "" for r in ("inference", "explorer")}
     readers = {(kind, "demo-status-reader"): "" for kind in ("Role", "RoleBinding")}
     obs.children = {**STATIC, **loop_accounts, **readers, ("Service", "demo-inference"): "", **{
-        ("ConfigMap", "demo-config"): builders.build_configmap(REF, parse_spec(LOOP))["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]}}
+        ("ConfigMap", "demo-config"): build_configmap(REF, parse_spec(LOOP))["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]}}
     return obs
 
 
@@ -116,9 +104,7 @@ def test_entries_of_removed_replicas_are_pruned():
 
 
 def test_drifted_or_failed_rollout_pods_are_replaced_but_not_the_trainers():
-    pods = rollout_pods(hashes={"demo-explorer-0": "stale"})
-    pods[0] = PodView(pods[0].name, -1, -1, "Failed", role=names.ROLE_INFERENCE, spec_hash=pods[0].spec_hash)
-    plan = run({"step": 1}, pods=pods)
+    plan = run({"step": 1}, pods=rollout_pods(stale=["demo-explorer-0"], failed=["demo-inference-0"]))
     assert sorted(plan.delete_pods) == ["demo-explorer-0", "demo-inference-0"]
 
 

@@ -6,7 +6,7 @@ from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import weightsync
 
-from .conftest import SPEC
+from .testing import SPEC
 
 LOOP = {**SPEC, "inference": {"replicas": 2, "port": 8000}}
 W3 = {"version": 3, "uri": "s3://ckpts/demo/weights/step-00000003", "id": "abc"}
