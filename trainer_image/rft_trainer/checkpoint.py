@@ -277,6 +277,9 @@ class CheckpointManager:
         # from the upload thread when block=False (e.g. to report status.checkpoint).
         self.on_commit = None
         self.last_committed: int | None = None  # manifest written
+        self.last_commit_at: float | None = None  # time.monotonic() of that commit
+        self.last_commit_seconds: float | None = None  # its stage + upload time
+        self._stage_seconds = 0.0  # the last save's staging, for last_commit_seconds
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -371,7 +374,7 @@ class CheckpointManager:
         self.last_commit_at = time.monotonic()
         # For status reporting: bytes of every rank's files, staging + upload time.
         self.last_commit_bytes = sum(m["size"] for f, _ in reports for m in f.values())
-        self.last_commit_seconds = getattr(self, "_stage_seconds", 0.0) + time.perf_counter() - start
+        self.last_commit_seconds = self._stage_seconds + time.perf_counter() - start
         self.last_upload_seconds = time.perf_counter() - upload_start  # this rank's files + the commit
         if self.rt.is_main:
             log.info("checkpoint step %d committed to %s in %.2fs", step, prefix, time.perf_counter() - start)

@@ -168,7 +168,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
         # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response tokens only.
         kl_reward = None
-        if ref_lp is not None and not getattr(a, "use_kl_loss", True):
+        if ref_lp is not None and not a.use_kl_loss:
             kl = losses.kl_penalty(old_lp, ref_lp, a.kl_estimator)
             kl_reward = a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl))
         if a.name == "grpo":

@@ -245,7 +245,7 @@ class Actor(LogProbRole):
             metrics["actor/entropy"] = float(losses.aggregate(ent.detach(), m, "token-mean"))
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * losses.aggregate(ent, m, mode)
-            if ref_lp is not None and getattr(a, "use_kl_loss", True) and a.kl_coef:
+            if ref_lp is not None and a.use_kl_loss and a.kl_coef:
                 kl = losses.aggregate(losses.kl_penalty(lp, ref_lp[sel], a.kl_estimator), m, mode)
                 loss = loss + a.kl_coef * kl
                 metrics["actor/kl_loss"] = float(kl.detach())

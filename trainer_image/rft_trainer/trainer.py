@@ -277,8 +277,7 @@ class Trainer:
             return
         if self.stopping:
             save, why = self._share(should_save_on_stop(
-                time.monotonic(), self._stop_at, getattr(ckpt, "last_commit_at", None),
-                getattr(ckpt, "last_commit_seconds", None), stop_budget_seconds()))
+                time.monotonic(), self._stop_at, ckpt.last_commit_at, ckpt.last_commit_seconds, stop_budget_seconds()))
             log.info("stopping at step %d: %s", self.train_step_num, why)
             if not save:
                 return
@@ -313,7 +312,7 @@ class Trainer:
         if self.metrics_log is not None:
             self.metrics_log.append(self.train_step_num, metrics)
         if self.rt is not None and self.rt.is_main:
-            every = max(1, getattr(self.config.reporting, "log_every", 1))
+            every = self.config.reporting.log_every
             if self.train_step_num % every == 0 or self.train_step_num == 1:
                 line = {"step": self.train_step_num, **{k: round(v, 6) for k, v in metrics.items()}}
                 print(json.dumps(line), file=sys.stdout, flush=True)
