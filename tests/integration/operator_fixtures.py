@@ -12,18 +12,16 @@ import re
 import signal
 import subprocess
 import sys
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import kubernetes
-import pytest
 import yaml
 
 from rft_contract import names
 
-from .conftest import wait_for
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,41 +100,6 @@ class OperatorProcess:
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-@pytest.fixture(scope="session")
-def installed(cluster) -> None:
-    """Namespace, CRD and operator RBAC from the real manifests (not the Deployment:
-    the operator runs here as a host process with the Deployment's identity)."""
-    from e2e.demo import install_api as install
-
-    install(cluster)
-
-
-@pytest.fixture(scope="session")
-def api(cluster) -> kubernetes.client.ApiClient:
-    """A Python client authenticated as admin, for assertions."""
-    return kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-
-
-@pytest.fixture(scope="session")
-def operator(cluster, installed, tmp_path_factory) -> OperatorProcess:
-    d = tmp_path_factory.mktemp("operator")
-    kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
-    op = OperatorProcess(Path(kc), d / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-
-
-@pytest.fixture
-def namespace(api, kubectl) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    # The operator runs job pods only where Pod Security is enforced (a cluster admin's label).
-    kubectl("label", "namespace", name, f"{names.PSA_ENFORCE_LABEL}=baseline")
-    yield name
-    kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 # ------------------------------------------------------------------ helpers

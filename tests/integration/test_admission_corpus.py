@@ -27,7 +27,7 @@ from kubernetes.client.rest import ApiException
 from rft_contract import names
 from rft_contract.spec import parse_spec
 
-from .operator_fixtures import api, installed, namespace  # noqa: F401
+
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from e2e.cluster import REPO_ROOT, cache_dir, read_versions
 from rft_contract import names
 from tests.unit.test_argocd_health import health
 
-from .operator_fixtures import (  # noqa: F401  (fixtures)
-    api, create_job, end_pod, get_job, installed, job_manifest, namespace, operator, wait_phase,
+from .operator_fixtures import (
+    create_job, end_pod, get_job, job_manifest, wait_phase,
 )
 
 pytestmark = pytest.mark.integration
@@ -43,13 +43,13 @@ def kstatus(objects: list[dict]) -> dict[str, dict]:
     return {d["name"]: d for d in map(json.loads, out.stdout.splitlines())}
 
 
-def running(api, ns: str, name: str, **spec) -> None:  # noqa: F811
+def running(api, ns: str, name: str, **spec) -> None:
     create_job(api, ns, job_manifest(name, **spec))
     wait_phase(api, ns, name, names.RUNNING, 90)
 
 
 @pytest.mark.timeout(600)
-def test_kstatus_and_argo_cd_read_each_phase_right(operator, api, namespace):  # noqa: F811
+def test_kstatus_and_argo_cd_read_each_phase_right(operator, api, namespace):
     ns = namespace
     # Pending: a gang no node takes.
     create_job(api, ns, job_manifest("pending", trainer={**job_manifest("x")["spec"]["trainer"],

@@ -26,9 +26,9 @@ from rft_contract import names
 from tests.conftest import wait_for
 from tests.trainer.faultproxy import TcpProxy
 
-from .operator_fixtures import (  # noqa: F401  (fixtures)
-    OperatorProcess, api, assert_takeover_kept_every_job, create_job, end_pod, installed, job_manifest,
-    jobs_in_flight, namespace, wait_phase, wait_status,
+from .operator_fixtures import (
+    OperatorProcess, assert_takeover_kept_every_job, create_job, end_pod, job_manifest, jobs_in_flight, wait_phase,
+    wait_status,
 )
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ WAITS = r"leader election: \S+ leads; this replica \(\S+\) waits"
 
 
 @pytest.fixture
-def replicas(cluster, installed, kubectl, tmp_path):  # noqa: F811
+def replicas(cluster, installed, kubectl, tmp_path):
     """A function making operator replicas (the session's own operator paused meanwhile);
     each is stopped at the end, and the Lease removed."""
     paused = [o for o in OperatorProcess.started if o.running()]
@@ -68,7 +68,7 @@ def replicas(cluster, installed, kubectl, tmp_path):  # noqa: F811
             other.start()
 
 
-def lease_holder(api) -> str:  # noqa: F811
+def lease_holder(api) -> str:
     lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(LEASE, OPERATOR_NS)
     return lease.spec.holder_identity or ""
 
@@ -105,7 +105,7 @@ class Seen:
         self._stop.set()
 
 
-def test_one_replica_leads_and_the_other_takes_over_when_it_dies(replicas, api, namespace):  # noqa: F811
+def test_one_replica_leads_and_the_other_takes_over_when_it_dies(replicas, api, namespace):
     a, b = replicas("a"), replicas("b")
     a.start()
     b.start(ready=WAITS)
@@ -135,7 +135,7 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_dies(replicas, api, 
 
 
 def test_a_leader_cut_off_from_the_api_server_exits_before_the_other_takes_over(
-        replicas, api, namespace, cluster, tmp_path):  # noqa: F811
+        replicas, api, namespace, cluster, tmp_path):
     kc = cluster.service_account_kubeconfig(OPERATOR_NS, "rftjob-operator", tmp_path / "cut.kubeconfig")
     config = yaml.safe_load(kc.read_text())
     upstream = urlsplit(config["clusters"][0]["cluster"]["server"])

@@ -10,10 +10,9 @@ from rft_contract import names
 from rft_contract.times import parse_time
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401  (fixtures)
-    api, create_job, end_pod, events, gang_ranks, get_job, hold_pod, installed, job_manifest, namespace,
-    operator, patch_spec, patch_status, pod_deleting, pods, refusing_trainer_pods, release_pod, wait_phase,
-    wait_status,
+from .operator_fixtures import (
+    create_job, end_pod, events, gang_ranks, get_job, hold_pod, job_manifest, patch_spec, patch_status,
+    pod_deleting, pods, refusing_trainer_pods, release_pod, wait_phase, wait_status,
 )
 
 pytestmark = pytest.mark.integration

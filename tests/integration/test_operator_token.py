@@ -23,9 +23,7 @@ import pytest
 from rft_contract import names
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401
-    api, create_job, get_job, installed, job_manifest, namespace,
-)
+from .operator_fixtures import create_job, get_job, job_manifest
 from .test_rbac import OPERATOR_NS, OPERATOR_SA, managed_meta, client_as, patch_status_as, refusal
 
 pytestmark = pytest.mark.integration
@@ -34,7 +32,7 @@ BOX = {"name": "x", "image": "busybox"}
 
 
 @pytest.fixture
-def operator_api(cluster, installed, tmp_path):  # noqa: F811
+def operator_api(cluster, installed, tmp_path):
     return client_as(cluster, tmp_path, OPERATOR_NS, OPERATOR_SA)
 
 
@@ -73,7 +71,7 @@ def accounts(kubectl, namespace: str, job: str) -> None:
 # ------------------------------------------------------------------ the ghost job
 
 
-def test_a_job_that_does_not_exist_gets_nothing(operator_api, api, kubectl, namespace):  # noqa: F811
+def test_a_job_that_does_not_exist_gets_nothing(operator_api, api, kubectl, namespace):
     """The audit's escalation, for real (no dry run): in a namespace with no RFTJob the
     operator's token made a ServiceAccount and a pod for a job `ghost` that reads another
     application's Secret. Refused, and nothing is created."""
@@ -167,7 +165,7 @@ RESTRICTED = [
 
 
 @pytest.mark.parametrize("name, bad, good", BASELINE, ids=[b[0] for b in BASELINE])
-def test_each_baseline_control_is_enforced_on_the_operators_pods(operator_api, api, kubectl, namespace,  # noqa: F811
+def test_each_baseline_control_is_enforced_on_the_operators_pods(operator_api, api, kubectl, namespace,
                                                                  name, bad, good):
     job = create_job(api, namespace, job_manifest("psa"))
     accounts(kubectl, namespace, "psa")
@@ -179,7 +177,7 @@ def test_each_baseline_control_is_enforced_on_the_operators_pods(operator_api, a
 
 
 @pytest.mark.parametrize("name, bad", RESTRICTED, ids=[r[0] for r in RESTRICTED])
-def test_each_restricted_control_is_enforced_where_the_namespace_asks(operator_api, api, kubectl, namespace,  # noqa: F811
+def test_each_restricted_control_is_enforced_where_the_namespace_asks(operator_api, api, kubectl, namespace,
                                                                       name, bad):
     kubectl("label", "namespace", namespace, f"{names.PSA_ENFORCE_LABEL}=restricted", "--overwrite")
     job = create_job(api, namespace, job_manifest("psa"))
@@ -191,7 +189,7 @@ def test_each_restricted_control_is_enforced_where_the_namespace_asks(operator_a
     assert refused_by_policy(got, message), (name, got, message)
 
 
-def test_job_pods_need_a_namespace_that_enforces_pod_security(operator_api, api, kubectl, namespace):  # noqa: F811
+def test_job_pods_need_a_namespace_that_enforces_pod_security(operator_api, api, kubectl, namespace):
     job = create_job(api, namespace, job_manifest("psa"))
     accounts(kubectl, namespace, "psa")
     core = kubernetes.client.CoreV1Api(operator_api)
@@ -208,7 +206,7 @@ def test_job_pods_need_a_namespace_that_enforces_pod_security(operator_api, api,
 # ------------------------------------------------------------------ volumes
 
 
-def test_pods_mount_only_what_the_spec_renders(operator_api, api, kubectl, namespace):  # noqa: F811
+def test_pods_mount_only_what_the_spec_renders(operator_api, api, kubectl, namespace):
     job = create_job(api, namespace, job_manifest("vol", model={"path": "s3://models/tiny",
                                                                 "cache": {"persistentVolumeClaim": "models"}}))
     accounts(kubectl, namespace, "vol")
@@ -229,7 +227,7 @@ def test_pods_mount_only_what_the_spec_renders(operator_api, api, kubectl, names
         refused(lambda: core.create_namespaced_pod(namespace, pod(good[0], bad), **DRY), words)
 
 
-def test_pods_read_only_the_secrets_their_spec_names(operator_api, api, kubectl, namespace):  # noqa: F811
+def test_pods_read_only_the_secrets_their_spec_names(operator_api, api, kubectl, namespace):
     """A real job's pod is no way into another application's Secret: only the Secrets the
     RFTJob names (S3 credentials, env secretKeyRefs) reach its pods."""
     job = create_job(api, namespace, job_manifest("sec", trainer={
@@ -254,7 +252,7 @@ def test_pods_read_only_the_secrets_their_spec_names(operator_api, api, kubectl,
 # ------------------------------------------------------------------ events
 
 
-def test_events_only_about_the_namespaces_rftjobs(operator_api, api, kubectl, namespace):  # noqa: F811
+def test_events_only_about_the_namespaces_rftjobs(operator_api, api, kubectl, namespace):
     job = create_job(api, namespace, job_manifest("ev"))
     core = kubernetes.client.CoreV1Api(operator_api)
     events = kubernetes.client.EventsV1Api(operator_api)
@@ -294,7 +292,7 @@ def test_events_only_about_the_namespaces_rftjobs(operator_api, api, kubectl, na
 # ------------------------------------------------------------------ the status
 
 
-def test_the_operator_writes_only_its_own_status_fields(operator_api, api, namespace):  # noqa: F811
+def test_the_operator_writes_only_its_own_status_fields(operator_api, api, namespace):
     create_job(api, namespace, job_manifest("st"))
     pod = "st-inference-0"
     patch_status_as(api, namespace, "st", {"trainer": {"step": 2, "progress": "2/10"},  # as admin

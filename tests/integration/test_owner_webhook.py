@@ -23,7 +23,7 @@ from rft_contract import names
 from rft_operator import ownerhook
 
 from .conftest import wait_for
-from .operator_fixtures import api, create_job, get_job, installed, job_manifest, namespace  # noqa: F401
+from .operator_fixtures import create_job, get_job, job_manifest
 from .test_operator_token import BOX, DRY, accounts, refused, trainer_pod
 from .test_rbac import OPERATOR_NS, OPERATOR_SA, managed_meta, client_as, refusal
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def operator_api(cluster, installed, tmp_path):  # noqa: F811
+def operator_api(cluster, installed, tmp_path):
     return client_as(cluster, tmp_path, OPERATOR_NS, OPERATOR_SA)
 
 
@@ -45,7 +45,7 @@ def certs(tmp_path):
 
 
 @contextmanager
-def registered(api, operator_api, namespace: str, certs: Path):  # noqa: F811
+def registered(api, operator_api, namespace: str, certs: Path):
     """The webhook served on the host and registered for `namespace` only."""
     server = ownerhook.OwnerWebhook(0, certs, ownerhook.api_get_job(operator_api), addr="127.0.0.1")
     admission = kubernetes.client.AdmissionregistrationV1Api(api)
@@ -62,7 +62,7 @@ def registered(api, operator_api, namespace: str, certs: Path):  # noqa: F811
 
 
 @pytest.fixture
-def webhook(api, operator_api, namespace, certs):  # noqa: F811
+def webhook(api, operator_api, namespace, certs):
     with registered(api, operator_api, namespace, certs) as server:
         yield server
 
@@ -71,7 +71,7 @@ def ghost_account(ghost: dict) -> dict:
     return {"metadata": managed_meta(ghost, f"{ghost['metadata']['name']}-rft-x")}
 
 
-def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl, namespace, certs):  # noqa: F811
+def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl, namespace, certs):
     """The gap the policies leave (each evaluates one RFTJob of the namespace), shown
     without the webhook, then closed with it: no ServiceAccount, no pod reading another
     application's Secret, no Event for `ghost`; `real`'s own children pass."""
@@ -118,7 +118,7 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
         assert refusal(lambda: core.create_namespaced_event(namespace, real_event, **DRY)) == (200, "")
 
 
-def ghost_refused(operator_api, api, namespace: str) -> None:  # noqa: F811
+def ghost_refused(operator_api, api, namespace: str) -> None:
     """Waits until the API server calls the webhook for this namespace (it loads a new
     configuration asynchronously): the operator's ServiceAccount for a made-up job beside
     a real one, refused by name."""
@@ -130,7 +130,7 @@ def ghost_refused(operator_api, api, namespace: str) -> None:  # noqa: F811
         "the webhook to refuse the made-up job")
 
 
-def test_other_identities_and_unlabelled_objects_never_wait_on_it(webhook, operator_api, api, namespace):  # noqa: F811
+def test_other_identities_and_unlabelled_objects_never_wait_on_it(webhook, operator_api, api, namespace):
     """Registered for the operator's labelled objects only: with the webhook stopped (so
     that a call to it fails closed, as the operator's own create shows), the admin still
     creates a labelled object and the namespace's other objects."""
@@ -149,7 +149,7 @@ def test_other_identities_and_unlabelled_objects_never_wait_on_it(webhook, opera
         namespace, {"metadata": {"name": "plain"}}, **DRY)) == (200, "")
 
 
-def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api, api, namespace, certs):  # noqa: F811
+def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api, api, namespace, certs):
     ghost_refused(operator_api, api, namespace)
     job = get_job(api, namespace, "real")
     core = kubernetes.client.CoreV1Api(operator_api)

@@ -19,9 +19,8 @@ import pytest
 from rft_contract import names
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401  (fixtures)
-    api, create_job, events, get_job, hold_pod, installed, job_manifest, namespace, operator, patch_spec, pods,
-    release_pod, wait_phase, wait_status,
+from .operator_fixtures import (
+    create_job, get_job, hold_pod, job_manifest, patch_spec, pods, release_pod, wait_phase, wait_status,
 )
 
 pytestmark = pytest.mark.integration

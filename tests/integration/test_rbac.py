@@ -24,9 +24,7 @@ from rft_contract import names
 from rft_rollout.explorer import KubeProgress
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401
-    OperatorProcess, api, create_job, get_job, installed, job_manifest, namespace, operator, wait_phase,
-)
+from .operator_fixtures import OperatorProcess, create_job, get_job, job_manifest, wait_phase
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

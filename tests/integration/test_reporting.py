@@ -16,9 +16,7 @@ from rft_trainer.reporting import StatusReporter
 from tests.trainer.faultproxy import TcpProxy
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401
-    api, create_job, get_job, installed, job_manifest, namespace, operator, wait_phase, wait_status,
-)
+from .operator_fixtures import create_job, get_job, job_manifest, wait_phase, wait_status
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from kubernetes.client.rest import ApiException
 
 from rft_contract import names
 
-from .operator_fixtures import api, installed, job_manifest, namespace  # noqa: F401
+from .operator_fixtures import job_manifest
 
 pytestmark = pytest.mark.integration
 

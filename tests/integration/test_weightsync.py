@@ -32,9 +32,7 @@ from tests.fixtures.s3bytes import S3ReadCounter
 from tests.trainer.faultproxy import FaultProxy
 
 from .conftest import wait_for
-from .operator_fixtures import (  # noqa: F401
-    api, create_job, get_job, installed, job_manifest, namespace, operator, patch_spec, wait_status,
-)
+from .operator_fixtures import create_job, job_manifest, patch_spec, wait_status
 
 pytestmark = pytest.mark.integration
 JOB = "sync"
