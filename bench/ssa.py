@@ -35,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlencode
 
 import kubernetes
 import psutil
@@ -49,6 +48,7 @@ from e2e.cluster import Cluster  # noqa: E402
 from rft_contract.spec import parse_spec  # noqa: E402
 from rft_operator import drift  # noqa: E402
 from rft_operator.children import build_static_children  # noqa: E402
+from rft_operator.kube import Kube  # noqa: E402
 from rft_operator.objects import JobRef  # noqa: E402
 from rft_operator.reconcile import with_managed_keys, with_spec_hash  # noqa: E402
 
@@ -81,41 +81,25 @@ def apiserver() -> psutil.Process:
     raise RuntimeError("no kube-apiserver process")
 
 
-PATHS = {"ConfigMap": "/api/v1", "Service": "/api/v1", "ServiceAccount": "/api/v1",
-         "Role": "/apis/rbac.authorization.k8s.io/v1", "RoleBinding": "/apis/rbac.authorization.k8s.io/v1"}
-
-
 class Client:
-    """Plain-JSON requests through the client's REST layer, as the operator's `Kube` sends
-    them, timed."""
+    """The operator's own requests (`Kube.request`: plain JSON through the client's REST
+    layer), timed."""
 
     def __init__(self, api: kubernetes.client.ApiClient):
-        self.api = api
+        self.kube = Kube(api)
         self.seconds: list[float] = []
 
     def send(self, method: str, path: str, body: Any, content_type: str = "application/json",
              query: dict | None = None) -> Any:
-        headers = {**self.api.default_headers, "Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
-        queries = list((query or {}).items())
-        self.api.update_params_for_auth(headers, queries, ["BearerToken"], path, method, body)
-        url = self.api.configuration.host + path + (f"?{urlencode(queries)}" if queries else "")
         start = time.monotonic()
         try:
-            resp = self.api.rest_client.request(method, url, headers=headers, body=body)
-            data = resp.read()
+            return json.loads(self.kube.request(method, path, body, content_type, query))
         finally:
             self.seconds.append(time.monotonic() - start)
-        if not 200 <= resp.status <= 299:
-            raise ApiException.from_response(http_resp=resp, body=None, data=None)
-        return json.loads(data)
 
-    @staticmethod
-    def path(obj: dict, named: bool = True) -> str:
-        meta, kind = obj["metadata"], obj["kind"]
-        plural = {"RoleBinding": "rolebindings"}.get(kind, kind.lower() + "s")
-        return f"{PATHS[kind]}/namespaces/{meta['namespace']}/{plural}" + (f"/{meta['name']}" if named else "")
+    def path(self, obj: dict, named: bool = True) -> str:
+        meta = obj["metadata"]
+        return self.kube.path(obj["kind"], meta["namespace"], meta["name"] if named else None)
 
 
 def hand_edit(obj: dict) -> dict:

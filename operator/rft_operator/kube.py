@@ -92,7 +92,7 @@ class Kube:
         self.requests = 0  # API calls made, for the benchmark
         self.seconds = 0.0  # time spent waiting on them
 
-    def _send(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
               query: dict[str, Any] | None = None) -> bytes:
         """One request; the response body, or ApiException for any status but 2xx."""
         headers = {**self.client.default_headers, "Accept": "application/json"}
@@ -119,7 +119,7 @@ class Kube:
         "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "role_binding"),
     }
 
-    def _path(self, kind: str, namespace: str, name: str | None = None) -> str:
+    def path(self, kind: str, namespace: str, name: str | None = None) -> str:
         """The REST path of a child kind in a namespace (of one object with `name`). Every
         kind the operator creates is listed here once; handlers.CHILD_KINDS watches them."""
         prefix, resource, _ = self._KINDS[kind]
@@ -143,7 +143,7 @@ class Kube:
         """Create by name. False when the name is taken (409): whether that is success
         depends on whose object holds it (`read` it and check its controller)."""
         try:
-            self._send("POST", self._path(obj["kind"], obj["metadata"]["namespace"]), obj)
+            self.request("POST", self.path(obj["kind"], obj["metadata"]["namespace"]), obj)
             return True
         except ApiException as e:
             if e.status == 409:
@@ -152,7 +152,7 @@ class Kube:
 
     @_timed
     def read(self, kind: str, namespace: str, name: str) -> Obj:
-        return json.loads(self._send("GET", self._path(kind, namespace, name)))
+        return json.loads(self.request("GET", self.path(kind, namespace, name)))
 
     @_timed
     def merge_patch(self, obj: Obj) -> None:
@@ -162,7 +162,7 @@ class Kube:
         meta = obj["metadata"]
         # Not a strategic merge: it merges a Service's ports by port number, so a
         # hand-edited port would stay beside ours (and clash on the name).
-        self._send("PATCH", self._path(obj["kind"], meta["namespace"], meta["name"]), obj,
+        self.request("PATCH", self.path(obj["kind"], meta["namespace"], meta["name"]), obj,
                    "application/merge-patch+json")
 
     @_timed
@@ -171,7 +171,7 @@ class Kube:
         create again with a field the API server does not let change (a RoleBinding's roleRef)."""
         meta = obj["metadata"]
         try:
-            self._send("DELETE", self._path(obj["kind"], meta["namespace"], meta["name"]))
+            self.request("DELETE", self.path(obj["kind"], meta["namespace"], meta["name"]))
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -182,7 +182,7 @@ class Kube:
         will never confirm (the object goes at once, whatever its kubelet still runs)."""
         query = {} if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
         try:
-            self._send("DELETE", self._path("Pod", namespace, name), query=query)
+            self.request("DELETE", self.path("Pod", namespace, name), query=query)
         except ApiException as e:
             if e.status != 404:
                 raise
@@ -192,7 +192,7 @@ class Kube:
         """The Node object; None when it does not exist (404). Other errors, e.g. 403 where
         the operator may not read nodes, are raised."""
         try:
-            return json.loads(self._send("GET", f"/api/v1/nodes/{quote(name)}"))
+            return json.loads(self.request("GET", f"/api/v1/nodes/{quote(name)}"))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -207,7 +207,7 @@ class Kube:
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
         path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{quote(namespace)}/{names.PLURAL}/{quote(name)}/status"
         try:
-            out = json.loads(self._send("PATCH", path, body, "application/merge-patch+json"))
+            out = json.loads(self.request("PATCH", path, body, "application/merge-patch+json"))
         except ApiException as e:
             if e.status in (404, 409):
                 raise Conflict(f"{namespace}/{name}: {e.reason}") from None
@@ -249,6 +249,6 @@ class Kube:
             "reportingInstance": names.MANAGED_BY,
         }
         try:
-            self._send("POST", f"/api/v1/namespaces/{quote(meta['namespace'])}/events", event)
+            self.request("POST", f"/api/v1/namespaces/{quote(meta['namespace'])}/events", event)
         except ApiException as e:  # events are best effort; never fail a reconcile
             log.warning("could not post event %s on %s: %s", reason, meta["name"], e.reason)
