@@ -78,8 +78,11 @@ def test_workers_killed_before_a_checkpoint_mid_interval_and_right_after_one(job
                         and trainer(s).get("attempt") == a and ready(s), 400, f"attempt {attempt}: {what}")
         trainer_worker(j, rank=1).send_signal(signal.SIGKILL)
         seen.append((what, step(s), ckpt_step(s)))
-        s = wait_status(j, lambda s, a=attempt + 1: trainer(s).get("attempt") == a, 400, f"attempt {attempt + 1}")
-        resumed = step(s)
+        # Where the next attempt resumed, as its trainer reports it: the step in the status
+        # may already have moved on by the time this poll sees the new attempt.
+        s = wait_status(j, lambda s, a=attempt + 1: (trainer(s).get("resumedFrom") or {}).get("attempt") == a,
+                        400, f"attempt {attempt + 1}")
+        resumed = trainer(s)["resumedFrom"]["step"]
         assert seen[-1][2] <= resumed <= seen[-1][2] + INTERVAL, (what, seen[-1], resumed)
         seen[-1] += (resumed,)
     s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
