@@ -47,6 +47,7 @@ COND_FAILED = "Failed"
 COND_CHECKPOINTED = "Checkpointed"
 COND_WEIGHTS_SYNCED = "WeightsSynced"
 COND_PROGRESSING = "Progressing"
+COND_ADMITTED = "Admitted"  # by Kueue, for a job labelled kueue.x-k8s.io/queue-name
 # kstatus' standard conditions (Flux's health checks, cli-utils, `kubectl wait`): abnormal-true
 # Reconciling and Stalled, and Ready.
 COND_READY = "Ready"
@@ -77,6 +78,8 @@ REASON_PIN_MISSING = "PinnedVersionNotFound"
 REASON_NO_REPLICAS = "NoInferenceReplicas"
 REASON_STEPPING = "Stepping"
 REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
+REASON_QUEUED = "Queued"  # waiting for Kueue to admit the job's Workload
+REASON_EVICTED = "EvictedByKueue"  # preempted or deactivated: the gang stops, the job waits again
 REASON_POD_DISRUPTED = "PodDisrupted"  # evicted, preempted, drained: restarts without using maxRestarts
 REASON_CHILD_CONFLICT = "ChildConflict"  # a child's name is taken by an object this job does not control
 REASON_STUCK_TERMINATING = "PodStuckTerminating"  # an old pod outlived its grace period (forced or reported)

@@ -172,6 +172,15 @@ class AttemptRecord(Model):
     ended: str | None = None
 
 
+class QueueStatus(Model):
+    """Where Kueue has the job (a job labelled kueue.x-k8s.io/queue-name)."""
+
+    name: str = Field(description="The LocalQueue")
+    state: Literal["Queued", "Admitted", "Evicted"]
+    workload: str = Field(default="", description="The job's Kueue Workload")
+    cluster_queue: str | None = Field(default=None, description="The ClusterQueue that admitted it")
+
+
 class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus
     phase: Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"] | None = None
     message: str | None = None
@@ -190,6 +199,7 @@ class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus
     progress: ProgressStatus | None = None
     attempts: list[AttemptRecord] | None = Field(
         default=None, description="The last few gang attempts (oldest first): start and end step, why each ended")
+    queue: QueueStatus | None = Field(default=None, description="Kueue's decision, for a job it queues")
 
 
 # Printer columns for `kubectl get rftjobs` (jsonPath into the object).
@@ -199,6 +209,7 @@ PRINTER_COLUMNS = [
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step"},
     {"name": "Weights", "type": "integer", "jsonPath": ".status.trainer.latestWeights.version"},
     {"name": "Synced", "type": "string", "jsonPath": ".status.weightSync.synced"},
+    {"name": "Queue", "type": "string", "jsonPath": ".status.queue.state"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
     {"name": "Last-Failure", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1},

@@ -1,5 +1,6 @@
 """The RFTJob's conditions: Checkpointed, Running, Suspended, Succeeded, Failed,
-Progressing, WeightsSynced when the job serves inference, and kstatus' Ready, Reconciling
+Progressing, WeightsSynced when the job serves inference, Admitted when Kueue queues it,
+and kstatus' Ready, Reconciling
 and Stalled (what Flux and cli-utils read). Pure, no I/O.
 
 Every condition the operator manages is written on every pass, True or False, so
@@ -31,16 +32,19 @@ class Cond:
 
 def compute_job_conditions(old_conditions: list[Obj] | None, gang_status: Obj, failed_reason: str | None,
                            trainer: Obj, sync_cond: Cond | None, generation: int | None,
-                           now: datetime, progress_deadline: int = 0) -> list[Obj]:
+                           now: datetime, progress_deadline: int = 0, queue_cond: Cond | None = None) -> list[Obj]:
     """The merged condition list: this pass's phase and message (`gang_status`), the
     trainer's last committed checkpoint, progress against `progress_deadline`
-    (spec.failurePolicy.progressDeadlineSeconds), and the WeightsSynced condition if any."""
+    (spec.failurePolicy.progressDeadlineSeconds), the WeightsSynced condition if any, and
+    Kueue's Admitted for a job it queues."""
     reason = failed_reason or compute_failed_reason(old_conditions)
     new = [build_checkpointed(trainer.get("lastCheckpoint") or {})]
     new += build_phase_conditions(gang_status.get("phase"), gang_status.get("message") or "", reason)
     new.append(build_progressing(gang_status, reason, progress_deadline))
     if sync_cond is not None:
         new.append(sync_cond)
+    if queue_cond is not None:
+        new.append(queue_cond)
     new += build_kstatus(gang_status.get("phase"), gang_status.get("message") or "", reason, sync_cond)
     return compute_conditions(old_conditions, new, generation, now)
 

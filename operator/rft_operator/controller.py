@@ -30,17 +30,18 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
+from urllib.parse import quote
 
 import urllib3
 from kubernetes.client.rest import ApiException
 
 from rft_contract import names
 
-from . import drift, terminating
+from . import drift, queueing, terminating
 from . import reconcile as rc
 from .kube import Conflict, Kube, api_message
 from .metrics import OperatorMetrics
-from .model import ChildView, PodView, Refusal, managed_fields
+from .model import ChildView, PodView, Refusal, controller_uid, managed_fields
 from .workqueue import WorkQueue, is_new, kept_workers
 
 log = logging.getLogger("rft_operator")
@@ -86,6 +87,7 @@ WRITES_PER_WORKER = 4
 MAX_WRITES_IN_FLIGHT = 96
 # A child still held by a deleted job of the same name: the garbage collector removes it soon.
 PREVIOUS_OWNER_RETRY_SECONDS = 2.0
+FLAVOR_TTL_SECONDS = 30.0  # how long a pass trusts a ResourceFlavor it read
 STOP_WAIT_SECONDS = 10.0  # for writes in flight when the operator stops
 WRITE_FAILED = {"creating": "CreateFailed", "patching": "PatchFailed"}  # event reasons
 
@@ -102,8 +104,12 @@ class Controller:
         workers: int = 4,
         clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
         metrics: OperatorMetrics | None = None,
+        get_workloads: Callable[[Key], Iterable[dict[str, Any]]] | None = None,
     ):
         self.kube, self.clock = kube, clock
+        # Kueue's Workloads by job, where Kueue is installed (None: it is not); `queueing.py`.
+        self.get_workloads = get_workloads
+        self._flavors: dict[str, tuple[float, dict[str, Any] | None]] = {}  # name -> (read at, object)
         self.metrics = metrics or OperatorMetrics()
         self.metrics.track_writes(kube)
         self.get_job, self.get_pods, self.get_children = get_job, get_pods, get_children
@@ -181,6 +187,8 @@ class Controller:
         observed, now = self.observe(key, body), self.clock()
         if self._awaiting(key, observed):
             return
+        if observed.kueue and (observed.workload is None or queueing.is_true(observed.workload, queueing.ADMITTED)):
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.read_kueue, body, observed)
         nodes = rc.nodes_to_read(body, observed, now)
         if nodes:
             observed.nodes = await asyncio.get_running_loop().run_in_executor(self._pool, self.read_nodes, nodes)
@@ -216,8 +224,32 @@ class Controller:
             if (r_uid, r_generation) != (uid, generation):
                 del self._refusals[key]
                 refusal = None
-        return rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
-                                      [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
+        observed = rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
+                                          [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
+        if self.get_workloads is not None and queueing.queue_name(body):
+            observed.kueue = True
+            observed.workload = next((x for x in self.get_workloads(key) if controller_uid(x["metadata"]) == uid), None)
+        return observed
+
+    def read_kueue(self, body: dict[str, Any], observed: rc.Observed) -> None:
+        """What a pass needs of Kueue's cluster-scoped objects: the value of the
+        WorkloadPriorityClass the job names (before its Workload exists), and the
+        ResourceFlavors its admission assigns (read at most every FLAVOR_TTL_SECONDS)."""
+        if observed.workload is None:
+            wanted = queueing.priority_class(body)
+            if wanted:
+                found = self.kube.read_path(f"/apis/{queueing.API_VERSION}/workloadpriorityclasses/{quote(wanted)}")
+                observed.priority = (wanted, int(found.get("value") or 0)) if found else None
+            return
+        admission = (observed.workload.get("status") or {}).get("admission") or {}
+        wanted_flavors = {f for x in admission.get("podSetAssignments") or [] for f in (x.get("flavors") or {}).values()}
+        for name in sorted(wanted_flavors):
+            at, obj = self._flavors.get(name, (0.0, None))
+            if obj is None or time.monotonic() - at > FLAVOR_TTL_SECONDS:
+                obj = self.kube.read_path(f"/apis/{queueing.API_VERSION}/resourceflavors/{quote(name)}")
+                self._flavors[name] = (time.monotonic(), obj)
+            if obj is not None:
+                observed.flavors[name] = obj
 
     def read_nodes(self, node_names: Iterable[str]) -> dict[str, str]:
         """What each Node says about the pods on it (`terminating.classify_node`). A Node that
@@ -248,6 +280,8 @@ class Controller:
             await self._together(
                 *(partial(self.kube.post_event, body, ev.type, ev.reason, ev.message)
                   for ev in (plan.events if step == 0 else ())),
+                *((partial(self._write_workload_status, key, plan.workload_status),)
+                  if step == 0 and plan.workload_status is not None else ()),
                 *(partial(self._create_expected, key, body, obj) for obj in plan.create if now(obj)),
                 *(partial(self._write, body, obj, "patching", self.kube.merge_patch) for obj in plan.patch if now(obj)),
                 *(partial(self._recreate, body, obj) for obj in plan.recreate if now(obj)))
@@ -288,6 +322,17 @@ class Controller:
             log.info("%s/%s: %s (%s)", ns, name, plan.status.get("phase"), plan.status.get("message"))
         return True
 
+    def _write_workload_status(self, key: Key, obj: dict[str, Any]) -> None:
+        """Kueue's Workload status as the job's controller owes it; a Workload that changed
+        since the pass read it is left alone (its watch event brings the next pass)."""
+        try:
+            self.kube.patch_child_status(obj)
+        except Conflict:
+            log.info("%s/%s: Workload changed meanwhile; will reconcile again", *key)
+            return
+        if obj["status"].get("admission", ...) is None:
+            log.info("%s/%s: admission of evicted Workload %s cleared", *key, obj["metadata"]["name"])
+
     def _awaiting(self, key: Key, observed: rc.Observed) -> bool:
         """Whether children this controller created are still missing from the informers'
         caches (their watch events lag behind the create's answer): a pass now would create
@@ -300,6 +345,8 @@ class Controller:
                 return False
             until, expected = entry
             expected.difference_update({("Pod", p.name) for p in observed.pods}, observed.children)
+            if observed.workload is not None:
+                expected.discard(("Workload", observed.workload["metadata"]["name"]))
             left = until - time.monotonic()
             if not expected or left <= 0 or observed.refusal is not None:
                 del self._expected[key]

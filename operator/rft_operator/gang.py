@@ -32,6 +32,7 @@ from .failure_policy import Failure
 from .model import Event, Obj, PodView, Refusal, compute_deletions
 from .objects import JobRef
 from .progress_deadline import Progress
+from .queueing import Queue
 from .trainer_pods import build_trainer_pod
 
 # The status fields this concern owns.
@@ -63,11 +64,13 @@ class Gang:
 
 def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj,
                  pods: list[PodView], now: datetime, progress: Progress = Progress(),
-                 refusal: Refusal | None = None, nodes: dict[str, str] | None = None) -> Gang:
+                 refusal: Refusal | None = None, nodes: dict[str, str] | None = None,
+                 queue: Queue | None = None) -> Gang:
     """One pass over the trainer pods. `old` is the stored operator status, `pods` the
     trainer pods of every attempt, `spec` None when the stored spec is invalid, `refusal`
     a child the API server would not take for this job (it fails the job), `nodes` what is
-    known of the nodes of pods stuck terminating (`terminating.stuck_nodes`; `terminating.NODE_*`)."""
+    known of the nodes of pods stuck terminating (`terminating.stuck_nodes`; `terminating.NODE_*`),
+    `queue` what Kueue decided for a job it queues (`queueing.read_queue`; None: not queued)."""
     g = _start(old)
     if spec is None:
         return _fail(g, pods, now, names.REASON_INVALID_SPEC, spec_error)
@@ -80,6 +83,8 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
         return _set_phase(g, names.SUSPENDED, "suspended: pods removed, checkpoints kept", names.REASON_SUSPENDED)
     if g.phase == names.SUSPENDED:
         g = _next_attempt(g, "resumed", names.REASON_RESUMED)
+    if queue is not None and not queue.admitted:
+        return _hold(g, pods, queue)
     if g.attempt == 0:
         g = _set_phase(replace(g, status={**g.status, "attempt": 1}), names.PENDING, "starting attempt 1",
                        names.REASON_CREATED)
@@ -88,6 +93,25 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
         if g.phase == names.RESTARTING:
             return g
     return _run(g, ref, spec, old, pods, now, progress, nodes or {})
+
+
+def _hold(g: Gang, pods: list[PodView], queue: Queue) -> Gang:
+    """Not admitted by Kueue (queued, or evicted: preempted, deactivated): no pods, Pending
+    with Kueue's reason. A gang of this attempt that had pods ends here (SIGTERM: the
+    trainer saves a final checkpoint) and the next admission starts the next attempt,
+    which resumes from that checkpoint; an eviction of a gang that was not already
+    restarting is a disruption (it does not use spec.failurePolicy.maxRestarts)."""
+    current = [x for x in pods if x.attempt == g.attempt]
+    if current:
+        if g.phase != names.RESTARTING and any(x.active for x in current):
+            disruptions = g.status["disruptions"] + 1
+            g = replace(g, status={**g.status, "disruptions": disruptions},
+                        events=g.events + (Event("Warning", names.REASON_EVICTED,
+                                                 f"attempt {g.attempt} stopped: {queue.message}; "
+                                                 f"disruption {disruptions}"),))
+        g = replace(g, status={**g.status, "attempt": g.attempt + 1})
+    g = _delete(g, [x for x in pods if x.active])
+    return _set_phase(g, names.PENDING, queue.message, names.REASON_QUEUED)
 
 
 def _start(old: Obj) -> Gang:

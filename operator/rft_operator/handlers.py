@@ -24,6 +24,7 @@ from .workqueue import is_new
 from .informer import Informer, Store, wait_synced
 from .kube import Kube, load_config
 from .model import ChildView, PodView
+from . import queueing
 
 log = logging.getLogger("rft_operator")
 
@@ -87,11 +88,26 @@ def on_child_event(ctl: Controller, is_pod: bool):
     return on_change
 
 
+def kueue_installed(kube: Kube) -> bool:
+    """Whether the API server serves Kueue's Workloads (discovery, which every
+    authenticated client may read)."""
+    found = kube.read_path(f"/apis/{queueing.API_VERSION}")
+    served = any(x.get("name") == "workloads" for x in (found or {}).get("resources") or [])
+    log.info("Kueue %s: %s", queueing.API_VERSION, "found; jobs labelled " + queueing.LABEL_QUEUE_NAME +
+             " are queued by it" if served else "not installed; a job that names a queue waits with a message")
+    return served
+
+
 def build_informers(kube: Kube, ctl: Controller, namespaces: list[str],
-                    stores: dict[str, Store]) -> list[Informer]:
+                    stores: dict[str, Store], kueue: bool = False) -> list[Informer]:
     """One informer per child kind and namespace (one for all namespaces when none), each
-    kind's into its store in `stores`."""
+    kind's into its store in `stores`; Kueue's Workloads too where it is installed."""
     out = []
+    if kueue:
+        store = stores["Workload"] = Store(names.LABEL_JOB, lambda obj: obj)
+        for ns in namespaces or [None]:
+            out.append(Informer("workloads" + (f"/{ns}" if ns else ""), kube.list_method("Workload", ns),
+                                CHILD_SELECTOR, store, lambda key, _type: ctl.queue.add(key)))
     for kind in ["Pod", *(k for _, k in CHILD_KINDS.values())]:
         is_pod = kind == "Pod"
         view = PodView.from_pod if is_pod else (lambda obj, k=kind: ChildView.from_object(k, obj))
@@ -141,11 +157,15 @@ async def startup(settings: kopf.OperatorSettings, memo: Memo, rftjobs_by_key: k
         return _one(rftjobs_by_key, key)
 
     def get_children(key: Key) -> list[ChildView]:
-        return [x for kind, store in stores.items() if kind != "Pod" for x in store.get(key)]
+        return [x for kind, store in stores.items() if kind not in ("Pod", "Workload") for x in store.get(key)]
 
+    # Kueue is optional: where its API is served, jobs that name a LocalQueue get a Workload
+    # (`queueing.py`) and the operator watches them.
+    kueue = await asyncio.to_thread(kueue_installed, kube)
     ctl = memo.controller = Controller(kube, get_job, lambda key: stores["Pod"].get(key), get_children,
-                                       workers=workers)
-    informers = memo.informers = build_informers(kube, ctl, memo.namespaces, stores)
+                                       workers=workers,
+                                       get_workloads=(lambda key: stores["Workload"].get(key)) if kueue else None)
+    informers = memo.informers = build_informers(kube, ctl, memo.namespaces, stores, kueue)
     for informer in informers:
         informer.start()
     # A pass before the children are listed would take a running gang's pods for lost ones.

@@ -117,6 +117,8 @@ class Kube:
         "ServiceAccount": ("/api/v1", "serviceaccounts", "service_account"),
         "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", "role"),
         "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", "role_binding"),
+        # Kueue's, for jobs it queues (`queueing.py`); watched only where Kueue is installed.
+        "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads", ""),
     }
 
     def path(self, kind: str, namespace: str, name: str | None = None) -> str:
@@ -131,7 +133,13 @@ class Kube:
         connection for minutes, which the writers' pool should not lend out."""
         if self._watch_client is None:
             self._watch_client = kubernetes.client.ApiClient(self.client.configuration)
-        prefix, _, noun = self._KINDS[kind]
+        prefix, resource, noun = self._KINDS[kind]
+        if not noun:  # a custom resource
+            group, version = prefix.removeprefix("/apis/").split("/")
+            api = kubernetes.client.CustomObjectsApi(self._watch_client)
+            if namespace is None:
+                return functools.partial(api.list_cluster_custom_object, group, version, resource)
+            return functools.partial(api.list_namespaced_custom_object, group, version, namespace, resource)
         api = (kubernetes.client.CoreV1Api if prefix == "/api/v1" else kubernetes.client.RbacAuthorizationV1Api)(
             self._watch_client)
         if namespace is None:
@@ -198,7 +206,33 @@ class Kube:
                 return None
             raise
 
+    @_timed
+    def read_path(self, path: str) -> Obj | None:
+        """A GET of any object the operator may read (a Kueue ResourceFlavor, a
+        WorkloadPriorityClass, an API group's discovery); None when it does not exist (404)."""
+        try:
+            return json.loads(self.request("GET", path))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
     # ---------------------------------------------------------------- status
+
+    @_timed
+    def patch_child_status(self, obj: Obj) -> None:
+        """Merge-patch a child's status subresource (a Kueue Workload's, whose status the
+        job's controller partly owns), only if it is still at the resourceVersion in the
+        patch (else Conflict)."""
+        meta = obj["metadata"]
+        try:
+            self.request("PATCH", self.path(obj["kind"], meta["namespace"], meta["name"]) + "/status",
+                         {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": obj["status"]},
+                         "application/merge-patch+json")
+        except ApiException as e:
+            if e.status in (404, 409):
+                raise Conflict(f"{_what_child(obj)}: {e.reason}") from None
+            raise
 
     @_timed
     def patch_status(self, namespace: str, name: str, status: Obj, resource_version: str) -> str:
@@ -252,3 +286,7 @@ class Kube:
             self.request("POST", f"/api/v1/namespaces/{quote(meta['namespace'])}/events", event)
         except ApiException as e:  # events are best effort; never fail a reconcile
             log.warning("could not post event %s on %s: %s", reason, meta["name"], e.reason)
+
+
+def _what_child(obj: Obj) -> str:
+    return f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"

@@ -34,17 +34,17 @@ from typing import NamedTuple
 from rft_contract import names
 from rft_contract.spec import RFTJobSpec, parse_spec
 
-from . import attempts, conditions, drift, gang, progress_deadline, rollout, terminating, weightsync
+from . import attempts, conditions, drift, gang, progress_deadline, queueing, rollout, terminating, weightsync
 from .children import build_static_children
 from .model import ChildView, Event, Obj, PodView, Refusal, managed_fields
 from .objects import JobRef, spec_hash
 
 __all__ = ["OPERATOR_STATUS_KEYS", "ChildView", "Event", "Observed", "Plan", "PodView", "Refusal", "Rendered",
-           "forget", "reconcile", "render"]
+           "RenderCache", "reconcile", "render"]
 
 OPERATOR_STATUS_KEYS = (
     "phase", "message", "observedGeneration", "attempt", "restarts", "disruptions", "startTime",
-    "completionTime", "lastFailure", "conditions", "progress", "attempts",
+    "completionTime", "lastFailure", "conditions", "progress", "attempts", "queue",
 )
 
 # Fields the API server never lets change: a child whose rendered value differs is
@@ -65,6 +65,14 @@ class Observed:
     # What the controller read of the nodes of trainer pods stuck terminating
     # (`nodes_to_read`): node name -> terminating.NODE_*. A node missing here is unknown.
     nodes: dict[str, str] = field(default_factory=dict)
+    # Kueue (`queueing.py`), for a job labelled kueue.x-k8s.io/queue-name: whether its API is
+    # installed, the job's Workload (None: not created yet), the ResourceFlavors its
+    # admission names, the WorkloadPriorityClass the job names as (name, value) or None
+    # when it does not exist.
+    kueue: bool = False
+    workload: Obj | None = None
+    flavors: dict[str, Obj] = field(default_factory=dict)
+    priority: tuple[str, int] | None = None
 
     @classmethod
     def from_views(cls, pods: list[PodView], children: list[ChildView], refusal: Refusal | None = None
@@ -80,6 +88,8 @@ class Plan:
     create: list[Obj] = field(default_factory=list)
     patch: list[Obj] = field(default_factory=list)  # merge patches back to the rendered form
     recreate: list[Obj] = field(default_factory=list)  # delete, then create (an immutable field drifted)
+    # The Kueue Workload's status as this job's controller owes it (`queueing.compute_workload_status`).
+    workload_status: Obj | None = None
     delete: list[Obj] = field(default_factory=list)  # static children the spec no longer renders
     delete_pods: list[str] = field(default_factory=list)
     force_delete_pods: list[str] = field(default_factory=list)  # stuck terminating: grace period 0
@@ -109,15 +119,21 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     spec, spec_error = rendered.spec, rendered.error
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
     progress = progress_deadline.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
-    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes)
+    queue = compute_queue(body, spec, observed)
+    g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes,
+                          queue)
     static = compute_static_children(ref, spec, g.phase, observed.children, observed.live, rendered.static)
-    ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now)
+    ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now,
+                                  hold=queue is not None and not queue.admitted)
+    kueue = compute_kueue(ref, spec, g.phase, queue, observed, now)
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
-                                              ws.condition, generation, now, deadline)
+                                              ws.condition, generation, now, deadline,
+                                              queue.condition() if queue is not None else None)
     history = attempts.compute_attempts(old["attempts"], g.status, trainer, now, g.failed_reason)
 
-    status = old | g.status | {"observedGeneration": generation, "conditions": conds}
+    status = old | g.status | {"observedGeneration": generation, "conditions": conds,
+                               "queue": queue.status() if queue is not None else None}
     if spec is not None and not trainer.get("progress"):
         # Seeded once for kubectl; the trainer's rank 0 owns the subtree from then on.
         status["trainer"] = {"totalSteps": spec.trainer.total_steps, "progress": f"0/{spec.trainer.total_steps}"}
@@ -129,8 +145,9 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     return Plan(
         status=status,
         status_changed=changed or "trainer" in status or "weightSync" in status,
-        create=[*static.create, *g.create, *ro.create],
-        patch=static.patch,
+        create=[*static.create, *kueue.create, *place(queue, [*g.create, *ro.create])],
+        patch=[*static.patch, *kueue.patch],
+        workload_status=kueue.status,
         recreate=static.recreate,
         delete=static.delete,
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
@@ -139,6 +156,53 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
         # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
         requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
     )
+
+
+def compute_queue(body: Obj, spec: RFTJobSpec | None, observed: Observed) -> queueing.Queue | None:
+    """What Kueue decided for a job that names a LocalQueue; None for one that does not
+    (or whose spec is invalid: it fails without queueing)."""
+    local_queue = queueing.queue_name(body)
+    if local_queue is None or spec is None:
+        return None
+    if not observed.kueue:
+        return queueing.Queue(local_queue, None, reason="KueueNotInstalled",
+                              message=f"the job names LocalQueue {local_queue} ({queueing.LABEL_QUEUE_NAME}) but "
+                                      f"Kueue's API ({queueing.API_VERSION} workloads) is not installed")
+    wanted = queueing.priority_class(body)
+    if observed.workload is None and wanted and observed.priority is None:
+        return queueing.Queue(local_queue, None, reason="PriorityClassNotFound",
+                              message=f"WorkloadPriorityClass {wanted} ({queueing.LABEL_PRIORITY_CLASS}) not found")
+    return queueing.read_queue(local_queue, observed.workload, observed.flavors)
+
+
+class KueueWrites(NamedTuple):
+    create: list[Obj]
+    patch: list[Obj]
+    status: Obj | None
+
+
+def compute_kueue(ref: JobRef, spec: RFTJobSpec | None, phase: str | None, queue: queueing.Queue | None,
+                  observed: Observed, now: datetime) -> KueueWrites:
+    """The Workload to create, its spec patch (suspend) and its status patch."""
+    if queue is None or spec is None or not observed.kueue:
+        return KueueWrites([], [], None)
+    workload = observed.workload
+    if workload is None:
+        if phase in names.TERMINAL_PHASES or queue.reason == "PriorityClassNotFound":
+            return KueueWrites([], [], None)
+        return KueueWrites([queueing.build_workload(ref, spec, queue.local_queue, observed.priority)], [], None)
+    patch = queueing.compute_workload_patch(workload, spec) if phase not in names.TERMINAL_PHASES else None
+    running = any(x.phase in ("Pending", "Running") for x in observed.pods)
+    status = queueing.compute_workload_status(workload, phase, running, now)
+    return KueueWrites([], [patch] if patch else [], status)
+
+
+def place(queue: queueing.Queue | None, pods: list[Obj]) -> list[Obj]:
+    """Pods where Kueue's admission puts them (`queueing.place`), by their role's pod set."""
+    if queue is None or not queue.admitted:
+        return pods
+    return [queueing.place(x, queue.placement.get(x["metadata"]["labels"].get(names.LABEL_ROLE, "")))
+            if x["kind"] == "Pod" else x for x in pods]
 
 
 def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:

@@ -32,11 +32,12 @@ class Rollouts:
 
 
 def compute_rollouts(ref: JobRef, spec: RFTJobSpec | None, gang_status: Obj, sync_cond: Cond | None,
-                     pods: list[PodView], now: datetime) -> Rollouts:
+                     pods: list[PodView], now: datetime, hold: bool = False) -> Rollouts:
     """What to do with the rollout pods, given the gang's phase and completion time from
-    this pass and the WeightsSynced condition (None for train-only jobs)."""
+    this pass and the WeightsSynced condition (None for train-only jobs). `hold`: Kueue has
+    not admitted the job (or evicted it): no pods, as when suspended."""
     phase = gang_status.get("phase")
-    if spec is None or phase in (names.SUSPENDED, names.FAILED):
+    if spec is None or phase in (names.SUSPENDED, names.FAILED) or (hold and phase not in names.TERMINAL_PHASES):
         return Rollouts(delete=compute_deletions((), [x for x in pods if x.active]))
     if phase == names.SUCCEEDED:
         delete = compute_deletions((), [x for x in pods if x.active and x.role == names.ROLE_EXPLORER])

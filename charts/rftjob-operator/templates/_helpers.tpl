@@ -34,4 +34,13 @@ cluster-wide install, a Role's in each watched namespace otherwise. */}}
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  # Kueue (README, "Queueing with Kueue"): the Workload of each job that names a LocalQueue,
+  # and the part of its status a job's controller owns (admission cleared after an eviction,
+  # PodsReady, Finished).
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 {{- end -}}

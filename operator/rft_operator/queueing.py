@@ -1,0 +1,276 @@
+"""Queueing by Kueue: a job labelled `kueue.x-k8s.io/queue-name` runs only while Kueue
+admits its Workload. Pure, no I/O.
+
+Kueue's built-in integrations are Go code inside Kueue; an operator outside it integrates
+by owning a `Workload` itself (Apache Spark's Kubernetes operator does the same). The
+operator:
+
+- creates one Workload per job (`build_workload`, controller reference to the job): its
+  podSets are the job's pods as the builders render them (`trainer`: count = nodes;
+  `inference`; `explorer`), its queue the label's, its priority the WorkloadPriorityClass
+  the job names in `kueue.x-k8s.io/priority-class` (the controller reads the value);
+- starts pods only once the Workload is admitted, placed where the admission says
+  (`place`: each assigned flavor's node labels and tolerations, the admission checks'
+  podSetUpdates, the `kueue.x-k8s.io/podset` label), as Kueue's own `podset.FromAssignment`;
+- on `Evicted=True` (preempted, deactivated) stops the pods (SIGTERM: the trainer saves a
+  final checkpoint), then itself clears the admission (`compute_workload_status`): Kueue
+  does not, and the preemptor would wait forever;
+- reports `PodsReady` when the gang runs and `Finished` when the job ends (quota freed);
+- maps the user's `spec.suspend` to the Workload's `spec.active` (`compute_workload_patch`).
+  The operator never writes the job's spec: GitOps sees no drift.
+
+A job without the label is untouched by all of this (no Kueue needed). The state lives in
+the Workload and the job's status, so an operator restarted mid-admission or mid-eviction
+picks up where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from rft_contract import names
+from rft_contract.spec import RFTJobSpec
+from rft_contract.times import format_time
+
+from .conditions import Cond
+from .model import Obj
+from .objects import JobRef, build_meta, labels, spec_hash
+from .rollout_pods import build_rollout_pods
+from .trainer_pods import build_trainer_pod
+
+GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
+API_VERSION = f"{GROUP}/{VERSION}"
+LABEL_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+LABEL_PRIORITY_CLASS = "kueue.x-k8s.io/priority-class"
+LABEL_PODSET = "kueue.x-k8s.io/podset"
+# Workload conditions (Kueue's apis/kueue/v1beta2/workload_types.go).
+QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, PODS_READY, REQUEUED = (
+    "QuotaReserved", "Admitted", "Evicted", "Finished", "PodsReady", "Requeued")
+# Eviction reasons after which Kueue's own job integrations set Requeued=True.
+REQUEUED_REASONS = ("Preempted", "NodeFailures")
+
+# status.queue.state
+QUEUED, STATE_ADMITTED, STATE_EVICTED = "Queued", "Admitted", "Evicted"
+
+
+def queue_name(body: Obj) -> str | None:
+    """The LocalQueue the job names, or None: the job is not queued by Kueue."""
+    return ((body.get("metadata") or {}).get("labels") or {}).get(LABEL_QUEUE_NAME) or None
+
+
+def priority_class(body: Obj) -> str | None:
+    return ((body.get("metadata") or {}).get("labels") or {}).get(LABEL_PRIORITY_CLASS) or None
+
+
+def workload_name(job: str) -> str:
+    return f"rftjob-{job}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the admission puts one pod set's pods."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[Obj, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Queue:
+    """What Kueue decided for a job that names a queue. `admitted` with `placement` by pod
+    set; otherwise `reason` and `message` (Kueue's words) say why it waits."""
+
+    local_queue: str
+    workload: Obj | None
+    admitted: bool = False
+    evicted: bool = False
+    reason: str = "Queued"
+    message: str = ""
+    cluster_queue: str = ""
+    placement: dict[str, Placement] = field(default_factory=dict)
+
+    @property
+    def state(self) -> str:
+        return STATE_EVICTED if self.evicted else STATE_ADMITTED if self.admitted else QUEUED
+
+    def status(self) -> Obj:
+        """`status.queue` of the job."""
+        out = {"name": self.local_queue, "state": self.state,
+               "workload": (self.workload or {}).get("metadata", {}).get("name") or ""}
+        if self.cluster_queue:
+            out["clusterQueue"] = self.cluster_queue
+        return out
+
+    def condition(self) -> Cond:
+        """The job's `Admitted` condition."""
+        if self.admitted:
+            return Cond(names.COND_ADMITTED, True, STATE_ADMITTED,
+                        f"admitted by Kueue to ClusterQueue {self.cluster_queue}")
+        return Cond(names.COND_ADMITTED, False, self.reason, self.message)
+
+
+def find_condition(obj: Obj | None, type_: str) -> Obj | None:
+    return next((x for x in ((obj or {}).get("status") or {}).get("conditions") or [] if x.get("type") == type_), None)
+
+
+def is_true(obj: Obj | None, type_: str) -> bool:
+    return (find_condition(obj, type_) or {}).get("status") == "True"
+
+
+def read_queue(local_queue: str, workload: Obj | None, flavors: dict[str, Obj]) -> Queue:
+    """The job's queue state from its Workload (None: not created yet) and the
+    ResourceFlavors its admission names (name -> object; a missing one places nothing)."""
+    if workload is None:
+        return Queue(local_queue, None, message=f"creating Workload for LocalQueue {local_queue}")
+    status = workload.get("status") or {}
+    admission = status.get("admission") or {}
+    cq = admission.get("clusterQueue") or ""
+    if is_true(workload, EVICTED):
+        ev = find_condition(workload, EVICTED) or {}
+        return Queue(local_queue, workload, admitted=False, evicted=True, reason=ev.get("reason") or EVICTED,
+                     message=f"evicted by Kueue: {ev.get('message') or ev.get('reason')}", cluster_queue=cq)
+    if is_true(workload, ADMITTED) and admission:
+        return Queue(local_queue, workload, admitted=True, reason=STATE_ADMITTED, cluster_queue=cq,
+                     placement=compute_placement(admission, status.get("admissionChecks") or [], flavors))
+    why = find_condition(workload, QUOTA_RESERVED) or find_condition(workload, ADMITTED) or {}
+    if is_true(workload, QUOTA_RESERVED):  # quota held, admission checks pending
+        why = find_condition(workload, ADMITTED) or why
+    message = why.get("message") or f"waiting for Kueue to admit Workload {workload['metadata']['name']}"
+    return Queue(local_queue, workload, reason=why.get("reason") or "Pending",
+                 message=f"queued in LocalQueue {local_queue}: {message}", cluster_queue=cq)
+
+
+def compute_placement(admission: Obj, checks: list[Obj], flavors: dict[str, Obj]) -> dict[str, Placement]:
+    """Pod set name -> Placement: the node labels and tolerations of every flavor assigned
+    to it, then each admission check's podSetUpdates, then the podset label."""
+    out = {}
+    for assignment in admission.get("podSetAssignments") or []:
+        ps = assignment.get("name") or ""
+        selector: dict[str, str] = {}
+        tolerations: list[Obj] = []
+        for flavor in sorted(set((assignment.get("flavors") or {}).values())):
+            fspec = (flavors.get(flavor) or {}).get("spec") or {}
+            selector.update(fspec.get("nodeLabels") or {})
+            tolerations += [x for x in fspec.get("tolerations") or [] if x not in tolerations]
+        lbls, annotations = {LABEL_PODSET: ps}, {}
+        for check in checks:
+            for update in check.get("podSetUpdates") or []:
+                if update.get("name") != ps:
+                    continue
+                selector.update(update.get("nodeSelector") or {})
+                tolerations += [x for x in update.get("tolerations") or [] if x not in tolerations]
+                lbls.update(update.get("labels") or {})
+                annotations.update(update.get("annotations") or {})
+        out[ps] = Placement(selector, tuple(tolerations), lbls, annotations)
+    return out
+
+
+def place(pod: Obj, placement: Placement | None) -> Obj:
+    """The pod with the admission's placement merged in (the admission wins a nodeSelector
+    key both name). The pod's spec hash annotation is untouched: placement is not drift."""
+    if placement is None:
+        return pod
+    meta, spec = pod["metadata"], pod["spec"]
+    out = {**pod, "metadata": {**meta, "labels": {**(meta.get("labels") or {}), **placement.labels}},
+           "spec": {**spec}}
+    if placement.annotations:
+        out["metadata"]["annotations"] = {**(meta.get("annotations") or {}), **placement.annotations}
+    if placement.node_selector:
+        out["spec"]["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **placement.node_selector}
+    if placement.tolerations:
+        have = list(spec.get("tolerations") or [])
+        out["spec"]["tolerations"] = have + [x for x in placement.tolerations if x not in have]
+    return out
+
+
+def build_pod_sets(ref: JobRef, spec: RFTJobSpec) -> list[Obj]:
+    """The Workload's pod sets: the job's pods as the builders render them, one set per role."""
+    sets = [(names.ROLE_TRAINER, build_trainer_pod(ref, spec, 1, 0), spec.trainer.nodes)]
+    rollout = build_rollout_pods(ref, spec)
+    for role in (names.ROLE_INFERENCE, names.ROLE_EXPLORER):
+        pods = [x for x in rollout if x["metadata"]["labels"].get(names.LABEL_ROLE) == role]
+        if pods:
+            sets.append((role, pods[0], len(pods)))
+    return [{"name": role, "count": count,
+             "template": {"metadata": {"labels": labels(ref.name, role)}, "spec": pod["spec"]}}
+            for role, pod, count in sets]
+
+
+def build_workload(ref: JobRef, spec: RFTJobSpec, local_queue: str, priority: tuple[str, int] | None) -> Obj:
+    """The job's Workload. `priority`: (WorkloadPriorityClass name, value) when the job names one."""
+    pod_sets = build_pod_sets(ref, spec)
+    body: Obj = {"queueName": local_queue, "podSets": pod_sets, "active": not spec.suspend}
+    if priority is not None:
+        body["priorityClassRef"] = {"group": GROUP, "kind": "WorkloadPriorityClass", "name": priority[0]}
+        body["priority"] = priority[1]
+    annotations = {names.ANNOTATION_SPEC_HASH: spec_hash(pod_sets)}
+    return {"apiVersion": API_VERSION, "kind": "Workload",
+            "metadata": build_meta(ref, workload_name(ref.name), labels(ref.name) | {LABEL_QUEUE_NAME: local_queue},
+                                   annotations),
+            "spec": body}
+
+
+def compute_workload_patch(workload: Obj, spec: RFTJobSpec) -> Obj | None:
+    """A merge patch of the Workload's spec when the user's suspend changed: `active`
+    follows `not spec.suspend` (a deactivated Workload is evicted by Kueue and gives its
+    quota back)."""
+    if (workload.get("spec") or {}).get("active", True) == (not spec.suspend):
+        return None
+    meta = workload["metadata"]
+    return {"apiVersion": API_VERSION, "kind": "Workload",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "spec": {"active": not spec.suspend}}
+
+
+def compute_workload_status(workload: Obj, phase: str | None, pods_active: bool, now: datetime) -> Obj | None:
+    """The Workload status this operator owes Kueue, as a merge patch of its status (the
+    whole condition list, with the resourceVersion it was computed from), or None:
+
+    - evicted with its admission still set and none of the job's pods left: clear the
+      admission (`admission: null`, QuotaReserved=False Pending, Admitted=False, Requeued),
+      as Kueue's own job integrations do (`jobframework` reconciler, "handle eviction");
+    - the job ended: Finished (Succeeded or Failed), which returns the quota;
+    - the gang runs: PodsReady=True (what `waitForPodsReady` waits for).
+    """
+    status = workload.get("status") or {}
+    conds = {x["type"]: dict(x) for x in status.get("conditions") or []}
+    generation = workload["metadata"].get("generation")
+    out: Obj = {}
+
+    def put(type_: str, value: bool, reason: str, message: str) -> None:
+        prev = conds.get(type_)
+        flag = "True" if value else "False"
+        if prev and (prev.get("status"), prev.get("reason"), prev.get("message")) == (flag, reason, message):
+            return
+        conds[type_] = {"type": type_, "status": flag, "reason": reason, "message": message[:32768],
+                        "observedGeneration": generation,
+                        "lastTransitionTime": (prev or {}).get("lastTransitionTime")
+                        if prev and prev.get("status") == flag else format_time(now)}
+        out["conditions"] = True
+
+    if phase in names.TERMINAL_PHASES:
+        if not is_true(workload, FINISHED):
+            put(FINISHED, True, phase, f"the RFTJob {phase.lower()}")
+    elif is_true(workload, EVICTED) and status.get("admission") and not pods_active:
+        ev = conds[EVICTED]
+        message = ev.get("message") or ev.get("reason") or EVICTED
+        put(REQUEUED, ev.get("reason") in REQUEUED_REASONS, ev.get("reason") or EVICTED, message)
+        put(QUOTA_RESERVED, False, "Pending", message)
+        put(ADMITTED, False, "NoReservation", "The workload has no reservation")
+        if PODS_READY in conds:
+            put(PODS_READY, False, "PodsReady", "the job's pods were stopped")
+        out["admission"] = None
+    elif phase == names.RUNNING and is_true(workload, ADMITTED) and not is_true(workload, PODS_READY):
+        put(PODS_READY, True, "PodsReady", "all trainer pods are running")
+    if not out:
+        return None
+    patch: Obj = {"conditions": sorted(conds.values(), key=lambda x: x["type"])}
+    if "admission" in out:
+        patch["admission"] = None
+    meta = workload["metadata"]
+    return {"apiVersion": API_VERSION, "kind": "Workload",
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                         "resourceVersion": meta.get("resourceVersion")},
+            "status": patch}

@@ -1,0 +1,294 @@
+"""Queueing by Kueue (`queueing.py`) and its part in a reconcile pass: the Workload the
+job owns, the gate on its pods, the placement from the admission, the eviction and the
+status the job's controller owes Kueue. Kueue itself runs in tests/integration/test_kueue.py."""
+
+from __future__ import annotations
+
+import copy
+
+from rft_contract import names
+from rft_contract.spec import parse_spec
+from rft_operator import queueing
+from rft_operator.reconcile import reconcile
+
+from .testing import LOOP, NOW, REF, SPEC, at, cond, make_job, merge_patch, observed, pod, rollout_pods, status
+
+FLAVOR = {"apiVersion": queueing.API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": "h100"},
+          "spec": {"nodeLabels": {"gpu.example.com/type": "h100"},
+                   "tolerations": [{"key": "gpu.example.com/reserved", "operator": "Exists", "effect": "NoSchedule"}]}}
+
+
+def queued_job(spec: dict = SPEC, job_status: dict | None = None, **labels: str) -> dict:
+    job = make_job(spec, job_status)
+    job["metadata"]["labels"] = {queueing.LABEL_QUEUE_NAME: "team-a-queue", **labels}
+    return job
+
+
+def workload(*conditions: tuple[str, str, str, str], admission: dict | None = None, active: bool = True,
+             checks: list | None = None) -> dict:
+    """The job's Workload as Kueue left it: conditions as (type, status, reason, message)."""
+    w = queueing.build_workload(REF, parse_spec(SPEC), "team-a-queue", None)
+    w["spec"]["active"] = active
+    w["metadata"].update(resourceVersion="7", generation=1, uid="wl-uid")
+    w["status"] = {"conditions": [{"type": t, "status": s, "reason": r, "message": m,
+                                   "lastTransitionTime": at(-60)} for t, s, r, m in conditions]}
+    if admission is not None:
+        w["status"]["admission"] = admission
+    if checks is not None:
+        w["status"]["admissionChecks"] = checks
+    return w
+
+
+ADMISSION = {"clusterQueue": "gpus", "podSetAssignments": [
+    {"name": "trainer", "count": 2, "flavors": {"nvidia.com/gpu": "h100", "cpu": "h100"}}]}
+PENDING = ("QuotaReserved", "False", "Pending",
+           "couldn't assign flavors to pod set trainer: insufficient quota for nvidia.com/gpu in flavor h100, "
+           "request > maximum capacity (32 > 16)")
+ADMITTED = [("QuotaReserved", "True", "QuotaReserved", "Quota reserved in ClusterQueue gpus"),
+            ("Admitted", "True", "Admitted", "The workload is admitted")]
+EVICTED = ("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: x) due to prioritization")
+
+
+def observe(pods=(), wl: dict | None = None, flavors: dict | None = None, kueue: bool = True, priority=None):
+    o = observed(pods)
+    o.kueue, o.workload, o.flavors, o.priority = kueue, wl, flavors or {}, priority
+    return o
+
+
+def created_pods(plan) -> list[dict]:
+    return [x for x in plan.create if x["kind"] == "Pod"]
+
+
+# ------------------------------------------------------------------ the Workload
+
+
+def test_a_job_without_the_label_has_no_workload_and_no_queue_status():
+    plan = reconcile(make_job(), observe(kueue=True), NOW)
+    assert not [x for x in plan.create if x["kind"] == "Workload"]
+    assert plan.status["queue"] is None
+    assert names.COND_ADMITTED not in {x["type"] for x in plan.status["conditions"]}
+    assert len(created_pods(plan)) == 2
+
+
+def test_a_queued_job_creates_its_workload_and_no_pods_until_admitted():
+    plan = reconcile(queued_job(), observe(), NOW)
+    (wl,) = [x for x in plan.create if x["kind"] == "Workload"]
+    assert not created_pods(plan)
+    assert wl["apiVersion"] == "kueue.x-k8s.io/v1beta2"
+    assert wl["metadata"]["name"] == "rftjob-demo"
+    assert wl["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    assert wl["metadata"]["ownerReferences"][0]["controller"] is True
+    assert wl["metadata"]["labels"][names.LABEL_JOB] == "demo"
+    assert wl["spec"]["queueName"] == "team-a-queue"
+    assert wl["spec"]["active"] is True
+    assert [(x["name"], x["count"]) for x in wl["spec"]["podSets"]] == [("trainer", 2)]
+    requests = wl["spec"]["podSets"][0]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert requests["nvidia.com/gpu"] == "8"
+    assert plan.status["phase"] == names.PENDING
+    assert plan.status["queue"]["state"] == "Queued"
+
+
+def test_the_workload_has_a_pod_set_per_role_with_the_pods_counts():
+    wl = queueing.build_workload(REF, parse_spec(LOOP), "q", ("high", 1000))
+    assert [(x["name"], x["count"]) for x in wl["spec"]["podSets"]] == [("trainer", 2), ("inference", 2),
+                                                                       ("explorer", 1)]
+    assert wl["spec"]["priorityClassRef"] == {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass",
+                                              "name": "high"}
+    assert wl["spec"]["priority"] == 1000
+
+
+def test_a_priority_class_that_does_not_exist_waits_with_its_name_and_creates_nothing():
+    job = queued_job(**{queueing.LABEL_PRIORITY_CLASS: "urgent"})
+    plan = reconcile(job, observe(priority=None), NOW)
+    assert not plan.create or all(x["kind"] != "Workload" and x["kind"] != "Pod" for x in plan.create)
+    assert plan.status["phase"] == names.PENDING
+    admitted = cond(plan, names.COND_ADMITTED)
+    assert admitted["status"] == "False" and admitted["reason"] == "PriorityClassNotFound"
+    assert "urgent" in admitted["message"]
+
+
+def test_without_kueue_installed_a_queued_job_waits_and_says_so():
+    plan = reconcile(queued_job(), observe(kueue=False), NOW)
+    assert not plan.create or all(x["kind"] not in ("Workload", "Pod") for x in plan.create)
+    assert "not installed" in plan.status["message"]
+    assert cond(plan, names.COND_ADMITTED)["reason"] == "KueueNotInstalled"
+
+
+def test_kueues_reason_for_waiting_is_in_the_status():
+    plan = reconcile(queued_job(), observe(wl=workload(PENDING)), NOW)
+    assert not created_pods(plan)
+    assert "insufficient quota for nvidia.com/gpu" in plan.status["message"]
+    admitted = cond(plan, names.COND_ADMITTED)
+    assert (admitted["status"], admitted["reason"]) == ("False", "Pending")
+    assert "32 > 16" in admitted["message"]
+    assert cond(plan, names.COND_RECONCILING)["status"] == "True"
+
+
+# ------------------------------------------------------------------ admission and placement
+
+
+def test_admitted_pods_carry_the_flavors_node_labels_toleration_and_podset_label():
+    plan = reconcile(queued_job(), observe(wl=workload(*ADMITTED, admission=ADMISSION), flavors={"h100": FLAVOR}),
+                     NOW)
+    pods = created_pods(plan)
+    assert len(pods) == 2
+    for p in pods:
+        assert p["spec"]["nodeSelector"]["gpu.example.com/type"] == "h100"
+        assert FLAVOR["spec"]["tolerations"][0] in p["spec"]["tolerations"]
+        # the job's own toleration stays
+        assert SPEC["trainer"]["tolerations"][0] in p["spec"]["tolerations"]
+        assert p["metadata"]["labels"][queueing.LABEL_PODSET] == "trainer"
+    assert plan.status["queue"] == {"name": "team-a-queue", "state": "Admitted", "workload": "rftjob-demo",
+                                    "clusterQueue": "gpus"}
+    assert cond(plan, names.COND_ADMITTED)["status"] == "True"
+
+
+def test_admission_checks_pod_set_updates_apply_after_the_flavor():
+    checks = [{"name": "prov", "state": "Ready", "podSetUpdates": [
+        {"name": "trainer", "labels": {"a": "b"}, "annotations": {"c": "d"},
+         "nodeSelector": {"zone": "z1"}, "tolerations": [{"key": "z", "operator": "Exists"}]}]}]
+    placement = queueing.compute_placement(ADMISSION, checks, {"h100": FLAVOR})["trainer"]
+    assert placement.node_selector == {"gpu.example.com/type": "h100", "zone": "z1"}
+    assert {"key": "z", "operator": "Exists"} in placement.tolerations
+    assert placement.labels == {queueing.LABEL_PODSET: "trainer", "a": "b"}
+    pod_obj = queueing.place({"kind": "Pod", "metadata": {"labels": {"x": "y"}}, "spec": {"nodeSelector": {"k": "v"}}},
+                             placement)
+    assert pod_obj["metadata"]["annotations"] == {"c": "d"}
+    assert pod_obj["spec"]["nodeSelector"] == {"k": "v", "gpu.example.com/type": "h100", "zone": "z1"}
+
+
+def test_a_flavor_not_read_places_nothing_from_it():
+    placement = queueing.compute_placement(ADMISSION, [], {})["trainer"]
+    assert placement.node_selector == {} and placement.tolerations == ()
+
+
+def test_admission_without_the_admitted_condition_is_not_enough():
+    """Quota reserved, admission checks pending: still queued."""
+    wl = workload(("QuotaReserved", "True", "QuotaReserved", "reserved"),
+                  ("Admitted", "False", "UnsatisfiedChecks", "The workload has not all checks ready"),
+                  admission=ADMISSION)
+    plan = reconcile(queued_job(), observe(wl=wl), NOW)
+    assert not created_pods(plan)
+    assert "not all checks ready" in plan.status["message"]
+
+
+def test_inference_and_explorers_wait_for_admission_too():
+    plan = reconcile(queued_job(LOOP), observe(rollout_pods(LOOP), wl=workload(PENDING)), NOW)
+    assert not created_pods(plan)
+    assert len(plan.delete_pods) == 3  # the three rollout pods the job had
+
+
+def test_the_gang_runs_then_reports_pods_ready():
+    wl = workload(*ADMITTED, admission=ADMISSION)
+    plan = reconcile(queued_job(job_status=status(names.PENDING)), observe([pod(1, 0), pod(1, 1)], wl=wl), NOW)
+    assert plan.status["phase"] == names.RUNNING
+    ready = {x["type"]: x for x in plan.workload_status["status"]["conditions"]}[queueing.PODS_READY]
+    assert ready["status"] == "True"
+    assert plan.workload_status["metadata"]["resourceVersion"] == "7"
+    assert "admission" not in plan.workload_status["status"]
+
+
+# ------------------------------------------------------------------ eviction
+
+
+def test_evicted_while_running_stops_the_gang_as_a_disruption_and_waits():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.RUNNING, attempt=2, restarts=1, disruptions=0))
+    plan = reconcile(job, observe([pod(2, 0), pod(2, 1)], wl=wl), NOW)
+    assert sorted(plan.delete_pods) == ["demo-trainer-2-0", "demo-trainer-2-1"]
+    assert not created_pods(plan)
+    assert plan.status["phase"] == names.PENDING
+    assert plan.status["attempt"] == 3  # the next admission starts attempt 3 from the checkpoint
+    assert plan.status["restarts"] == 1  # the budget is untouched
+    assert plan.status["disruptions"] == 1
+    assert plan.status["queue"]["state"] == "Evicted"
+    assert any(e.reason == names.REASON_EVICTED and "Preempted" in e.message for e in plan.events)
+    # pods still there: the admission stays until they are gone (their final checkpoint)
+    assert plan.workload_status is None
+
+
+def test_the_admission_is_cleared_once_the_pods_are_gone():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.PENDING, attempt=3, disruptions=1))
+    plan = reconcile(job, observe([pod(2, 0, "Failed", 143), pod(2, 1, "Failed", 143)], wl=wl), NOW)
+    patch = plan.workload_status
+    assert patch["status"]["admission"] is None
+    by_type = {x["type"]: x for x in patch["status"]["conditions"]}
+    assert (by_type["QuotaReserved"]["status"], by_type["QuotaReserved"]["reason"]) == ("False", "Pending")
+    assert by_type["Admitted"]["status"] == "False"
+    assert (by_type["Requeued"]["status"], by_type["Requeued"]["reason"]) == ("True", "Preempted")
+    assert by_type["Evicted"] == wl["status"]["conditions"][2]  # Kueue's, kept
+    assert plan.status["disruptions"] == 1 and plan.status["attempt"] == 3  # counted once
+    after = merge_patch(wl, {"status": patch["status"]})
+    assert "admission" not in after["status"]
+
+
+def test_a_terminating_pod_keeps_the_admission():
+    """Its SIGTERM is the final checkpoint: the quota goes only when it is done."""
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.PENDING, attempt=3, disruptions=1))
+    plan = reconcile(job, observe([pod(2, 0, deleting=True), pod(2, 1, "Failed", 143)], wl=wl), NOW)
+    assert plan.workload_status is None
+
+
+def test_readmitted_starts_the_next_attempt():
+    wl = workload(*ADMITTED, ("Evicted", "False", "QuotaReserved", "Previously: preempted"),
+                  ("Requeued", "True", "Preempted", "x"), admission=ADMISSION)
+    job = queued_job(job_status=status(names.PENDING, attempt=3, disruptions=1))
+    plan = reconcile(job, observe([pod(2, 0, "Failed", 143), pod(2, 1, "Failed", 143)], wl=wl,
+                                  flavors={"h100": FLAVOR}), NOW)
+    assert sorted(x["metadata"]["name"] for x in created_pods(plan)) == ["demo-trainer-3-0", "demo-trainer-3-1"]
+    assert plan.status["attempt"] == 3 and plan.status["disruptions"] == 1
+
+
+def test_evicted_while_restarting_is_no_second_disruption():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.RESTARTING, attempt=2, restarts=1, disruptions=0))
+    plan = reconcile(job, observe([pod(2, 0, "Failed", 1), pod(2, 1)], wl=wl), NOW)
+    assert plan.status["disruptions"] == 0
+    assert plan.status["attempt"] == 3
+    assert "demo-trainer-2-1" in plan.delete_pods
+
+
+# ------------------------------------------------------------------ suspend and the end
+
+
+def test_suspend_deactivates_the_workload_and_resume_activates_it():
+    job = queued_job({**SPEC, "suspend": True}, status(names.RUNNING))
+    plan = reconcile(job, observe([pod(1, 0), pod(1, 1)], wl=workload(*ADMITTED, admission=ADMISSION)), NOW)
+    (patch,) = [x for x in plan.patch if x["kind"] == "Workload"]
+    assert patch["spec"] == {"active": False}
+    assert plan.status["phase"] == names.SUSPENDED
+    assert len(plan.delete_pods) == 2
+    resumed = reconcile(queued_job(SPEC, status(names.SUSPENDED)),
+                        observe(wl=workload(("Evicted", "True", "Deactivated", "deactivated"), active=False)), NOW)
+    (patch,) = [x for x in resumed.patch if x["kind"] == "Workload"]
+    assert patch["spec"] == {"active": True}
+    assert resumed.status["phase"] == names.PENDING and not created_pods(resumed)
+
+
+def test_a_finished_job_finishes_its_workload_once():
+    wl = workload(*ADMITTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.SUCCEEDED, completionTime=at(0)))
+    plan = reconcile(job, observe([pod(1, 0, "Succeeded", 0), pod(1, 1, "Succeeded", 0)], wl=wl), NOW)
+    finished = {x["type"]: x for x in plan.workload_status["status"]["conditions"]}[queueing.FINISHED]
+    assert (finished["status"], finished["reason"]) == ("True", "Succeeded")
+    done = merge_patch(wl, {"status": plan.workload_status["status"]})
+    again = reconcile(job, observe([pod(1, 0, "Succeeded", 0), pod(1, 1, "Succeeded", 0)], wl=done), NOW)
+    assert again.workload_status is None
+
+
+def test_an_unchanged_workload_writes_nothing():
+    wl = workload(*ADMITTED, (queueing.PODS_READY, "True", "PodsReady", "x"), admission=ADMISSION)
+    job = queued_job(job_status=status(names.RUNNING))
+    plan = reconcile(job, observe([pod(1, 0), pod(1, 1)], wl=wl, flavors={"h100": FLAVOR}), NOW)
+    assert plan.workload_status is None
+    assert not [x for x in plan.patch if x["kind"] == "Workload"]
+
+
+def test_workload_status_keeps_transition_times_of_unchanged_conditions():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    patch = queueing.compute_workload_status(copy.deepcopy(wl), names.PENDING, False, NOW)
+    by_type = {x["type"]: x for x in patch["status"]["conditions"]}
+    assert by_type["Evicted"]["lastTransitionTime"] == at(-60)
+    assert by_type["QuotaReserved"]["lastTransitionTime"] == at(0)
