@@ -10,6 +10,8 @@
 #   $RFT_CACHE/bin/seaweedfs-$SEAWEEDFS_VERSION/weed               (the S3 server)
 #   $RFT_CACHE/bin/kstatus-$CLI_UTILS_VERSION-lua$GOPHER_LUA_VERSION/kstatus (kstatus, Argo CD's Lua; tests)
 #   $RFT_CACHE/bin/helm-$HELM_VERSION/{helm,untt-$HELM_UNITTEST_VERSION}  (Helm v4, helm-unittest; tests)
+#   $RFT_CACHE/bin/kueue-$KUEUE_VERSION/{kueue,crds/,manifests.yaml}  (Kueue and its CRDs and
+#                                   webhooks, run as a host process by e2e/kueue.py; tests)
 #   $RFT_CACHE/bin/training-operator-$TRAINING_OPERATOR_VERSION/{training-operator,crds/}
 #                                   (Kubeflow's, the peer of bench/reconcile.py --peer; not
 #                                    built by default)
@@ -381,7 +383,28 @@ GO
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
-want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus helm}
+# Kueue (sigs.k8s.io/kueue: its go.mod has no replace directives, so `go install` builds it),
+# with the CRDs and the webhook configurations of the same module, which e2e/kueue.py
+# installs before it runs the manager as a host process against the test cluster.
+build_kueue() {
+  local out=$RFT_CACHE/bin/kueue-$KUEUE_VERSION mod=sigs.k8s.io/kueue
+  if have "$out/kueue" && [ -f "$out/crds/kueue.x-k8s.io_workloads.yaml" ] && [ -f "$out/manifests.yaml" ]; then
+    log "kueue $KUEUE_VERSION: cached in $out"; return
+  fi
+  log "kueue $KUEUE_VERSION: building (a few minutes on 2 cores)"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp/crds"
+  GOBIN="$out.tmp" go install -trimpath \
+    -ldflags "-s -w -X $mod/pkg/version.GitVersion=$KUEUE_VERSION" "$mod/cmd/kueue@$KUEUE_VERSION"
+  local dir
+  dir=$(cd "$out.tmp" && go mod download -json "$mod@$KUEUE_VERSION" \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  cp "$dir/config/components/crd/bases/"*.yaml "$out.tmp/crds/"
+  cp "$dir/config/components/webhook/manifests.yaml" "$out.tmp/manifests.yaml"
+  chmod -R u+w "$out.tmp"
+  rm -rf "$out"; mv "$out.tmp" "$out"
+}
+
+want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus helm kueue}
 mkdir -p "$RFT_CACHE/bin"
 for w in $want; do
   # One build of a component at a time (`make -j`, or a demo and tests started together);

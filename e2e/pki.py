@@ -136,3 +136,25 @@ def write_kubeconfig(path: Path, server: str, ca_pem: bytes, user: str, token: s
     path.parent.mkdir(parents=True, exist_ok=True)
     write_private(path, yaml.safe_dump(config, sort_keys=False).encode())
     return path
+
+
+def write_serving_pair(directory: Path, hosts: list[str]) -> Path:
+    """A new CA and a serving certificate it signs for `hosts` (IP addresses or DNS names),
+    for a host-process webhook the API server calls by `url:` (e2e/kueue.py): writes
+    `directory/{ca.crt,tls.crt,tls.key}` (the layout controller-runtime's webhook server
+    reads) and returns `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key = _new_key()
+    ca_cert = _certificate(f"{hosts[0]}-ca", ca_key, None, ca_key, ca=True)
+    sans = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    key = _new_key()
+    cert = _certificate(hosts[0], key, ca_cert, ca_key, ca=False, sans=sans)
+    (directory / "ca.crt").write_bytes(_cert_pem(ca_cert))
+    (directory / "tls.crt").write_bytes(_cert_pem(cert))
+    write_private(directory / "tls.key", _key_pem(key))
+    return directory
