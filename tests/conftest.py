@@ -158,3 +158,18 @@ def namespace(kubectl, kubectl_json) -> str:
              30, f"ServiceAccount {name}/default")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster, tmp_path_factory):
+    """The real Kueue (e2e/kueue.py, `bash e2e/build-binaries.sh kueue`) as a host process
+    against the session's cluster: its CRDs, its webhooks (by URL, for Kueue's own kinds),
+    RFTJob as an external framework. `create_resource_flavor`, `create_cluster_queue`,
+    `create_local_queue`, `create_priority_class`, `create`, `get`, `patch_status`,
+    `delete`; its log at `kueue.log_path`. Stopped, and its webhooks removed, at the end."""
+    from e2e.kueue import KueueProcess
+
+    process = KueueProcess(cluster, tmp_path_factory.mktemp("kueue"))
+    process.start()
+    yield process
+    process.stop()

@@ -52,6 +52,7 @@ class Memo:
     stores: dict[str, Store] = field(default_factory=dict)  # the children's, by kind
     informers: list[Informer] = field(default_factory=list)
     resync: asyncio.Task | None = None
+    kueue_discovery: asyncio.Task | None = None  # while Kueue's API is not served
 
 
 def _one(index: kopf.Index, key: Key) -> Any:
@@ -92,22 +93,50 @@ def kueue_installed(kube: Kube) -> bool:
     """Whether the API server serves Kueue's Workloads (discovery, which every
     authenticated client may read)."""
     found = kube.read_path(f"/apis/{queueing.API_VERSION}")
-    served = any(x.get("name") == "workloads" for x in (found or {}).get("resources") or [])
-    log.info("Kueue %s: %s", queueing.API_VERSION, "found; jobs labelled " + queueing.LABEL_QUEUE_NAME +
-             " are queued by it" if served else "not installed; a job that names a queue waits with a message")
-    return served
+    return any(x.get("name") == "workloads" for x in (found or {}).get("resources") or [])
+
+
+def build_workload_informers(kube: Kube, ctl: Controller, namespaces: list[str],
+                             stores: dict[str, Store]) -> list[Informer]:
+    """Kueue's Workloads of our jobs (label-filtered like the children), into stores["Workload"]."""
+    store = stores["Workload"] = Store(names.LABEL_JOB, lambda obj: obj)
+    return [Informer("workloads" + (f"/{ns}" if ns else ""), kube.list_method("Workload", ns), CHILD_SELECTOR,
+                     store, lambda key, _type: ctl.queue.add(key))
+            for ns in namespaces or [None]]
+
+
+def use_workloads(ctl: Controller, stores: dict[str, Store]) -> None:
+    ctl.get_workloads = lambda key: stores["Workload"].get(key)
+    log.info("Kueue %s found: jobs labelled %s are queued by it", queueing.API_VERSION, queueing.LABEL_QUEUE_NAME)
+
+
+async def _discover_kueue(kube: Kube, ctl: Controller, memo: Memo, jobs: kopf.Index) -> None:
+    """Kueue installed after the operator started: look again every resync; once its API is
+    served, watch the Workloads and revisit every job."""
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        try:
+            if not await asyncio.to_thread(kueue_installed, kube):
+                continue
+        except Exception as e:  # the API server restarting, say: try again next time
+            log.warning("looking for Kueue's API: %s", e)
+            continue
+        informers = build_workload_informers(kube, ctl, memo.namespaces, memo.stores)
+        for informer in informers:
+            informer.start()
+        memo.informers.extend(informers)
+        await wait_synced(informers)
+        use_workloads(ctl, memo.stores)
+        for key in list(jobs):
+            ctl.queue.add(key)
+        return
 
 
 def build_informers(kube: Kube, ctl: Controller, namespaces: list[str],
                     stores: dict[str, Store], kueue: bool = False) -> list[Informer]:
     """One informer per child kind and namespace (one for all namespaces when none), each
     kind's into its store in `stores`; Kueue's Workloads too where it is installed."""
-    out = []
-    if kueue:
-        store = stores["Workload"] = Store(names.LABEL_JOB, lambda obj: obj)
-        for ns in namespaces or [None]:
-            out.append(Informer("workloads" + (f"/{ns}" if ns else ""), kube.list_method("Workload", ns),
-                                CHILD_SELECTOR, store, lambda key, _type: ctl.queue.add(key)))
+    out = build_workload_informers(kube, ctl, namespaces, stores) if kueue else []
     for kind in ["Pod", *(k for _, k in CHILD_KINDS.values())]:
         is_pod = kind == "Pod"
         view = PodView.from_pod if is_pod else (lambda obj, k=kind: ChildView.from_object(k, obj))
@@ -160,12 +189,17 @@ async def startup(settings: kopf.OperatorSettings, memo: Memo, rftjobs_by_key: k
         return [x for kind, store in stores.items() if kind not in ("Pod", "Workload") for x in store.get(key)]
 
     # Kueue is optional: where its API is served, jobs that name a LocalQueue get a Workload
-    # (`queueing.py`) and the operator watches them.
+    # (`queueing.py`) and the operator watches them; installed later, it is found later.
     kueue = await asyncio.to_thread(kueue_installed, kube)
     ctl = memo.controller = Controller(kube, get_job, lambda key: stores["Pod"].get(key), get_children,
-                                       workers=workers,
-                                       get_workloads=(lambda key: stores["Workload"].get(key)) if kueue else None)
+                                       workers=workers)
     informers = memo.informers = build_informers(kube, ctl, memo.namespaces, stores, kueue)
+    if kueue:
+        use_workloads(ctl, stores)
+    else:
+        log.info("Kueue %s: not installed (looked for again every %.0fs); a job that names a queue waits "
+                 "in Pending and says so", queueing.API_VERSION, RESYNC_SECONDS)
+        memo.kueue_discovery = asyncio.create_task(_discover_kueue(kube, ctl, memo, rftjobs_by_key))
     for informer in informers:
         informer.start()
     # A pass before the children are listed would take a running gang's pods for lost ones.
@@ -191,8 +225,9 @@ async def _resync(ctl: Controller, jobs: kopf.Index) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(memo: Memo, **_: Any) -> None:
-    if memo.resync is not None:
-        memo.resync.cancel()
+    for task in (memo.resync, memo.kueue_discovery):
+        if task is not None:
+            task.cancel()
     for informer in memo.informers:
         informer.stop()
     ctl = memo.controller

@@ -127,7 +127,7 @@ def read_queue(local_queue: str, workload: Obj | None, flavors: dict[str, Obj]) 
     status = workload.get("status") or {}
     admission = status.get("admission") or {}
     cq = admission.get("clusterQueue") or ""
-    if is_true(workload, EVICTED):
+    if is_true(workload, EVICTED) and admission:  # evicted, its pods still stopping
         ev = find_condition(workload, EVICTED) or {}
         return Queue(local_queue, workload, admitted=False, evicted=True, reason=ev.get("reason") or EVICTED,
                      message=f"evicted by Kueue: {ev.get('message') or ev.get('reason')}", cluster_queue=cq)

@@ -80,8 +80,10 @@ def job(stack, kubectl):
     kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")  # job pods need an enforced level
     kubectl("apply", "-n", ns, "-f", str(ROOT / "manifests/samples/s3-secret.example.yaml"))
 
-    def create(steps: int = STEPS, **overrides) -> dict:
+    def create(steps: int = STEPS, labels: dict | None = None, **overrides) -> dict:
         m = copy.deepcopy(SAMPLE)
+        if labels:
+            m["metadata"]["labels"] = {**(m["metadata"].get("labels") or {}), **labels}
         spec = m["spec"]
         spec["model"]["path"] = "s3://rft-e2e/models/tiny"
         spec["explorer"]["tasksetUri"] = "s3://rft-e2e/data/arith.jsonl"
@@ -96,6 +98,67 @@ def job(stack, kubectl):
 
     yield create
     kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture
+def kueue_queue(kueue, stack):
+    """Queues of a real Kueue for the real node: a flavor that pins pods to node `local`, a
+    ClusterQueue of 4 CPUs that preempts lower priorities, WorkloadPriorityClasses low and
+    high; `bind(ns)` makes the LocalQueue `team` in a job's namespace, `preempt(ns)` a
+    high-priority Workload that needs the whole quota (it runs no pods), `admitted(name)` waits
+    until Kueue admits it, `remove(name)` deletes it. Everything goes afterwards."""
+    api = kubernetes.client.CustomObjectsApi(stack["api"])
+    g, v = "kueue.x-k8s.io", "v1beta2"
+    tag = uuid.uuid4().hex[:6]
+    flavor, cq, low, high = f"local-{tag}", f"cpus-{tag}", f"low-{tag}", f"high-{tag}"
+    cluster_objs = [
+        ("resourceflavors", {"apiVersion": f"{g}/{v}", "kind": "ResourceFlavor", "metadata": {"name": flavor},
+                             "spec": {"nodeLabels": {"kubernetes.io/hostname": "local"}}}),
+        ("clusterqueues", {"apiVersion": f"{g}/{v}", "kind": "ClusterQueue", "metadata": {"name": cq},
+                           "spec": {"namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+                                    "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+                                        {"name": flavor, "resources": [{"name": "cpu", "nominalQuota": "4"},
+                                                                       {"name": "memory", "nominalQuota": "64Gi"}]}]}]}}),
+        ("workloadpriorityclasses", {"apiVersion": f"{g}/{v}", "kind": "WorkloadPriorityClass",
+                                     "metadata": {"name": low}, "value": 100}),
+        ("workloadpriorityclasses", {"apiVersion": f"{g}/{v}", "kind": "WorkloadPriorityClass",
+                                     "metadata": {"name": high}, "value": 1000}),
+    ]
+    for plural, body in cluster_objs:
+        api.create_cluster_custom_object(g, v, plural, body)
+
+    def bind(ns: str) -> None:
+        api.create_namespaced_custom_object(g, v, ns, "localqueues", {
+            "apiVersion": f"{g}/{v}", "kind": "LocalQueue", "metadata": {"name": "team", "namespace": ns},
+            "spec": {"clusterQueue": cq}})
+
+    def preempt(ns: str) -> tuple[str, str]:
+        api.create_namespaced_custom_object(g, v, ns, "workloads", {
+            "apiVersion": f"{g}/{v}", "kind": "Workload", "metadata": {"name": "urgent", "namespace": ns},
+            "spec": {"queueName": "team", "priority": 1000,
+                     "priorityClassRef": {"group": g, "kind": "WorkloadPriorityClass", "name": high},
+                     "podSets": [{"name": "main", "count": 1, "template": {"spec": {
+                         "restartPolicy": "Never", "containers": [{"name": "c", "image": "none",
+                                                                   "resources": {"requests": {"cpu": "4"}}}]}}}]}})
+        return ns, "urgent"
+
+    def admitted(ref: tuple[str, str]) -> None:
+        def check():
+            wl = api.get_namespaced_custom_object(g, v, *ref[:1], "workloads", ref[1])
+            return any(x["type"] == "Admitted" and x["status"] == "True" for x in wl.get("status", {}).get("conditions", []))
+        wait_for(check, 120, "the preemptor admitted")
+
+    def remove(ref: tuple[str, str]) -> None:
+        api.delete_namespaced_custom_object(g, v, ref[0], "workloads", ref[1])
+
+    yield {"queue": "team", "low": low, "high": high, "bind": bind, "preempt": preempt, "admitted": admitted,
+           "remove": remove}
+    for plural, body in reversed(cluster_objs):
+        try:
+            api.delete_cluster_custom_object(g, v, plural, body["metadata"]["name"])
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
 
 
 # ------------------------------------------------------------------ helpers
@@ -445,3 +508,36 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
         assert admin.list_namespaced_pod(ns).items == []
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_preempted_by_kueue_stops_requeues_and_resumes_from_its_checkpoint(job, kubectl, kueue_queue):
+    """A real Kueue admits the sample job, then preempts it for a higher-priority Workload
+    (made by hand: it needs the whole quota and runs no pods). The gang stops (SIGTERM), the
+    operator gives the quota back, and once the preemptor is gone the job is admitted again
+    and its next attempt resumes from the last committed checkpoint: the step continues,
+    the restart budget is untouched, the eviction counted as a disruption."""
+    q = kueue_queue
+    j = job(labels={"kueue.x-k8s.io/queue-name": q["queue"], "kueue.x-k8s.io/priority-class": q["low"]},
+            trainer={"resources": {"requests": {"cpu": "100m"}}})
+    q["bind"](j["ns"])
+    s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL, 400, "a checkpoint")
+    assert s["queue"]["state"] == "Admitted"
+    for p in pods(j):
+        assert p.spec.node_selector.get("kubernetes.io/hostname") == "local", p.metadata.name
+    preemptor = q["preempt"](j["ns"])
+    s = wait_status(j, lambda s: s.get("disruptions") == 1, 120, "evicted")
+    wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 180, "pods gone")
+    s = wait_status(j, lambda s: (s.get("queue") or {}).get("state") == "Queued", 60, "queued again")
+    assert s["phase"] == "Pending" and s["restarts"] == 0
+    kept = committed_steps_verify(j["uri"])
+    assert kept, "a checkpoint was kept"
+    q["admitted"](preemptor)  # the preemptor runs only once the job gave the quota back
+    q["remove"](preemptor)
+    resumed = time.monotonic()
+    s = wait_status(j, lambda s: ((s.get("trainer") or {}).get("resumedFrom") or {}).get("attempt") == 2,
+                    300, "attempt 2 resumed")
+    assert s["trainer"]["resumedFrom"]["step"] == kept[-1], "resumed from the last checkpoint, not from 0"
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    assert s["restarts"] == 0 and s["disruptions"] == 1
+    RESULTS["kueue_preemption"] = {"checkpoint_at_eviction": kept[-1],
+                                   "seconds_readmission_to_training": round(time.monotonic() - resumed, 1)}

@@ -31,7 +31,8 @@ def api(cluster) -> kubernetes.client.ApiClient:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster, installed, tmp_path_factory) -> OperatorProcess:
+def operator(cluster, installed, kueue, tmp_path_factory) -> OperatorProcess:
+    # Kueue first: the operator watches Workloads from its start where Kueue's API is served.
     d = tmp_path_factory.mktemp("operator")
     kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
     op = OperatorProcess(Path(kc), d / "operator.log")
@@ -48,18 +49,3 @@ def namespace(api, kubectl) -> str:
     kubectl("label", "namespace", name, f"{names.PSA_ENFORCE_LABEL}=baseline")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="session")
-def kueue(cluster, tmp_path_factory):
-    """The real Kueue (e2e/kueue.py, `bash e2e/build-binaries.sh kueue`) as a host process
-    against the session's cluster: its CRDs, its webhooks (by URL, for Kueue's own kinds),
-    RFTJob as an external framework. `create_resource_flavor`, `create_cluster_queue`,
-    `create_local_queue`, `create_priority_class`, `create`, `get`, `patch_status`,
-    `delete`; its log at `kueue.log_path`. Stopped, and its webhooks removed, at the end."""
-    from e2e.kueue import KueueProcess
-
-    process = KueueProcess(cluster, tmp_path_factory.mktemp("kueue"))
-    process.start()
-    yield process
-    process.stop()

@@ -292,3 +292,11 @@ def test_workload_status_keeps_transition_times_of_unchanged_conditions():
     by_type = {x["type"]: x for x in patch["status"]["conditions"]}
     assert by_type["Evicted"]["lastTransitionTime"] == at(-60)
     assert by_type["QuotaReserved"]["lastTransitionTime"] == at(0)
+
+
+def test_once_its_admission_is_cleared_an_evicted_job_is_queued_again_with_kueues_words():
+    wl = workload(("QuotaReserved", "False", "Pending", "Preempted to accommodate a workload"),
+                  ("Admitted", "False", "NoReservation", "The workload has no reservation"), EVICTED)
+    q = queueing.read_queue("team-a-queue", wl, {})
+    assert (q.state, q.admitted) == ("Queued", False)
+    assert "Preempted to accommodate" in q.message
