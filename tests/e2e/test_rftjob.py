@@ -522,8 +522,9 @@ def test_preempted_by_kueue_stops_requeues_and_resumes_from_its_checkpoint(job, 
     q["bind"](j["ns"])
     s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL, 400, "a checkpoint")
     assert s["queue"]["state"] == "Admitted"
-    for p in pods(j):
+    for p in pods(j, names.ROLE_TRAINER):  # the pods that request what the queue covers (cpu) get its flavor
         assert p.spec.node_selector.get("kubernetes.io/hostname") == "local", p.metadata.name
+        assert p.metadata.labels["kueue.x-k8s.io/podset"] == "trainer"
     preemptor = q["preempt"](j["ns"])
     s = wait_status(j, lambda s: s.get("disruptions") == 1, 120, "evicted")
     wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 180, "pods gone")
