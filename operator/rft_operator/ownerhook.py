@@ -249,6 +249,7 @@ def webhook_configuration(ca_bundle: bytes, *, service: tuple[str, str] | None =
     """The ValidatingWebhookConfiguration: CREATE of the operator's labelled objects, by its
     identity only, answered by the operator (`service`) or at `url` (tests), failing closed."""
     from .policygen import OPERATOR_IDENTITY
+    from .queueing import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
 
     client: dict[str, Any] = {"caBundle": base64.b64encode(ca_bundle).decode()}
     if url is not None:
@@ -259,6 +260,8 @@ def webhook_configuration(ca_bundle: bytes, *, service: tuple[str, str] | None =
               "scope": "Namespaced"} for plural, group in RESOURCES.items()]
     rules.append({"apiGroups": [EVENTS_V1], "apiVersions": ["v1"], "operations": ["CREATE"],
                   "resources": ["events"], "scope": "Namespaced"})
+    rules.append({"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": ["CREATE"],
+                  "resources": ["workloads"], "scope": "Namespaced"})  # a queued job's (queueing.py)
     hook: dict[str, Any] = {
         "name": f"{WEBHOOK_NAME}.{names.GROUP}",
         "clientConfig": client,

@@ -35,6 +35,8 @@ from rft_contract import names
 from rft_contract.checks import BASELINE_CAPABILITIES
 from rft_contract.status import RFTJobStatus, WeightSyncStatus
 
+from .queueing import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
+
 SA_PREFIX = "system:serviceaccount:"
 OPERATOR_SA = "rftjob-operator"
 PROTECTED_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease")
@@ -148,6 +150,8 @@ def owner_policy() -> dict[str, Any]:
          "resources": ["roles", "rolebindings"]},
         {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
          "resources": ["events"]},
+        {"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": ["CREATE"],
+         "resources": ["workloads"]},
     ], {
         "paramKind": {"apiVersion": f"{names.GROUP}/{names.VERSION}", "kind": names.KIND},
         "matchConditions": [OPERATOR_IDENTITY],
@@ -234,6 +238,9 @@ def operator_policy() -> dict[str, Any]:
          "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["roles", "rolebindings"]},
         {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
          "resources": ["events"]},
+        # Kueue's Workloads of queued jobs (queueing.py), their status included.
+        {"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": ["CREATE", "UPDATE", "DELETE"],
+         "resources": ["workloads", "workloads/status"]},
     ], {
         # Any ServiceAccount named like the operator's: matching more identities only
         # narrows more, and the install's namespace may be renamed by kustomize.

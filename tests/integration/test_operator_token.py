@@ -308,3 +308,29 @@ def test_the_operator_writes_only_its_own_status_fields(operator_api, api, names
         assert refusal(patch_status_as(operator_api, namespace, "st", status)) == (200, ""), status
     stored = get_job(api, namespace, "st")["status"]
     assert stored["trainer"]["step"] == 2 and set(stored["weightSync"]["replicas"]) == {pod}
+
+
+# ------------------------------------------------------------------ Kueue's Workloads
+
+
+def test_workloads_only_for_the_namespaces_rftjobs(operator_api, api, namespace, kueue):
+    """RBAC grants the operator Workloads (queueing.py); the policies hold it to its own:
+    labelled, controlled by an RFTJob of the namespace with its uid."""
+    wl_api = kubernetes.client.CustomObjectsApi(operator_api)
+
+    def create(meta: dict):
+        body = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload", "metadata": meta,
+                "spec": {"queueName": "q", "podSets": [{"name": "main", "count": 1, "template": {"spec": {
+                    "containers": [{"name": "c", "image": "busybox"}]}}}]}}
+        return lambda: wl_api.create_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", namespace, "workloads",
+                                                              body, dry_run="All")
+
+    ghost = {"metadata": {"name": "ghost", "uid": str(uuid.uuid4())}}  # no RFTJob in the namespace yet
+    refused(create(managed_meta(ghost, "rftjob-ghost")), "rftjob-operator-owner", "no params found", code=422)
+    job = create_job(api, namespace, job_manifest("real"))
+    refused(create({"name": "foreign"}), "rftjob-operator-scope", "only touch objects it manages")
+    forged = copy.deepcopy(job)
+    forged["metadata"]["uid"] = str(uuid.uuid4())
+    wait_for(lambda: refusal(create(managed_meta(job, "rftjob-real"))) == (200, ""), 30,
+             "the job's own Workload accepted")
+    refused(create(managed_meta(forged, "rftjob-real")), "belong to an RFTJob that exists")
