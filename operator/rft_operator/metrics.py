@@ -21,6 +21,8 @@ from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from rft_contract import names
+from rft_contract.spec import CheckpointSpec, FailurePolicy
+from rft_contract.times import parse_time
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -38,7 +40,8 @@ class WriteCounts(Protocol):
 
 @dataclass(frozen=True)
 class JobSample:
-    """What the gauges report about one RFTJob, taken from its status."""
+    """What the gauges report about one RFTJob, taken from its status (and the few spec
+    fields an alert compares the status with: the restart budget, the checkpoint interval)."""
 
     phase: str
     restarts: int
@@ -46,20 +49,44 @@ class JobSample:
     lag_steps: int | None = None
     synced_replicas: int | None = None
     desired_replicas: int | None = None
+    max_restarts: int | None = None
+    checkpoint_interval: int | None = None
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None  # Unix seconds
+    conditions: tuple[tuple[str, str, str], ...] = ()  # (type, status, reason)
 
 
 def compute_job_sample(body: dict[str, Any]) -> JobSample:
-    """A job the operator has not written a status for yet counts as Pending."""
-    st = body.get("status") or {}
-    ws = st.get("weightSync") or {}
+    """A job the operator has not written a status for yet counts as Pending. Spec fields
+    left out take the contract's defaults (what the operator applies)."""
+    spec, st = body.get("spec") or {}, body.get("status") or {}
+    ws, trainer = st.get("weightSync") or {}, st.get("trainer") or {}
+    ckpt = trainer.get("lastCheckpoint") or {}
+    ckpt_time = parse_time(ckpt.get("time"))
     return JobSample(
         phase=st.get("phase") or names.PENDING,
         restarts=int(st.get("restarts") or 0),
-        step=(st.get("trainer") or {}).get("step"),
+        step=trainer.get("step"),
         lag_steps=ws.get("lagSteps"),
         synced_replicas=ws.get("syncedReplicas"),
         desired_replicas=ws.get("desiredReplicas"),
+        max_restarts=_spec_int(spec, "failurePolicy", "maxRestarts", FailurePolicy, "max_restarts"),
+        checkpoint_interval=_spec_int(spec, "checkpoint", "interval", CheckpointSpec, "interval"),
+        last_checkpoint_step=ckpt.get("step"),
+        last_checkpoint_time=ckpt_time.timestamp() if ckpt_time else None,
+        conditions=tuple((c.get("type") or "", c.get("status") or "", c.get("reason") or "")
+                         for c in st.get("conditions") or () if c.get("type")),
     )
+
+
+def _spec_int(spec: dict[str, Any], section: str, field: str, model: type, attr: str) -> int | None:
+    value = (spec.get(section) or {}).get(field)
+    if value is None:
+        value = model.model_fields[attr].default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None  # the admission rules refuse this; a gauge is not the place to say so
 
 
 class OperatorMetrics:
@@ -116,25 +143,54 @@ def _job_metrics(jobs: list[tuple[Key, JobSample]]) -> Iterator[Metric]:
     yield phases
 
     job = ["namespace", "job"]
-    restarts = GaugeMetricFamily("rftjob_job_restarts", "status.restarts of each RFTJob.", labels=job)
-    step = GaugeMetricFamily("rftjob_trainer_step", "status.trainer.step of each RFTJob.", labels=job)
-    lag = GaugeMetricFamily("rftjob_weight_sync_lag_steps",
-                            "Trainer step minus the oldest weights version served (status.weightSync.lagSteps).",
-                            labels=job)
+    gauge = {name: GaugeMetricFamily(name, doc, labels=job) for name, doc in JOB_GAUGES.items()}
+    phase = GaugeMetricFamily("rftjob_job_phase", "1 for the status.phase of each RFTJob, 0 for the others.",
+                              labels=[*job, "phase"])
     replicas = GaugeMetricFamily("rftjob_weight_sync_replicas",
                                  "Inference replicas serving the target weights (synced) and in total (desired).",
                                  labels=[*job, "state"])
+    condition = GaugeMetricFamily("rftjob_job_condition",
+                                  "1 for each of the RFTJob's status.conditions, with its status and reason.",
+                                  labels=[*job, "type", "status", "reason"])
     for (ns, name), s in jobs:
-        restarts.add_metric([ns, name], s.restarts)
-        if s.step is not None:
-            step.add_metric([ns, name], s.step)
-        if s.lag_steps is not None:
-            lag.add_metric([ns, name], s.lag_steps)
+        for p in per_phase:
+            phase.add_metric([ns, name, p], 1 if p == s.phase else 0)
+        for metric, value in _job_values(s).items():
+            if value is not None:
+                gauge[metric].add_metric([ns, name], value)
         if s.synced_replicas is not None:
             replicas.add_metric([ns, name, "synced"], s.synced_replicas)
         if s.desired_replicas is not None:
             replicas.add_metric([ns, name, "desired"], s.desired_replicas)
-    yield from (restarts, step, lag, replicas)
+        for ctype, cstatus, reason in s.conditions:
+            condition.add_metric([ns, name, ctype, cstatus, reason], 1)
+    yield from (phase, *gauge.values(), replicas, condition)
+
+
+# One series per job each (none while the value is unknown); the alert rules in
+# manifests/monitoring/prometheusrule.yaml compare them.
+JOB_GAUGES = {
+    "rftjob_job_restarts": "status.restarts of each RFTJob.",
+    "rftjob_job_max_restarts": "spec.failurePolicy.maxRestarts of each RFTJob (the restart budget).",
+    "rftjob_trainer_step": "status.trainer.step of each RFTJob.",
+    "rftjob_weight_sync_lag_steps":
+        "Trainer step minus the oldest weights version served (status.weightSync.lagSteps).",
+    "rftjob_checkpoint_interval_steps": "spec.checkpoint.interval of each RFTJob: steps between checkpoints.",
+    "rftjob_last_checkpoint_step": "status.trainer.lastCheckpoint.step of each RFTJob.",
+    "rftjob_last_checkpoint_timestamp_seconds": "status.trainer.lastCheckpoint.time of each RFTJob (Unix seconds).",
+}
+
+
+def _job_values(s: JobSample) -> dict[str, float | None]:
+    return {
+        "rftjob_job_restarts": s.restarts,
+        "rftjob_job_max_restarts": s.max_restarts,
+        "rftjob_trainer_step": s.step,
+        "rftjob_weight_sync_lag_steps": s.lag_steps,
+        "rftjob_checkpoint_interval_steps": s.checkpoint_interval,
+        "rftjob_last_checkpoint_step": s.last_checkpoint_step,
+        "rftjob_last_checkpoint_timestamp_seconds": s.last_checkpoint_time,
+    }
 
 
 class _Current:

@@ -88,6 +88,37 @@ def test_weight_sync_gauges_follow_status():
     assert job_value(m, "rftjob_weight_sync_replicas", B, state="desired") is None
 
 
+def test_phase_budget_checkpoint_and_conditions_per_job():
+    m = OperatorMetrics()
+    trainer = {"step": 37, "lastCheckpoint": {"step": 30, "uri": "s3://ckpts/demo/step-30",
+                                              "time": "2026-11-30T11:59:00Z"}}
+    conditions = [{"type": "Running", "status": "True", "reason": "Running"},
+                  {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
+    m.observe_job(A, body(A, phase="Running", restarts=1, trainer=trainer, conditions=conditions))
+    assert job_value(m, "rftjob_job_phase", A, phase="Running") == 1
+    assert job_value(m, "rftjob_job_phase", A, phase="Restarting") == 0  # every phase, so a change shows
+    assert job_value(m, "rftjob_job_max_restarts", A) == 2  # the demo's spec.failurePolicy
+    assert job_value(m, "rftjob_checkpoint_interval_steps", A) == 10
+    assert job_value(m, "rftjob_last_checkpoint_step", A) == 30
+    assert job_value(m, "rftjob_last_checkpoint_timestamp_seconds", A) == (NOW.timestamp() - 60)
+    assert job_value(m, "rftjob_job_condition", A, type="Running", status="True", reason="Running") == 1
+    assert job_value(m, "rftjob_job_condition", A, type="Progressing", status="False",
+                     reason="ProgressDeadlineExceeded") == 1
+
+    # Spec fields left out: the contract's defaults; no checkpoint yet: no series.
+    job = body(B, phase="Running", trainer={"step": 3})
+    del job["spec"]["failurePolicy"], job["spec"]["checkpoint"]["interval"]
+    m.observe_job(B, job)
+    assert job_value(m, "rftjob_job_max_restarts", B) == 3
+    assert job_value(m, "rftjob_checkpoint_interval_steps", B) == 100
+    assert job_value(m, "rftjob_last_checkpoint_step", B) is None
+    assert job_value(m, "rftjob_last_checkpoint_timestamp_seconds", B) is None
+    assert not [k for k in scrape(m) if k[0] == "rftjob_job_condition" and ("job", "beta") in k[1]]
+
+    m.observe_job(A, None)
+    assert not [k for k in scrape(m) if ("job", "alpha") in k[1]]
+
+
 def test_api_writes_are_read_from_the_kube_counters():
     m = OperatorMetrics()
     assert ("rftjob_api_writes_total", frozenset()) not in scrape(m)
