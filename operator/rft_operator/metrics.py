@@ -21,7 +21,7 @@ from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from rft_contract import names
-from rft_contract.spec import CheckpointSpec, FailurePolicy
+from rft_contract.spec import CheckpointSpec, FailurePolicy, SyncSpec
 from rft_contract.times import parse_time
 
 log = logging.getLogger("rft_operator")
@@ -53,6 +53,8 @@ class JobSample:
     checkpoint_interval: int | None = None
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None  # Unix seconds
+    progress_since: float | None = None  # Unix seconds
+    sync_interval: int | None = None
     conditions: tuple[tuple[str, str, str], ...] = ()  # (type, status, reason)
 
 
@@ -63,6 +65,7 @@ def compute_job_sample(body: dict[str, Any]) -> JobSample:
     ws, trainer = st.get("weightSync") or {}, st.get("trainer") or {}
     ckpt = trainer.get("lastCheckpoint") or {}
     ckpt_time = parse_time(ckpt.get("time"))
+    since = parse_time((st.get("progress") or {}).get("since"))
     return JobSample(
         phase=st.get("phase") or names.PENDING,
         restarts=int(st.get("restarts") or 0),
@@ -74,6 +77,8 @@ def compute_job_sample(body: dict[str, Any]) -> JobSample:
         checkpoint_interval=_spec_int(spec, "checkpoint", "interval", CheckpointSpec, "interval"),
         last_checkpoint_step=ckpt.get("step"),
         last_checkpoint_time=ckpt_time.timestamp() if ckpt_time else None,
+        progress_since=since.timestamp() if since else None,
+        sync_interval=_spec_int(spec, "sync", "interval", SyncSpec, "interval"),
         conditions=tuple((c.get("type") or "", c.get("status") or "", c.get("reason") or "")
                          for c in st.get("conditions") or () if c.get("type")),
     )
@@ -175,6 +180,10 @@ JOB_GAUGES = {
     "rftjob_trainer_step": "status.trainer.step of each RFTJob.",
     "rftjob_weight_sync_lag_steps":
         "Trainer step minus the oldest weights version served (status.weightSync.lagSteps).",
+    "rftjob_progress_timestamp_seconds":
+        "status.progress.since of each RFTJob (Unix seconds): when the trainer's step or the gang attempt "
+        "last changed, the clock of the progress deadline (set while the gang runs).",
+    "rftjob_weight_sync_interval_steps": "spec.sync.interval of each RFTJob: steps between weight exports.",
     "rftjob_checkpoint_interval_steps": "spec.checkpoint.interval of each RFTJob: steps between checkpoints.",
     "rftjob_last_checkpoint_step": "status.trainer.lastCheckpoint.step of each RFTJob.",
     "rftjob_last_checkpoint_timestamp_seconds": "status.trainer.lastCheckpoint.time of each RFTJob (Unix seconds).",
@@ -187,6 +196,8 @@ def _job_values(s: JobSample) -> dict[str, float | None]:
         "rftjob_job_max_restarts": s.max_restarts,
         "rftjob_trainer_step": s.step,
         "rftjob_weight_sync_lag_steps": s.lag_steps,
+        "rftjob_progress_timestamp_seconds": s.progress_since,
+        "rftjob_weight_sync_interval_steps": s.sync_interval,
         "rftjob_checkpoint_interval_steps": s.checkpoint_interval,
         "rftjob_last_checkpoint_step": s.last_checkpoint_step,
         "rftjob_last_checkpoint_timestamp_seconds": s.last_checkpoint_time,

@@ -94,11 +94,15 @@ def test_phase_budget_checkpoint_and_conditions_per_job():
                                               "time": "2026-11-30T11:59:00Z"}}
     conditions = [{"type": "Running", "status": "True", "reason": "Running"},
                   {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
-    m.observe_job(A, body(A, phase="Running", restarts=1, trainer=trainer, conditions=conditions))
+    progress = {"step": 37, "attempt": 2, "since": "2026-11-30T11:58:00Z"}
+    m.observe_job(A, body(A, phase="Running", restarts=1, trainer=trainer, conditions=conditions,
+                          progress=progress))
     assert job_value(m, "rftjob_job_phase", A, phase="Running") == 1
     assert job_value(m, "rftjob_job_phase", A, phase="Restarting") == 0  # every phase, so a change shows
     assert job_value(m, "rftjob_job_max_restarts", A) == 2  # the demo's spec.failurePolicy
     assert job_value(m, "rftjob_checkpoint_interval_steps", A) == 10
+    assert job_value(m, "rftjob_weight_sync_interval_steps", A) == 1  # the default
+    assert job_value(m, "rftjob_progress_timestamp_seconds", A) == NOW.timestamp() - 120
     assert job_value(m, "rftjob_last_checkpoint_step", A) == 30
     assert job_value(m, "rftjob_last_checkpoint_timestamp_seconds", A) == (NOW.timestamp() - 60)
     assert job_value(m, "rftjob_job_condition", A, type="Running", status="True", reason="Running") == 1
@@ -113,6 +117,7 @@ def test_phase_budget_checkpoint_and_conditions_per_job():
     assert job_value(m, "rftjob_checkpoint_interval_steps", B) == 100
     assert job_value(m, "rftjob_last_checkpoint_step", B) is None
     assert job_value(m, "rftjob_last_checkpoint_timestamp_seconds", B) is None
+    assert job_value(m, "rftjob_progress_timestamp_seconds", B) is None
     assert not [k for k in scrape(m) if k[0] == "rftjob_job_condition" and ("job", "beta") in k[1]]
 
     m.observe_job(A, None)
