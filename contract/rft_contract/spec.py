@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic.alias_generators import to_camel
 
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
@@ -500,6 +500,58 @@ class SyncSpec(Model):
                     "weights after a reload; default by sync.dtype (fp32 0.002, fp16 0.1, bf16 0.25).")
 
 
+# The MLflow server's URL: the checkpoint endpoint's rules, with the Secret to name instead.
+_TRACKING_URI_CHECKS = (
+    ENDPOINT_CHECKS[0]._replace(message="must not carry credentials (user:password@host): put them in "
+                                        "the Secret named by tracking.mlflow.credentialsSecret"),
+    *ENDPOINT_CHECKS[1:],
+)
+# W&B refuses these characters in project and entity names.
+WandbName = checked(str, matching(r"^[^/\\#?%:]+$", "must not contain any of / \\ # ? % :"),
+                    min_length=1, max_length=128)
+
+
+class TensorBoardSpec(Model):
+    uri: S3Uri | None = Field(
+        default=None, description="Where the event files go, one run per gang attempt (attempt-NNN/); "
+                                  "default <checkpoint.uri>/tensorboard.")
+
+
+class MLflowSpec(Model):
+    """An MLflow tracking server. One run per job: a resumed attempt continues it (its id is
+    kept in <checkpoint.uri>/tracking/mlflow-run.json)."""
+
+    rules = tuple(on_field(c, "trackingUri", "tracking_uri", "tracking.mlflow.trackingUri")
+                  for c in _TRACKING_URI_CHECKS)
+
+    tracking_uri: str = Field(max_length=1024, description="http(s) URL of the MLflow tracking server.")
+    experiment: str = Field(min_length=1, max_length=256, description="Experiment name; created if missing.")
+    credentials_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="Secret with MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                    "MLFLOW_TRACKING_TOKEN; each key present becomes that variable in the trainer pods.")
+
+
+class WandbSpec(Model):
+    project: WandbName
+    entity: WandbName | None = None
+    mode: Literal["online", "offline"] = Field(
+        default="online", description="offline: files only, uploaded to <checkpoint.uri>/tracking/wandb/ "
+                                      "for `wandb sync`.")
+    api_key_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="Secret with WANDB_API_KEY, given to the trainer pods (online mode).")
+
+
+class TrackingSpec(Model):
+    """Experiment trackers that rank 0 of the trainer sends each step's metrics to. A tracker
+    that is down never stops training: status.trainer.tracking says how each one fares."""
+
+    tensorboard: TensorBoardSpec | None = None
+    mlflow: MLflowSpec | None = None
+    wandb: WandbSpec | None = None
+
+
 # The trainer's batch layout (rft_trainer.engine.check_batch_layout) in CEL, with the
 # pod's world size: ranks = nodes * max(1, gpusPerNode). Each rule holds when the one
 # before it fails, so a bad layout gets one message, with its numbers.
@@ -571,11 +623,21 @@ class RFTJobSpec(Model):
     sync: SyncSpec = Field(default_factory=SyncSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     reporting: ReportingSpec = Field(default_factory=ReportingSpec)
+    tracking: TrackingSpec | None = None
     service_account_annotations: checked(
         dict[str, Annotated[str, Field(max_length=4096)]], QUALIFIED_KEYS,
     ) = Field(default_factory=dict, max_length=16, description=(
         "Annotations on the ServiceAccounts the operator creates for the job's pods, e.g. "
         "eks.amazonaws.com/role-arn for IRSA or iam.gke.io/gcp-service-account."))
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_tracking(self, handler: Any) -> Any:
+        # Without trackers the job config (and its hash) stays what it was before the
+        # field existed: running jobs see no drift, older trainer images no unknown key.
+        data = handler(self)
+        if self.tracking is None and isinstance(data, dict):
+            data.pop("tracking", None)
+        return data
 
 
 # Validations on the whole object (only metadata.name/generateName are visible to CEL).

@@ -76,6 +76,18 @@ class ResumeRef(Model):
     time: str | None = None
 
 
+class TrackerStatus(Model):
+    """How one experiment tracker (spec.tracking) fares; it never stops training."""
+
+    model_config = ConfigDict(extra="allow")
+    ok: bool | None = Field(default=None, description="The last call to the tracker succeeded")
+    error: str | None = Field(default=None, description="Why the last call failed (type and message; never a "
+                                                        "credential); null once a call succeeds")
+    dropped: int | None = Field(default=None, description="Reports dropped: the buffer was full while the "
+                                                          "tracker was down, or the tracker refused them")
+    last_step: int | None = Field(default=None, description="The last step the tracker acknowledged")
+
+
 class TrainerStatus(Model):
     """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
 
@@ -93,6 +105,9 @@ class TrainerStatus(Model):
     buffer: BufferStatus | None = None
     waiting: WaitStatus | None = None
     resumed_from: ResumeRef | None = None
+    tracking: dict[str, TrackerStatus] | None = Field(
+        default=None, max_length=8, description="Per tracker (tensorboard, mlflow, wandb): ok, error, dropped, "
+                                                "lastStep")
 
 
 class ReplicaSync(Model):
