@@ -404,6 +404,40 @@ build_kueue() {
   rm -rf "$out"; mv "$out.tmp" "$out"
 }
 
+# promtool (Prometheus' rule checker and rule unit-test runner), for the alert tests
+# (tests/unit/test_monitoring.py): Debian's `prometheus` package at the pinned version,
+# downloaded (no install, no service), unpacked in a temp dir, promtool kept.
+build_promtool() {
+  local out=$RFT_CACHE/bin/prometheus-$PROMETHEUS_DEB_VERSION
+  if have "$out/promtool"; then log "promtool $PROMETHEUS_DEB_VERSION: cached in $out"; return; fi
+  log "promtool $PROMETHEUS_DEB_VERSION: apt-get download prometheus"
+  local work
+  work=$(mktemp -d "${TMPDIR:-/tmp}/rft-promtool.XXXXXX"); chmod 755 "$work"
+  ( cd "$work" && apt-get download -q "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null ) || {
+    log "apt-get download prometheus=$PROMETHEUS_DEB_VERSION failed (run apt-get update?)"; rm -rf "$work"; exit 1; }
+  dpkg -x "$work"/prometheus_*.deb "$work/root"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  cp "$work/root/usr/bin/promtool" "$out.tmp/promtool"
+  rm -rf "$work" "$out"; mv "$out.tmp" "$out"
+}
+
+# prometheus-operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule) from its Go module,
+# for tests/integration/test_prometheus.py (the monitoring objects, dry-run on the server).
+build_prometheus_crds() {
+  local out=$RFT_CACHE/bin/prometheus-operator-$PROMETHEUS_OPERATOR_VERSION/crds
+  local kinds="servicemonitors podmonitors prometheusrules" k missing=""
+  for k in $kinds; do [ -f "$out/monitoring.coreos.com_$k.yaml" ] || missing+=" $k"; done
+  if [ -z "$missing" ]; then log "prometheus-operator $PROMETHEUS_OPERATOR_VERSION CRDs: cached in $out"; return; fi
+  log "prometheus-operator $PROMETHEUS_OPERATOR_VERSION CRDs: go mod download"
+  local work dir
+  work=$(mktemp -d "${TMPDIR:-/tmp}/rft-promop.XXXXXX")
+  dir=$(cd "$work" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION" \
+    | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
+  for k in $kinds; do cp "$dir/example/prometheus-operator-crd/monitoring.coreos.com_$k.yaml" "$out.tmp/"; done
+  chmod -R u+w "$out.tmp"; rm -rf "$work" "$out"; mv "$out.tmp" "$out"
+}
+
 want=${*:-etcd kwok k8s coredns registry seaweedfs kstatus helm kueue}
 mkdir -p "$RFT_CACHE/bin"
 for w in $want; do

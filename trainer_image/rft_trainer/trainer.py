@@ -40,11 +40,13 @@ from .export import apply_weights_retention
 from .metrics import MetricsLog
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
+from .tracking import Tracker, build_tracker
 
 log = logging.getLogger("rft_trainer")
 
 WAIT_REPORT_EVERY = 30.0  # seconds between status.trainer.waiting updates
 WAIT_LOG_EVERY = 60.0
+TRACKING_CLOSE_SECONDS = 30.0  # for the trackers' last reports at exit, within the grace period
 
 
 def stop_budget_seconds() -> float | None:
@@ -96,6 +98,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
+        self.tracker: Tracker | None = None  # rank 0: spec.tracking's experiment trackers
         self.last_synced: int | None = None
         self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
         self.ended_together = False  # train() returned (finished or an agreed stop) on every rank
@@ -112,6 +115,7 @@ class Trainer:
         self.engine.prepare()
         if self.rt.is_main:
             self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
+            self.tracker = build_tracker(self.config, report=self._report_tracking)
         self.storage = get_storage(self.config.checkpoint.uri)  # built once: an S3 client is not free
         self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
         self.checkpointer.on_commit = self._report_commit
@@ -306,16 +310,25 @@ class Trainer:
             log.warning("weights retention failed: %s", e)
             versions = None
         self.reporter.report_weights(step, weights_uri(root, step), manifest.get("id"), versions)
+        if self.tracker is not None:
+            self.tracker.log_tags({"rft.weights.uri": weights_uri(root, step), "rft.weights.step": step}, step)
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
         if self.metrics_log is not None:
             self.metrics_log.append(self.train_step_num, metrics)
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.train_step_num, metrics)
         if self.rt is not None and self.rt.is_main:
             every = self.config.reporting.log_every
             if self.train_step_num % every == 0 or self.train_step_num == 1:
                 line = {"step": self.train_step_num, **{k: round(v, 6) for k, v in metrics.items()}}
                 print(json.dumps(line), file=sys.stdout, flush=True)
+
+    def _report_tracking(self, tracking: dict) -> None:
+        """Rank 0, from a tracker's thread: `status.trainer.tracking`, coalesced like steps.
+        (StatusReporter has no public method for it yet: `_submit` is what report_* use.)"""
+        self.reporter._submit({"tracking": tracking}, urgent=False)
 
     async def shutdown(self) -> None:
         self._alive = False
@@ -323,6 +336,8 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            if self.tracker is not None:  # before the reporter: its last state goes out with it
+                self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
             self.reporter.close()
             if self.metrics_log is not None:
                 self.metrics_log.close()
