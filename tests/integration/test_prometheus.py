@@ -65,3 +65,14 @@ def test_a_broken_rule_or_monitor_is_refused(prometheus_crds, installed, kubectl
     monitor["spec"]["endpoints"][0]["interval"] = "often"
     proc = dry_run(kubectl, [monitor])
     assert proc.returncode != 0 and "interval" in proc.stderr, proc.stderr
+
+
+def test_the_charts_monitoring_objects_are_accepted(prometheus_crds, installed, kubectl):
+    from tests.unit.test_chart import template  # the real Helm, built on demand
+
+    rendered = template("--set", "monitoring.serviceMonitor.enabled=true",
+                        "--set", "monitoring.prometheusRule.enabled=true")
+    objects = [o for (kind, _, _), o in rendered.items() if kind in ("Service", "ServiceMonitor", "PrometheusRule")]
+    assert len(objects) == 3, sorted(rendered)
+    proc = dry_run(kubectl, objects)
+    assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 3, proc.stderr
