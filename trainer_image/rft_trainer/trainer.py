@@ -46,7 +46,7 @@ log = logging.getLogger("rft_trainer")
 
 WAIT_REPORT_EVERY = 30.0  # seconds between status.trainer.waiting updates
 WAIT_LOG_EVERY = 60.0
-TRACKING_CLOSE_SECONDS = 30.0  # for the trackers' last reports at exit, within the grace period
+TRACKING_CLOSE_SECONDS = 15.0  # for the trackers' last reports at exit (a down one loses them)
 
 
 def stop_budget_seconds() -> float | None:
