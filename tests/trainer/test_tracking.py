@@ -1,0 +1,331 @@
+"""Experiment tracking (rft_trainer.tracking): TensorBoard event files on the real S3 test
+server read back with TensorBoard's own reader, one MLflow run across attempts on a real
+`mlflow server` read back through its REST API, W&B offline files, and a tracker that is
+down never stopping training nor leaking a credential."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from rft_contract.config import load_config
+from rft_contract.storage import get_storage
+from rft_trainer.experience import write_shard
+from rft_trainer.tracking import Rejected, Tracker, build_tracker, mlflow_state_uri
+from tests.conftest import wait_for
+from tests.fixtures.batches import synthetic_batch
+from tests.fixtures.models import save_tiny_model
+
+SECRET = "s3cr3t-Pa55word-never-shown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (sqlite backend, local artifacts) on a free port."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_file = open(root / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        cwd=root, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    started = time.monotonic()
+
+    def healthy():
+        assert proc.poll() is None, f"mlflow server exited {proc.returncode}: {(root / 'server.log').read_text()[-2000:]}"
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+
+    try:
+        wait_for(healthy, timeout=120, message="mlflow server /health", interval=0.2)
+        print(f"mlflow server ready in {time.monotonic() - started:.1f}s")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log_file.close()
+
+
+def rest(url: str, path: str, **query) -> dict:
+    with urllib.request.urlopen(f"{url}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def config(root: str, tracking: dict, attempt: int = 0, uid: str = "uid-1", **extra):
+    return load_config({
+        "model": {"path": "/models/tiny"},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4},
+        "trainer": {"total_steps": 6, "batch_size": 8, "gpus_per_node": 0},
+        "checkpoint": {"uri": root},
+        "tracking": tracking,
+        "job": {"name": "demo", "namespace": "ml", "uid": uid, "attempt": attempt},
+        **extra,
+    }, env={})
+
+
+def run_attempt(cfg, steps, tmp_path, finished: bool, **kw) -> Tracker:
+    tracker = build_tracker(cfg, local_dir=str(tmp_path / f"local-{cfg.job.attempt}"), **kw)
+    for step in steps:
+        tracker.log_metrics(step, {"actor/pg_loss": step / 10, "critic/advantages/mean": -step,
+                                   "perf/throughput": 100.0 * step})
+    tracker.log_tags({"rft.weights.uri": f"{cfg.checkpoint.uri}/weights/step-{steps[-1]:08d}"}, steps[-1])
+    tracker.close(finished=finished)
+    return tracker
+
+
+# ------------------------------------------------------------------ TensorBoard on S3
+
+def test_tensorboard_event_files_on_s3_one_run_per_attempt(bucket, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = f"s3://{bucket}/jobs/demo"
+    run_attempt(config(root, {"tensorboard": {}}, attempt=0), [1, 2, 3], tmp_path, finished=False)
+    run_attempt(config(root, {"tensorboard": {}}, attempt=1), [3, 4, 5], tmp_path, finished=True)
+
+    storage, local = get_storage(root), tmp_path / "downloaded"
+    objects = storage.list(f"{root}/tensorboard/")
+    assert {o.split("/")[-2] for o in objects} == {"attempt-000", "attempt-001"}
+    for uri in objects:
+        path = local / uri[len(f"{root}/tensorboard/"):]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(storage.read_bytes(uri))
+    runs = {}
+    for attempt in ("attempt-000", "attempt-001"):
+        acc = EventAccumulator(str(local / attempt))
+        acc.Reload()
+        assert {"actor/pg_loss", "critic/advantages/mean", "perf/throughput"} <= set(acc.Tags()["scalars"])
+        runs[attempt] = [(e.step, round(e.value, 6)) for e in acc.Scalars("actor/pg_loss")]
+        assert "rft/config/text_summary" in acc.Tags()["tensors"]  # the resolved spec, as text
+    assert runs == {"attempt-000": [(1, 0.1), (2, 0.2), (3, 0.3)], "attempt-001": [(3, 0.3), (4, 0.4), (5, 0.5)]}
+
+
+def test_tensorboard_uploads_on_each_flush_interval_before_the_end(tmp_path):
+    root = str(tmp_path / "job")
+    tracker = build_tracker(config(root, {"tensorboard": {}}), local_dir=str(tmp_path / "local"),
+                            flush_seconds=0.2)
+    tracker.log_metrics(1, {"actor/pg_loss": 0.5})
+    storage = get_storage(root)
+    first = wait_for(lambda: storage.list(f"{root}/tensorboard/attempt-000/"), timeout=30, interval=0.05,
+                     message="the first upload")
+    size = len(storage.read_bytes(first[0]))
+    tracker.log_metrics(2, {"actor/pg_loss": 0.4})
+    wait_for(lambda: len(storage.read_bytes(first[0])) > size, timeout=30, interval=0.05,
+             message="the grown event file uploaded again")
+    tracker.close(finished=True)
+    assert tracker.status()["tensorboard"] == {"ok": True, "error": None, "dropped": 0, "lastStep": 2}
+
+
+# ------------------------------------------------------------------ MLflow
+
+def test_mlflow_one_run_across_a_restart_params_tags_and_steps(mlflow_server, bucket, tmp_path):
+    root = f"s3://{bucket}/jobs/demo"
+    tracking = {"mlflow": {"trackingUri": mlflow_server, "experiment": "rft-demo"}}
+    first = run_attempt(config(root, tracking, attempt=0), [1, 2, 3], tmp_path, finished=False)
+    assert first.status()["mlflow"] == {"ok": True, "error": None, "dropped": 0, "lastStep": 3}
+    record = json.loads(get_storage(root).read_bytes(mlflow_state_uri(root)))
+    run_id = record["run_id"]
+    assert rest(mlflow_server, "runs/get", run_id=run_id)["run"]["info"]["status"] == "KILLED"
+
+    # The restarted attempt: a new Tracker, attempt 1, the spec's totalSteps edited meanwhile.
+    second_cfg = config(root, tracking, attempt=1, trainer={"total_steps": 9, "batch_size": 8, "gpus_per_node": 0})
+    run_attempt(second_cfg, [4, 5, 6], tmp_path, finished=True)
+    assert json.loads(get_storage(root).read_bytes(mlflow_state_uri(root)))["run_id"] == run_id
+
+    experiment = rest(mlflow_server, "experiments/get-by-name", experiment_name="rft-demo")["experiment"]
+    with urllib.request.urlopen(urllib.request.Request(
+            f"{mlflow_server}/api/2.0/mlflow/runs/search", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"experiment_ids": [experiment["experiment_id"]]}).encode()), timeout=10) as r:
+        runs = json.loads(r.read())["runs"]
+    assert [r["info"]["run_id"] for r in runs] == [run_id]  # one run for the job
+    history = rest(mlflow_server, "metrics/get-history", run_id=run_id, metric_key="actor/pg_loss")["metrics"]
+    assert [(m["step"], round(m["value"], 6)) for m in history] == [(s, s / 10) for s in range(1, 7)]
+    assert [m["step"] for m in rest(mlflow_server, "metrics/get-history", run_id=run_id,
+                                    metric_key="critic/advantages/mean")["metrics"]] == [1, 2, 3, 4, 5, 6]
+    run = rest(mlflow_server, "runs/get", run_id=run_id)["run"]
+    assert run["info"]["status"] == "FINISHED"
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert params["algorithm.name"] == "grpo" and params["algorithm.learning_rate"] == "0.0001"
+    assert params["trainer.total_steps"] == "6" and tags["rft.changed.trainer.total_steps"] == "9"
+    assert params["checkpoint.uri"] == root and params["job.name"] == "demo"
+    assert tags["rft.weights.uri"] == f"{root}/weights/step-00000006"
+    assert tags["rft.job"] == "demo" and tags["mlflow.runName"] == "demo"
+
+
+# ------------------------------------------------------------------ a tracker that is down
+
+class Recorder:
+    """Stands in for the status reporter: keeps `status.trainer` as merge patches build it."""
+
+    def __init__(self):
+        self.trainer: dict = {}
+        self.lock = threading.Lock()
+
+    def _submit(self, patch, urgent, clear_waiting=False):
+        with self.lock:
+            for key, value in patch.get("tracking", {}).items():
+                self.trainer.setdefault("tracking", {})[key] = dict(value)
+
+    def __getattr__(self, name):  # report_step, report_checkpoint, close, ...
+        return lambda *a, **kw: None
+
+
+def test_an_unreachable_tracker_never_stops_training_and_never_shows_the_password(
+        tmp_path, world_of_one, monkeypatch, caplog, capfd):
+    import rft_trainer.trainer as trainer_module
+    from rft_trainer.trainer import Trainer
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "rft")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", SECRET)
+    recorder = Recorder()
+    monkeypatch.setattr(trainer_module.StatusReporter, "from_env", classmethod(lambda cls, **kw: recorder))
+    caplog.set_level(logging.DEBUG)
+    save_tiny_model(tmp_path / "model")
+    for i in range(3):
+        write_shard(str(tmp_path / "buffer"), f"shard-{i:04d}", synthetic_batch(8, 4, 6, vocab=24, seed=i))
+    refused = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
+    cfg = load_config({
+        "model": {"path": str(tmp_path / "model")},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
+        "trainer": {"total_steps": 3, "batch_size": 8, "gpus_per_node": 0, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": str(tmp_path / "ckpt"), "interval": 100},
+        "buffer": {"uri": str(tmp_path / "buffer")},
+        "tracking": {"mlflow": {"trackingUri": refused, "experiment": "e"}, "tensorboard": {}},
+    }, env={})
+    trainer = Trainer(cfg)
+    trainer.prepare()
+    started = time.monotonic()
+    assert asyncio.run(trainer.train()) == "finished" and trainer.train_step_num == 3
+    assert time.monotonic() - started < 60
+    monkeypatch.setattr(trainer_module, "TRACKING_CLOSE_SECONDS", 1.0)
+    with monkeypatch.context() as m:  # the fixture destroys the process group
+        m.setattr(trainer_module.torch.distributed, "is_initialized", lambda: False)
+        asyncio.run(trainer.shutdown())  # closes the trackers: gives up on mlflow after 1 s
+
+    tracking = recorder.trainer["tracking"]
+    assert tracking["mlflow"]["ok"] is False and "Connection" in tracking["mlflow"]["error"]
+    assert tracking["mlflow"]["lastStep"] is None
+    assert tracking["tensorboard"] == {"ok": True, "error": None, "dropped": 0, "lastStep": 3}
+    assert any("tracking: mlflow failed" in r.getMessage() for r in caplog.records)
+    out, err = capfd.readouterr()
+    shown = json.dumps(recorder.trainer) + out + err + "\n".join(r.getMessage() for r in caplog.records)
+    assert SECRET not in shown
+
+
+class FlakyBackend:
+    """Fails until `healed`; records what it received."""
+
+    name = "flaky"
+
+    def __init__(self, error: Exception | None = None):
+        self.healed, self.error, self.steps, self.closed = False, error, [], None
+
+    def open(self):
+        pass
+
+    def write(self, events):
+        if not self.healed:
+            raise self.error or ConnectionRefusedError(111, "Connection refused")
+        self.steps += [e.step for e in events]
+
+    def flush(self):
+        pass
+
+    def close(self, finished):
+        self.closed = finished
+
+
+def test_a_full_queue_drops_the_oldest_reports_and_counts_them():
+    backend, states = FlakyBackend(), []
+    tracker = Tracker([backend], report=states.append, capacity=5, backoff=lambda n: 0.01)
+    for step in range(1, 13):
+        tracker.log_metrics(step, {"actor/pg_loss": 1.0})
+    wait_for(lambda: tracker.status()["flaky"]["dropped"] == 7 and tracker.status()["flaky"]["ok"] is False,
+             timeout=10, interval=0.01)
+    backend.healed = True
+    tracker.close(finished=True, timeout=10)
+    assert backend.steps == [8, 9, 10, 11, 12] and backend.closed is True
+    assert tracker.status()["flaky"] == {"ok": True, "error": None, "dropped": 7, "lastStep": 12}
+    assert any(s["flaky"]["ok"] is False and s["flaky"]["lastStep"] is None and
+               s["flaky"]["error"] == "ConnectionRefusedError: [Errno 111] Connection refused" for s in states)
+
+
+def test_refused_reports_are_dropped_not_retried_and_errors_never_carry_secrets(monkeypatch, caplog):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    backend = FlakyBackend(Rejected(f"400 bad metric for https://user:{SECRET}@mlflow/ key {SECRET}"))
+    tracker = Tracker([backend], backoff=lambda n: 0.01)
+    tracker.log_metrics(1, {"x": 1.0})
+    wait_for(lambda: tracker.status()["flaky"]["dropped"] == 1, timeout=10, interval=0.01)
+    backend.healed = True
+    tracker.log_metrics(2, {"x": 1.0})
+    tracker.close(finished=True, timeout=10)
+    assert backend.steps == [2] and tracker.status()["flaky"]["lastStep"] == 2
+    assert "***" in caplog.text and SECRET not in caplog.text
+
+
+def test_close_gives_up_in_time_on_a_tracker_that_hangs(caplog):
+    class Hanging(FlakyBackend):
+        def write(self, events):
+            time.sleep(5)
+
+    worker_backend = Hanging()
+    tracker = Tracker([worker_backend], backoff=lambda n: 0.01)
+    tracker.log_metrics(1, {"x": 1.0})
+    started = time.monotonic()
+    tracker.close(finished=True, timeout=0.5)
+    assert time.monotonic() - started < 2
+    assert "reports NOT delivered at exit" in caplog.text
+
+
+def test_logging_a_step_costs_microseconds_whatever_the_backends_do():
+    class Slow(FlakyBackend):
+        def write(self, events):
+            time.sleep(0.05)
+
+    tracker = Tracker([Slow()], backoff=lambda n: 0.01)
+    metrics = {f"actor/m{i}": float(i) for i in range(30)}
+    started = time.perf_counter()
+    for step in range(1, 1001):
+        tracker.log_metrics(step, metrics)
+    per_step = (time.perf_counter() - started) / 1000
+    tracker.close(finished=True, timeout=0.1)
+    assert per_step < 0.001, per_step
+
+
+# ------------------------------------------------------------------ W&B offline
+
+def test_wandb_offline_writes_its_run_files_and_uploads_them(tmp_path):
+    root = str(tmp_path / "job")
+    tracking = {"wandb": {"project": "rft-demo", "mode": "offline"}}
+    tracker = run_attempt(config(root, tracking), [1, 2, 3], tmp_path, finished=True)
+    assert tracker.status()["wandb"]["ok"] is True and tracker.status()["wandb"]["lastStep"] == 3
+    runs = list((tmp_path / "local-0" / "wandb-run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"actor/pg_loss" in data and b"critic/advantages/mean" in data
+    uploaded = get_storage(root).list(f"{root}/tracking/wandb/")
+    assert any(u.endswith(".wandb") and runs[0].name in u for u in uploaded)

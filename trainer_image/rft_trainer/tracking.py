@@ -1,0 +1,552 @@
+"""Experiment tracking (`spec.tracking`): rank 0 sends each step's metrics, under verl's
+names (`actor/pg_loss`, ...), to TensorBoard, MLflow and Weights & Biases.
+
+A tracker that is down never stops or slows training:
+* `Tracker.log_metrics` only appends to one bounded queue per backend and returns. When a
+  queue is full (the tracker has been down for a while) the oldest report is dropped and
+  counted.
+* Each backend has its own thread, so a slow MLflow server does not hold TensorBoard
+  back. Every call into a backend is guarded: a failure is retried with capped backoff,
+  the reports staying queued; a report the tracker refuses (HTTP 4xx) is dropped and
+  counted instead of blocking the queue.
+* How each fares goes to `status.trainer.tracking.<backend>` (`ok`, `error`, `dropped`,
+  `lastStep`) through the trainer's status reporter, and to the log on the first failure,
+  every minute while it lasts, and on recovery.
+* Credentials (MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, the S3
+  secret) come from the environment, read by the clients themselves; an error message is
+  scrubbed of their values before it is logged or reported.
+
+Where things go, `<root>` being `checkpoint.uri`:
+
+    <tensorboard.uri or <root>/tensorboard>/attempt-NNN/events.out.tfevents.*   one run per attempt
+    <root>/tracking/mlflow-run.json   the MLflow run of the job: a resumed attempt continues it
+    <root>/tracking/wandb/            W&B's offline run files, for `wandb sync`
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, NamedTuple
+
+from rft_contract.storage import Storage, get_storage, join, upload_file
+
+from .reporting import backoff_delay
+
+log = logging.getLogger("rft_trainer.tracking")
+
+TENSORBOARD = "tensorboard"
+TRACKING = "tracking"
+MLFLOW_RUN_FILE = "mlflow-run.json"
+# Environment variables whose values never appear in a log line or the status.
+SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY",
+              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+QUEUE_CAPACITY = 10_000  # reports (one per step) kept per backend while it is down
+FLUSH_SECONDS = 30.0
+FAILING_LOG_EVERY = 60.0
+MAX_ERROR_CHARS = 300
+
+
+def redact(text: str, env: dict[str, str] | None = None) -> str:
+    """`text` without the values of SECRET_ENV nor a URL's user:password@."""
+    env = os.environ if env is None else env
+    for key in SECRET_ENV:
+        value = env.get(key) or ""
+        if len(value) >= 4:  # a shorter value would mangle ordinary words
+            text = text.replace(value, "***")
+    return re.sub(r"//[^/@\s]*@", "//***@", text)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming the exception, scrubbed of credentials, at most MAX_ERROR_CHARS."""
+    line = " ".join(redact(f"{type(e).__name__}: {e}").split())
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 3] + "..."
+
+
+class Rejected(Exception):
+    """The tracker refused these reports (a 4xx answer): retrying them cannot help."""
+
+
+class Event(NamedTuple):
+    kind: str  # "metrics" or "tags"
+    step: int | None
+    data: dict[str, Any]
+    time: float  # when it was reported: a report delivered late keeps its own time
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The values that are numbers (tensors and numpy scalars included), as floats."""
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """`{"a": {"b": 1}}` -> `{"a.b": "1"}`; lists as JSON; None left out."""
+    if isinstance(data, dict) and data:
+        out: dict[str, str] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if data is None:
+        return {}
+    return {prefix: data if isinstance(data, str) else json.dumps(data)}
+
+
+def build_params(config) -> dict[str, str]:
+    """The resolved spec, flattened: what the run was trained with. Without env values
+    (they may be secrets), the security context, and what changes per attempt."""
+    data = config.model_dump(mode="json", exclude={"trainer": {"env", "security_context"},
+                                                   "job": {"attempt", "pod"}})
+    if isinstance(data.get("inference"), dict):
+        data["inference"].pop("env", None)
+    return flatten(data)
+
+
+# ------------------------------------------------------------------ one backend's thread
+
+class BackendWorker:
+    """Delivers one backend's queue from a daemon thread: `open()` once, `write(events)`
+    in batches, `flush()` every `flush_seconds`, `close(finished)` at the end. Calls that
+    fail are retried after `backoff(failures)` seconds; `on_status(name, state)` hears of
+    every change of `state` ({ok, error, dropped, lastStep})."""
+
+    def __init__(self, backend, on_status: Callable[[str, dict], None], capacity: int = QUEUE_CAPACITY,
+                 flush_seconds: float = FLUSH_SECONDS, batch_size: int = 50,
+                 backoff: Callable[[int], float] = backoff_delay):
+        self.backend, self.name, self.on_status = backend, backend.name, on_status
+        self.capacity, self.flush_seconds, self.batch_size, self.backoff = capacity, flush_seconds, batch_size, backoff
+        self.state: dict[str, Any] = {"ok": None, "error": None, "dropped": 0, "lastStep": None}
+        self._queue: collections.deque[Event] = collections.deque()
+        self._cond = threading.Condition()
+        self._opened = self._closing = self._abandoned = self._finished = False
+        self._failures, self._down_since, self._last_log = 0, None, 0.0
+        self._thread = threading.Thread(target=self._run, name=f"rft-track-{self.name}", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Event) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._queue.append(event)
+            dropped = len(self._queue) - self.capacity
+            for _ in range(max(0, dropped)):
+                self._queue.popleft()
+            self._cond.notify()
+        if dropped > 0:
+            self._update(dropped=self.state["dropped"] + dropped)
+
+    def close(self, finished: bool, timeout: float) -> int:
+        """Deliver what is queued and close the backend within `timeout` seconds; returns
+        the number of reports left undelivered (then the thread is abandoned)."""
+        with self._cond:
+            self._closing, self._finished = True, finished
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        with self._cond:
+            if not self._thread.is_alive():
+                return 0
+            self._abandoned = True
+            self._cond.notify_all()
+            return len(self._queue) + 1  # the batch in flight too
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + self.flush_seconds
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing or self._abandoned,
+                                    timeout=max(0.0, next_flush - time.monotonic()))
+                if self._abandoned:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.batch_size))]
+                closing = self._closing and not self._queue
+            if not self._deliver(batch):
+                self._requeue(batch)
+                self._pause()
+                continue
+            if closing or time.monotonic() >= next_flush:
+                if not self._guard(self.backend.flush):
+                    self._pause()
+                    continue
+                next_flush = time.monotonic() + self.flush_seconds
+            if closing:
+                self._guard(lambda: self.backend.close(self._finished))
+                return
+
+    def _deliver(self, batch: list[Event]) -> bool:
+        if not self._opened:
+            if not self._guard(self.backend.open):
+                return False
+            self._opened = True
+        if not batch:
+            return True
+        try:
+            self.backend.write(batch)
+        except Rejected as e:  # retrying cannot help: count them and go on
+            self._fail(e, retry=False)
+            self._update(dropped=self.state["dropped"] + len(batch))
+            return True
+        except Exception as e:  # noqa: BLE001 - a tracker never stops training
+            self._fail(e)
+            return False
+        steps = [ev.step for ev in batch if ev.kind == "metrics" and ev.step is not None]
+        self._succeed(last_step=max(steps) if steps else None)
+        return True
+
+    def _guard(self, call: Callable[[], Any]) -> bool:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - a tracker never stops training
+            self._fail(e)
+            return False
+        self._succeed()
+        return True
+
+    def _requeue(self, batch: list[Event]) -> None:
+        """Put a failed batch back in front, older than anything reported since."""
+        with self._cond:
+            self._queue.extendleft(reversed(batch))
+            dropped = max(0, len(self._queue) - self.capacity)
+            for _ in range(dropped):
+                self._queue.popleft()
+        if dropped:
+            self._update(dropped=self.state["dropped"] + dropped)
+
+    def _pause(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._abandoned, timeout=self.backoff(self._failures))
+
+    def _fail(self, e: BaseException, retry: bool = True) -> None:
+        error, now = describe_error(e), time.monotonic()
+        self._failures += retry
+        if self._down_since is None:
+            self._down_since = self._last_log = now
+            log.warning("tracking: %s failed (%s); %s", self.name, error,
+                        "retrying in the background" if retry else "dropped the reports it refused")
+        elif now - self._last_log >= FAILING_LOG_EVERY:
+            self._last_log = now
+            log.warning("tracking: %s still failing after %.0fs (%s); %d reports queued", self.name,
+                        now - self._down_since, error, len(self._queue))
+        self._update(ok=False, error=error)
+
+    def _succeed(self, last_step: int | None = None) -> None:
+        if self._down_since is not None:
+            log.info("tracking: %s works again after %.0fs", self.name, time.monotonic() - self._down_since)
+            self._down_since, self._failures = None, 0
+        changes: dict[str, Any] = {"ok": True, "error": None}
+        if last_step is not None:
+            changes["lastStep"] = last_step
+        self._update(**changes)
+
+    def _update(self, **changes: Any) -> None:
+        with self._cond:
+            if all(self.state.get(k) == v for k, v in changes.items()):
+                return
+            self.state.update(changes)
+            state = dict(self.state)
+        try:
+            self.on_status(self.name, state)
+        except Exception as e:  # noqa: BLE001
+            log.warning("tracking: reporting %s's state failed: %s", self.name, describe_error(e))
+
+
+class Tracker:
+    """Rank 0's fan-out to the configured backends. `report(tracking)` gets the state of
+    every backend whenever one changes (wired to `status.trainer.tracking`)."""
+
+    def __init__(self, backends: Iterable, report: Callable[[dict], None] | None = None, **worker_kw: Any):
+        self.report = report
+        self.workers = [BackendWorker(b, self._on_status, **worker_kw) for b in backends]
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        self._put(Event("metrics", step, scalars(metrics), time.time()))
+
+    def log_tags(self, tags: dict[str, Any], step: int | None = None) -> None:
+        self._put(Event("tags", step, {k: str(v) for k, v in tags.items()}, time.time()))
+
+    def _put(self, event: Event) -> None:
+        for worker in self.workers:
+            worker.put(event)
+
+    def status(self) -> dict[str, dict]:
+        return {w.name: dict(w.state) for w in self.workers}
+
+    def _on_status(self, name: str, state: dict) -> None:
+        if self.report is not None:
+            self.report({name: state})
+
+    def close(self, finished: bool, timeout: float = 30.0) -> None:
+        """Deliver what is queued and end the runs (`finished`: the job is done, else the
+        attempt stopped and a later one resumes), within `timeout` seconds overall."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            lost = worker.close(finished, max(0.0, deadline - time.monotonic()))
+            if lost:
+                log.error("tracking: %s: %d reports NOT delivered at exit (gave up after %.0fs; last "
+                          "error %s)", worker.name, lost, timeout, worker.state["error"] or "none")
+
+
+# ------------------------------------------------------------------ backends
+
+class TensorBoardBackend:
+    """Event files written locally by tensorboardX, uploaded to `<uri>/attempt-NNN/` on each
+    flush and at the end (an object store has no append: a file is uploaded again while
+    it grows; past `roll_bytes` a new file is started, so old ones are not re-sent)."""
+
+    name = "tensorboard"
+
+    def __init__(self, uri: str, attempt: int, local_dir: str, config_text: str | None = None,
+                 storage: Storage | None = None, roll_bytes: int = 16 << 20):
+        run = f"attempt-{attempt:03d}"
+        self.dest, self.local = join(uri, run), Path(local_dir) / TENSORBOARD / run
+        self.storage = storage or get_storage(uri)
+        self.config_text, self.roll_bytes = config_text, roll_bytes
+        self.writer = None
+        self._files = 0
+        self._uploaded: dict[str, int] = {}  # file name -> size uploaded
+
+    def open(self) -> None:
+        if self.writer is None:
+            # tensorboardX warns on every NaN scalar; NaN is a value worth plotting, not news
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+            self._new_writer()
+            if self.config_text:
+                self.writer.add_text("rft/config", self.config_text, 0)
+
+    def _new_writer(self) -> None:
+        from tensorboardX import SummaryWriter
+
+        self.local.mkdir(parents=True, exist_ok=True)
+        self._files += 1  # two files opened in the same second must not share a name
+        self.writer = SummaryWriter(logdir=str(self.local), flush_secs=3600, max_queue=100_000,
+                                    filename_suffix=f".{self._files}")
+
+    def write(self, events: list[Event]) -> None:
+        for ev in events:
+            for key, value in ev.data.items():
+                if ev.kind == "metrics":
+                    self.writer.add_scalar(key, value, ev.step, walltime=ev.time)
+                else:
+                    self.writer.add_text(key, value, ev.step or 0, walltime=ev.time)
+
+    def flush(self) -> None:
+        self.writer.flush()
+        self._upload()
+        current = list(self.local.glob(f"events.out.tfevents.*.{self._files}"))
+        if current and current[0].stat().st_size >= self.roll_bytes:
+            self.writer.close()
+            self._upload()
+            self._new_writer()
+
+    def _upload(self) -> None:
+        for path in sorted(self.local.iterdir()):
+            size = path.stat().st_size
+            if self._uploaded.get(path.name) != size:
+                upload_file(self.storage, path, join(self.dest, path.name))
+                self._uploaded[path.name] = size
+
+    def close(self, finished: bool) -> None:
+        self.writer.close()
+        self._upload()
+
+
+class MLflowBackend:
+    """One MLflow run per job. The first attempt creates it and writes its id to
+    `<root>/tracking/mlflow-run.json`; a resumed attempt reads that and continues the run
+    (steps continue; params it already has are kept, a changed one is tagged
+    `rft.changed.<param>`). Credentials: MLflow's own MLFLOW_TRACKING_USERNAME/PASSWORD or
+    MLFLOW_TRACKING_TOKEN."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str, experiment: str, state_uri: str, params: dict[str, str],
+                 tags: dict[str, str], run_name: str | None = None, storage: Storage | None = None):
+        self.tracking_uri, self.experiment, self.state_uri = tracking_uri, experiment, state_uri
+        self.params, self.tags, self.run_name = params, tags, run_name
+        self.storage = storage or get_storage(state_uri)
+        self.client = None
+        self.run_id: str | None = None
+        self._saved = self._started = False
+
+    def open(self) -> None:
+        # Our worker retries; MLflow's own retries (7, exponential) would hide an outage for minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        from mlflow.tracking import MlflowClient
+
+        self.client = self.client or MlflowClient(tracking_uri=self.tracking_uri)
+        if self.run_id is None:
+            self.run_id = self._resumable_run() or self._create_run()
+        if not self._saved:  # after a failed write, the same run (not a new one) is retried
+            record = {"run_id": self.run_id, "tracking_uri": self.tracking_uri, "experiment": self.experiment}
+            self.storage.write_bytes(self.state_uri, json.dumps(record).encode())
+            self._saved = True
+        if not self._started:
+            self._log_params()
+            self._started = True
+
+    def _resumable_run(self) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            record = json.loads(self.storage.read_bytes(self.state_uri))
+        except FileNotFoundError:
+            return None
+        try:
+            run = self.client.get_run(record["run_id"])
+        except MlflowException as e:
+            if e.get_http_status_code() != 404:
+                raise
+            log.warning("tracking: mlflow run %s of %s is gone; starting a new run", record["run_id"], self.state_uri)
+            return None
+        if run.info.lifecycle_stage != "active":
+            log.warning("tracking: mlflow run %s was deleted; starting a new run", run.info.run_id)
+            return None
+        self.client.update_run(run.info.run_id, status="RUNNING")
+        self._saved = True
+        changed = {k: v for k, v in self.params.items() if k in run.data.params and run.data.params[k] != v}
+        self.params = {k: v for k, v in self.params.items() if k not in run.data.params}
+        self.tags = {**self.tags, **{f"rft.changed.{k}": v for k, v in changed.items()}}
+        log.info("tracking: continuing mlflow run %s", run.info.run_id)
+        return run.info.run_id
+
+    def _create_run(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            try:
+                experiment_id = self.client.create_experiment(self.experiment)
+            except MlflowException:  # created meanwhile by someone else
+                experiment_id = self.client.get_experiment_by_name(self.experiment).experiment_id
+        run = self.client.create_run(experiment_id, run_name=self.run_name)
+        log.info("tracking: mlflow run %s in experiment %r", run.info.run_id, self.experiment)
+        return run.info.run_id
+
+    def _log_params(self) -> None:
+        from mlflow.entities import Param, RunTag
+
+        params = [Param(k[:250], v[:6000]) for k, v in self.params.items()]
+        tags = [RunTag(k[:250], v[:8000]) for k, v in self.tags.items()]
+        for i in range(0, max(len(params), len(tags)), 100):
+            self.client.log_batch(self.run_id, params=params[i:i + 100], tags=tags[i:i + 100])
+
+    def write(self, events: list[Event]) -> None:
+        from mlflow.entities import Metric, RunTag
+        from mlflow.exceptions import MlflowException
+
+        metrics = [Metric(k, v, int(ev.time * 1000), ev.step or 0)
+                   for ev in events if ev.kind == "metrics" for k, v in ev.data.items()]
+        tags = {k: v for ev in events if ev.kind == "tags" for k, v in ev.data.items()}
+        try:
+            for i in range(0, len(metrics), 1000):
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            if tags:
+                self.client.log_batch(self.run_id, tags=[RunTag(k, v[:8000]) for k, v in tags.items()])
+        except MlflowException as e:
+            code = e.get_http_status_code()
+            if 400 <= code < 500 and code not in (401, 403, 408, 429):
+                raise Rejected(describe_error(e)) from None
+            raise
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, finished: bool) -> None:
+        # KILLED: the attempt stopped (preemption, a gang restart); the next one sets it RUNNING.
+        self.client.set_terminated(self.run_id, status="FINISHED" if finished else "KILLED")
+
+
+class WandbBackend:
+    """A W&B run whose id derives from the job (its uid), so a resumed attempt continues it
+    (`resume="allow"`; W&B ignores the steps a resumed attempt replays). Offline, its files
+    go to `<root>/tracking/wandb/` on each flush and at the end, for `wandb sync`."""
+
+    name = "wandb"
+
+    def __init__(self, project: str, entity: str | None, mode: str, run_id: str, local_dir: str,
+                 params: dict[str, str], upload_uri: str | None, run_name: str | None = None,
+                 storage: Storage | None = None):
+        self.project, self.entity, self.mode, self.run_id = project, entity, mode, run_id
+        self.dir, self.params, self.upload_uri, self.run_name = Path(local_dir), params, upload_uri, run_name
+        self.storage = storage or (get_storage(upload_uri) if upload_uri else None)
+        self.run = None
+        self._uploaded: dict[str, int] = {}
+
+    def open(self) -> None:
+        if self.run is not None:
+            return
+        import wandb
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False,
+                                  disable_git=True)
+        self.run = wandb.init(project=self.project, entity=self.entity, mode=self.mode, dir=str(self.dir),
+                              id=self.run_id, resume="allow", name=self.run_name, config=self.params,
+                              settings=settings, reinit="create_new")
+
+    def write(self, events: list[Event]) -> None:
+        for ev in events:
+            if ev.kind == "metrics":
+                self.run.log(ev.data, step=ev.step)
+            else:
+                self.run.summary.update(ev.data)
+
+    def flush(self) -> None:
+        if self.mode == "offline" and self.upload_uri:
+            for path in sorted(p for p in (self.dir / "wandb").rglob("*") if p.is_file()):
+                size, rel = path.stat().st_size, path.relative_to(self.dir / "wandb").as_posix()
+                if self._uploaded.get(rel) != size:
+                    upload_file(self.storage, path, join(self.upload_uri, rel))
+                    self._uploaded[rel] = size
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
+        self.flush()
+
+
+# ------------------------------------------------------------------ from the config
+
+def mlflow_state_uri(root: str) -> str:
+    return join(root, TRACKING, MLFLOW_RUN_FILE)
+
+
+def build_tracker(config, report: Callable[[dict], None] | None = None, local_dir: str | None = None,
+                  **worker_kw: Any) -> Tracker | None:
+    """The trackers `config.tracking` names (None: none), for rank 0. Event and run files
+    are written under `local_dir` (default a new temp dir) before they are uploaded."""
+    spec = config.tracking
+    if spec is None or not (spec.tensorboard or spec.mlflow or spec.wandb):
+        return None
+    root, job, attempt = config.checkpoint.uri, config.job, config.job.attempt
+    local_dir = local_dir or tempfile.mkdtemp(prefix="rft-tracking-")
+    params = build_params(config)
+    backends: list[Any] = []
+    if spec.tensorboard:
+        backends.append(TensorBoardBackend(spec.tensorboard.uri or join(root, TENSORBOARD), attempt, local_dir,
+                                           config_text=json.dumps(params, indent=1, sort_keys=True)))
+    if spec.mlflow:
+        tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
+                "rft.checkpoint_uri": root, "rft.attempt": str(attempt)}
+        backends.append(MLflowBackend(spec.mlflow.tracking_uri, spec.mlflow.experiment, mlflow_state_uri(root),
+                                      params, {k: v for k, v in tags.items() if v}, run_name=job.name or None))
+    if spec.wandb:
+        w = spec.wandb
+        run_id = "rft-" + hashlib.sha256((job.uid or root).encode()).hexdigest()[:16]
+        backends.append(WandbBackend(w.project, w.entity, w.mode, run_id, str(Path(local_dir) / "wandb-run"),
+                                     params, join(root, TRACKING, "wandb"), run_name=job.name or None))
+    return Tracker(backends, report, **worker_kw)
