@@ -146,7 +146,7 @@ class BackendWorker:
                 self._queue.popleft()
             self._cond.notify()
         if dropped > 0:
-            self._update(dropped=self.state["dropped"] + dropped)
+            self._update(dropped=dropped)
 
     def close(self, finished: bool, timeout: float) -> int:
         """Deliver what is queued and close the backend within `timeout` seconds; returns
@@ -196,7 +196,7 @@ class BackendWorker:
             self.backend.write(batch)
         except Rejected as e:  # retrying cannot help: count them and go on
             self._fail(e, retry=False)
-            self._update(dropped=self.state["dropped"] + len(batch))
+            self._update(dropped=len(batch))
             return True
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
             self._fail(e)
@@ -222,7 +222,7 @@ class BackendWorker:
             for _ in range(dropped):
                 self._queue.popleft()
         if dropped:
-            self._update(dropped=self.state["dropped"] + dropped)
+            self._update(dropped=dropped)
 
     def _pause(self) -> None:
         with self._cond:
@@ -250,8 +250,12 @@ class BackendWorker:
             changes["lastStep"] = last_step
         self._update(**changes)
 
-    def _update(self, **changes: Any) -> None:
+    def _update(self, dropped: int = 0, **changes: Any) -> None:
+        """Apply `changes` to the state and add `dropped` to its count (from either thread);
+        report the state if it changed."""
         with self._cond:
+            if dropped:
+                changes["dropped"] = self.state["dropped"] + dropped
             if all(self.state.get(k) == v for k, v in changes.items()):
                 return
             self.state.update(changes)
