@@ -405,11 +405,13 @@ build_kueue() {
 }
 
 # promtool (Prometheus' rule checker and rule unit-test runner), for the alert tests
-# (tests/unit/test_monitoring.py): Debian's `prometheus` package at the pinned version,
-# downloaded (no install, no service), unpacked in a temp dir, promtool kept.
+# (tests/unit/test_monitoring.py), and the prometheus server itself, which
+# tests/integration/test_prometheus.py runs against the operator (e2e/prometheus.py):
+# Debian's `prometheus` package at the pinned version, downloaded (no install, no service),
+# unpacked in a temp dir, both binaries kept.
 build_promtool() {
   local out=$RFT_CACHE/bin/prometheus-$PROMETHEUS_DEB_VERSION
-  if have "$out/promtool"; then log "promtool $PROMETHEUS_DEB_VERSION: cached in $out"; return; fi
+  if have "$out/promtool" "$out/prometheus"; then log "promtool, prometheus $PROMETHEUS_DEB_VERSION: cached in $out"; return; fi
   log "promtool $PROMETHEUS_DEB_VERSION: apt-get download prometheus"
   local work
   work=$(mktemp -d "${TMPDIR:-/tmp}/rft-promtool.XXXXXX"); chmod 755 "$work"
@@ -417,7 +419,7 @@ build_promtool() {
     log "apt-get download prometheus=$PROMETHEUS_DEB_VERSION failed (run apt-get update?)"; rm -rf "$work"; exit 1; }
   dpkg -x "$work"/prometheus_*.deb "$work/root"
   rm -rf "$out.tmp"; mkdir -p "$out.tmp"
-  cp "$work/root/usr/bin/promtool" "$out.tmp/promtool"
+  cp "$work/root/usr/bin/promtool" "$work/root/usr/bin/prometheus" "$out.tmp/"
   rm -rf "$work" "$out"; mv "$out.tmp" "$out"
 }
 
