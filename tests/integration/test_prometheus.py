@@ -2,18 +2,29 @@
 the alert rules) against prometheus-operator's real CRDs (v0.85.0, from its Go module:
 `bash e2e/build-binaries.sh prometheus_crds`), installed in the test cluster: the API
 server accepts them on a server-side dry run, and refuses a broken one (so the schema
-is really checked)."""
+is really checked).
+
+Then the rules at work: a real Prometheus (Debian's 2.42 package, e2e/prometheus.py)
+scrapes the session's operator every second and evaluates the PrometheusRule's groups
+as they are; a job that never steps fires RFTJobProgressDeadlineExceeded for that job."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from e2e.cluster import REPO_ROOT, cache_dir, read_versions
+from e2e.prometheus import SCRAPE_JOB, PrometheusProcess
+from rft_contract import names
+from tests.conftest import wait_for
+
+from .operator_fixtures import create_job, job_manifest, wait_phase, wait_status
 
 pytestmark = pytest.mark.integration
 MONITORING = REPO_ROOT / "manifests" / "monitoring"
@@ -76,3 +87,69 @@ def test_the_charts_monitoring_objects_are_accepted(prometheus_crds, installed, 
     assert len(objects) == 3, sorted(rendered)
     proc = dry_run(kubectl, objects)
     assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 3, proc.stderr
+
+
+# --------------------------------------------------------------------------- a real Prometheus
+
+UP = f'up{{job="{SCRAPE_JOB}"}}'
+
+
+def operator_metrics_port(operator) -> int:
+    """The port the session operator serves /metrics on (its --metrics-port, else the
+    default), checked against its log: the last start's metrics line must say it listens
+    (another operator on this host may hold the default port: the line says so)."""
+    from rft_operator.__main__ import DEFAULT_METRICS_PORT
+
+    args = " ".join(operator.args)
+    given = re.search(r"--metrics-port[= ](\d+)", args)
+    port = int(given.group(1)) if given else DEFAULT_METRICS_PORT
+    lines = re.findall(r"(serving metrics on|metrics disabled: cannot listen on) \S+:(\d+)",
+                       operator.log_path.read_text(errors="replace"))
+    if not lines or lines[-1] != ("serving metrics on", str(port)):
+        pytest.fail(f"the session operator does not serve metrics on port {port} (last metrics line: "
+                    f"{lines[-1] if lines else None}); give it a free one: --metrics-port in the "
+                    f"`operator` fixture's args (tests/integration/conftest.py)")
+    return port
+
+
+@pytest.fixture(scope="module")
+def prometheus(operator, tmp_path_factory) -> PrometheusProcess:
+    version = read_versions()["PROMETHEUS_DEB_VERSION"]
+    if not os.access(cache_dir() / "bin" / f"prometheus-{version}" / "prometheus", os.X_OK):
+        subprocess.run(["bash", str(REPO_ROOT / "e2e" / "build-binaries.sh"), "promtool"], check=True, timeout=300)
+    port = operator_metrics_port(operator)
+    with PrometheusProcess(tmp_path_factory.mktemp("prometheus"), target=f"127.0.0.1:{port}") as prom:
+        yield prom
+
+
+def test_a_stalled_job_fires_its_alert_in_a_real_prometheus(prometheus, operator, api, namespace):
+    """A job whose trainer never steps (KWOK's pods report nothing) passes its 5 s progress
+    deadline; the operator restarts it with Progressing=False/ProgressDeadlineExceeded,
+    Prometheus scrapes that as the job's condition series under the job's own `namespace`
+    and `job` labels (honor_labels) and the unchanged rule fires for that job. The operator
+    is up (no RFTJobOperatorDown, not even pending), and one restart of a budget of one
+    makes RFTJobRestartBudgetNearlySpent's expression true (pending: its `for` is a minute,
+    which promtool's tests cover)."""
+    wait_for(lambda: prometheus.query(f"{UP} == 1"), 30, f"Prometheus to scrape the operator ({UP} == 1)")
+    wait_for(lambda: not [a for a in prometheus.alerts() if a["labels"]["alertname"].startswith("RFTJobOperator")],
+             10, "no RFTJobOperatorDown/NoLeader alert once the operator is scraped")
+
+    # backoffSeconds: the gang stays Restarting, the budget's last restart unspent, for the test.
+    create_job(api, namespace, job_manifest("stall", trainer={"nodes": 1, "gpusPerNode": 1}, failurePolicy={
+        "progressDeadlineSeconds": 5, "maxRestarts": 1, "backoffSeconds": 120}))
+    wait_phase(api, namespace, "stall", names.RUNNING, 60)
+    running = time.monotonic()
+    labels = {"namespace": namespace, "job": "stall"}
+    alert = prometheus.wait_alert("RFTJobProgressDeadlineExceeded", labels, 45)
+    fired = time.monotonic() - running
+    status = wait_status(api, namespace, "stall", lambda s: s.get("restarts") == 1, 5, "the deadline's restart")
+    assert status["lastFailure"]["reason"] == names.REASON_PROGRESS_DEADLINE
+    assert alert["labels"]["severity"] == "warning"
+    assert alert["annotations"]["summary"] == (
+        f"RFTJob {namespace}/stall missed its progress deadline (Progressing=False).")
+    print(f"RFTJobProgressDeadlineExceeded firing {fired:.1f}s after the job ran (deadline 5s)")
+
+    budget = prometheus.wait_alert("RFTJobRestartBudgetNearlySpent", labels, 15, state="pending")
+    assert budget["value"] == "1e+00", budget  # rftjob_job_restarts
+    assert [s["value"][1] for s in prometheus.query(UP)] == ["1"]
+    assert not [a for a in prometheus.alerts() if a["labels"]["alertname"] == "RFTJobOperatorDown"]

@@ -1,0 +1,223 @@
+"""A real Prometheus as a host process that scrapes the operator and evaluates its alert
+rules, for the integration test of the alerts (tests/integration/test_prometheus.py).
+
+The server from Debian's `prometheus` package at the pinned version (`bash
+e2e/build-binaries.sh promtool` keeps it beside promtool; PROMETHEUS_DEB_VERSION in
+versions.env), and nothing of a cluster install:
+
+* One static scrape job named `rftjob-operator-metrics`, the name the rules' `up{job=...}`
+  use (the ServiceMonitor's in a cluster), with `honor_labels: true` as the ServiceMonitor
+  has it: the per-job series carry the RFTJob's namespace and name as `namespace` and
+  `job`, which a scrape would otherwise rename to `exported_*`.
+* The rule groups of manifests/monitoring/prometheusrule.yaml unchanged: the
+  PrometheusRule's `spec` is a plain rules file (`groups:`).
+* Scrape and rule evaluation every second, storage in the state dir, the web API on a free
+  loopback port.
+
+    prom = PrometheusProcess(state_dir, target="127.0.0.1:9090")
+    prom.start()             # returns once /-/ready answers
+    prom.query('up{job="rftjob-operator-metrics"}')   # the instant vector's samples
+    prom.alerts()            # pending and firing alerts
+    prom.wait_alert("RFTJobStalled", {"namespace": "ns", "job": "j"}, timeout=60)
+    prom.log_path; prom.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .host import REPO_ROOT, cache_dir, free_port, log_tail, read_versions
+
+SCRAPE_JOB = "rftjob-operator-metrics"  # the rules' up{job=...} and the ServiceMonitor's job
+RULES = REPO_ROOT / "manifests" / "monitoring" / "prometheusrule.yaml"
+INTERVAL = "1s"  # scrape and evaluation: an alert's expression is seen within seconds
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not be found or started, or did not answer as expected."""
+
+
+def locate_binary() -> Path:
+    version = read_versions()["PROMETHEUS_DEB_VERSION"]
+    binary = cache_dir() / "bin" / f"prometheus-{version}" / "prometheus"
+    if not os.access(binary, os.X_OK):
+        raise PrometheusError(f"prometheus {version} missing at {binary}; fetch it with "
+                              f"`bash e2e/build-binaries.sh promtool` (apt-get download, no install)")
+    return binary
+
+
+# --------------------------------------------------------------------------- pure
+
+
+def build_rule_file(prometheus_rule: dict[str, Any]) -> dict[str, Any]:
+    """A PrometheusRule's `spec` is a rules file: `{groups: [...]}`."""
+    spec = prometheus_rule.get("spec") or {}
+    if prometheus_rule.get("kind") != "PrometheusRule" or not spec.get("groups"):
+        raise ValueError("not a PrometheusRule with spec.groups")
+    return {"groups": spec["groups"]}
+
+
+def build_config(target: str, rule_files: list[str]) -> dict[str, Any]:
+    """prometheus.yml: one static job scraping `target` (host:port) with the operator's
+    own `namespace` and `job` labels kept, and the given rule files."""
+    return {
+        "global": {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL},
+        "rule_files": rule_files,
+        "scrape_configs": [{"job_name": SCRAPE_JOB, "honor_labels": True,
+                            "static_configs": [{"targets": [target]}]}],
+    }
+
+
+def matches(alert: dict[str, Any], name: str, labels: dict[str, str], state: str) -> bool:
+    """Whether an alert of /api/v1/alerts is `name` in `state` with (at least) `labels`."""
+    have = alert.get("labels") or {}
+    return (have.get("alertname") == name and alert.get("state") == state
+            and all(have.get(k) == v for k, v in labels.items()))
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str, died: Callable[[], str | None]) -> Any:
+    """Polls `predicate` until it returns something truthy, and returns that; fails at once
+    with `died()`'s message."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        message = died()
+        if message:
+            raise PrometheusError(message)
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - not yet; reported on timeout
+            last = e
+        if time.monotonic() > deadline:
+            raise PrometheusError(f"timed out after {timeout:.0f}s waiting for {what}"
+                                  + (f" (last error: {last})" if last else ""))
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- process
+
+
+class PrometheusProcess:
+    """Prometheus on the host, scraping `target` (host:port of the operator's /metrics)."""
+
+    def __init__(self, state_dir: str | os.PathLike, target: str, rules: Path = RULES):
+        self.state_dir, self.target, self.rules = Path(state_dir), target, rules
+        self.binary = locate_binary()
+        self.log_path = self.state_dir / "prometheus.log"
+        self.config_path = self.state_dir / "prometheus.yml"
+        self.rules_path = self.state_dir / "rules.yml"
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self._http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- lifecycle
+
+    def start(self, timeout: float = 60) -> None:
+        """Writes the rules and the configuration, starts the server, and returns once
+        /-/ready answers (the rules are loaded by then: a bad rule file stops it first)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.rules_path.write_text(yaml.safe_dump(build_rule_file(yaml.safe_load(self.rules.read_text()))))
+        self.config_path.write_text(yaml.safe_dump(build_config(self.target, [str(self.rules_path)])))
+        self.port = free_port()
+        argv = [str(self.binary), f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={self.state_dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=info"]
+        with open(self.log_path, "ab") as log:
+            # Its own session: a Ctrl-C of the tests does not reach it before stop() does.
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.state_dir, start_new_session=True)
+        try:
+            _wait(self._ready, timeout, "Prometheus' /-/ready", self._died)
+        except PrometheusError as e:
+            self.stop()
+            raise PrometheusError(f"{e}\ntail of {self.log_path}:\n{self.tail()}") from None
+
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM, and SIGKILL after `grace` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> "PrometheusProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    def _died(self) -> str | None:
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"prometheus exited with status {self.proc.returncode}"
+        return None
+
+    def _ready(self) -> bool:
+        with self._http.open(f"{self.url}/-/ready", timeout=5) as resp:
+            return resp.status == 200
+
+    # -- the HTTP API
+
+    def api(self, path: str, **params: str) -> Any:
+        """GET /api/v1/<path>: its `data`, or PrometheusError with the server's error."""
+        url = f"{self.url}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            with self._http.open(url, timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as e:
+            body = json.loads(e.read() or b"{}")
+        if body.get("status") != "success":
+            raise PrometheusError(f"GET {url}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's samples: [{"metric": {labels}, "value": [time, "value"]}]."""
+        data = self.api("query", query=expr)
+        if data["resultType"] != "vector":
+            raise PrometheusError(f"{expr!r} is a {data['resultType']}, not an instant vector")
+        return data["result"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The pending and firing alerts: [{"labels", "annotations", "state", "activeAt", "value"}]."""
+        return self.api("alerts")["alerts"]
+
+    def wait_alert(self, name: str, labels: dict[str, str] | None = None, timeout: float = 60,
+                   state: str = "firing") -> dict[str, Any]:
+        """Waits until alert `name` with (at least) `labels` is in `state`, and returns it;
+        on timeout the error lists the alerts there are."""
+        labels = labels or {}
+
+        def found() -> dict[str, Any] | None:
+            return next((a for a in self.alerts() if matches(a, name, labels, state)), None)
+
+        try:
+            return _wait(found, timeout, f"alert {name} {labels} {state}", self._died)
+        except PrometheusError as e:
+            seen = [(a["labels"], a["state"]) for a in self.alerts()] if self.running() else "(not running)"
+            raise PrometheusError(f"{e}; alerts now: {seen}") from None
