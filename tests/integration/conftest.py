@@ -12,6 +12,8 @@ import pytest
 from rft_contract import names
 from tests.conftest import wait_for  # noqa: F401
 
+from e2e.host import free_port
+
 from .operator_fixtures import OperatorProcess
 
 
@@ -35,7 +37,8 @@ def operator(cluster, installed, kueue, tmp_path_factory) -> OperatorProcess:
     # Kueue first: the operator watches Workloads from its start where Kueue's API is served.
     d = tmp_path_factory.mktemp("operator")
     kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
-    op = OperatorProcess(Path(kc), d / "operator.log")
+    # Metrics on a free port: another run on this host may hold the default (test_prometheus.py scrapes it).
+    op = OperatorProcess(Path(kc), d / "operator.log", args=("--metrics-port", str(free_port())))
     op.start()
     yield op
     op.stop()
