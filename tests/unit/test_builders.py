@@ -142,6 +142,34 @@ def test_reader_role_only_reads_this_job():
          "verbs": ["get", "list", "watch"]}]
 
 
+TRACKING = {"mlflow": {"trackingUri": "https://mlflow.example", "experiment": "rft",
+                        "credentialsSecret": "mlflow-creds"},
+            "wandb": {"project": "rft", "apiKeySecret": "wandb-key"}}
+
+
+def test_tracking_secrets_are_referenced_key_by_key():
+    spec = parse_spec({**SPEC, "tracking": TRACKING})
+    env = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]
+    tracking = [e for e in env if e["name"].startswith(("MLFLOW_", "WANDB_"))]
+    ref = lambda secret, key, **kw: {"name": key, "valueFrom": {"secretKeyRef": {  # noqa: E731
+        "name": secret, "key": key, **kw}}}
+    # MLflow takes a username and password or a token: each key is optional.
+    assert tracking == [ref("mlflow-creds", "MLFLOW_TRACKING_USERNAME", optional=True),
+                        ref("mlflow-creds", "MLFLOW_TRACKING_PASSWORD", optional=True),
+                        ref("mlflow-creds", "MLFLOW_TRACKING_TOKEN", optional=True),
+                        ref("wandb-key", "WANDB_API_KEY")]
+    assert all("value" not in e for e in tracking)
+
+
+@pytest.mark.parametrize("tracking", [None, {"tensorboard": {}},
+                                      {"mlflow": {"trackingUri": "https://mlflow.example", "experiment": "rft"},
+                                       "wandb": {"project": "rft", "mode": "offline"}}])
+def test_tracking_without_secrets_adds_no_env(tracking):
+    extra = {"tracking": tracking} if tracking is not None else {}
+    env = builders.build_trainer_pod(REF, parse_spec({**SPEC, **extra}), 1, 0)["spec"]["containers"][0]["env"]
+    assert not [e for e in env if e["name"].startswith(("MLFLOW_", "WANDB_"))]
+
+
 def test_user_env_from_a_secret_is_a_reference():
     env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
            {"name": "NCCL_DEBUG", "value": "INFO"}]
