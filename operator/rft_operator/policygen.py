@@ -160,7 +160,9 @@ def owner_policy() -> dict[str, Any]:
             {"name": "event", "expression": "request.resource.resource == 'events'"},
             # The Secrets this parameter's spec names (what its pods may read, key by key).
             {"name": "secrets", "expression":
-             "[params.spec.?checkpoint.?credentialsSecret.orValue('')] + "
+             "[params.spec.?checkpoint.?credentialsSecret.orValue(''), "
+             "params.spec.?tracking.?mlflow.?credentialsSecret.orValue(''), "
+             "params.spec.?tracking.?wandb.?apiKeySecret.orValue('')] + "
              "params.spec.?trainer.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name) + "
              "params.spec.?inference.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name)"},
             # The uids the object claims for its job.
@@ -176,7 +178,8 @@ def owner_policy() -> dict[str, Any]:
                   "x.?env.orValue([]).all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || "
                   "e.valueFrom.secretKeyRef.name in variables.secrets))",
                   "the rftjob-operator's pods read only the Secrets their RFTJob's spec names "
-                  "(checkpoint.credentialsSecret, trainer.env and inference.env secretKeyRefs)"),
+                  "(checkpoint.credentialsSecret, tracking.mlflow.credentialsSecret, "
+                  "tracking.wandb.apiKeySecret, trainer.env and inference.env secretKeyRefs)"),
             _rule("request.resource.resource != 'pods' || params.metadata.name != variables.job || "
                   f"{obj}.spec.?volumes.orValue([]).all(v, !has(v.persistentVolumeClaim) || "
                   "v.persistentVolumeClaim.claimName == "

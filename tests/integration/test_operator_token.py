@@ -334,3 +334,30 @@ def test_workloads_only_for_the_namespaces_rftjobs(operator_api, api, namespace,
     wait_for(lambda: refusal(create(managed_meta(job, "rftjob-real"))) == (200, ""), 30,
              "the job's own Workload accepted")
     refused(create(managed_meta(forged, "rftjob-real")), "belong to an RFTJob that exists")
+
+
+# ------------------------------------------------------------------ tracking Secrets
+
+
+def test_pods_read_the_tracking_secrets_their_spec_names(operator_api, api, kubectl, namespace):
+    """spec.tracking's Secrets (MLflow credentials, the W&B key) reach the trainer pods as
+    the operator renders them; another Secret under the same variable names does not."""
+    from rft_contract.spec import parse_spec
+    from rft_operator.trainer_pods import build_tracking_env
+
+    tracking = {"mlflow": {"trackingUri": "https://mlflow.example", "experiment": "rft",
+                           "credentialsSecret": "mlflow-creds"},
+                "wandb": {"project": "rft", "apiKeySecret": "wandb-key"}}
+    job = create_job(api, namespace, job_manifest("trk", tracking=tracking))
+    accounts(kubectl, namespace, "trk")
+    core = kubernetes.client.CoreV1Api(operator_api)
+    env = build_tracking_env(parse_spec(job["spec"]))
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"mlflow-creds", "wandb-key"}
+    pod = lambda env: trainer_pod(job, namespace, containers=[{**BOX, "env": env}])  # noqa: E731
+    wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, pod(env), **DRY)) == (200, ""), 30,
+             "a pod reading the spec's tracking Secrets to be admitted")
+    for secret in ("mlflow-creds", "wandb-key"):
+        other = [{**e, "valueFrom": {"secretKeyRef": {**e["valueFrom"]["secretKeyRef"], "name": "app-db"}}}
+                 if e["valueFrom"]["secretKeyRef"]["name"] == secret else e for e in env]
+        refused(lambda: core.create_namespaced_pod(namespace, pod(other), **DRY),
+                "read only the Secrets their RFTJob's spec names")
