@@ -194,6 +194,8 @@ class QueueStatus(Model):
     state: Literal["Queued", "Admitted", "Evicted"]
     workload: str = Field(default="", description="The job's Kueue Workload")
     cluster_queue: str | None = Field(default=None, description="The ClusterQueue that admitted it")
+    suspended: bool | None = Field(default=None, description="The operator deactivated the Workload for "
+                                   "spec.suspend and has not seen it active again")
 
 
 class RFTJobStatus(Model):  # no unknown fields either: see WeightSyncStatus

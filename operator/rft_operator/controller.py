@@ -109,6 +109,9 @@ class Controller:
         self.kube, self.clock = kube, clock
         # Kueue's Workloads by job, where Kueue is installed (None: it is not); `queueing.py`.
         self.get_workloads = get_workloads
+        # Kueue is served but its Workloads may not be listed (RBAC): jobs that name a queue
+        # are left alone, with this said in the log, rather than run or stopped on a guess.
+        self.kueue_blocked = ""
         self._flavors: dict[str, tuple[float, dict[str, Any] | None]] = {}  # name -> (read at, object)
         self.metrics = metrics or OperatorMetrics()
         self.metrics.track_writes(kube)
@@ -187,7 +190,10 @@ class Controller:
         observed, now = self.observe(key, body), self.clock()
         if self._awaiting(key, observed):
             return
-        if observed.kueue and (observed.workload is None or queueing.is_true(observed.workload, queueing.ADMITTED)):
+        if queueing.queue_name(body) and self.kueue_blocked:
+            raise Retry(f"not reconciled: {self.kueue_blocked}", 60.0)  # never act on a guess of Kueue's decision
+        if queueing.queue_name(body) and observed.kueue and (
+                observed.workload is None or queueing.is_true(observed.workload, queueing.ADMITTED)):
             await asyncio.get_running_loop().run_in_executor(self._pool, self.read_kueue, body, observed)
         nodes = rc.nodes_to_read(body, observed, now)
         if nodes:
@@ -226,7 +232,7 @@ class Controller:
                 refusal = None
         observed = rc.Observed.from_views([x for x in self.get_pods(key) if x.owner_uid == uid],
                                           [x for x in self.get_children(key) if x.owner_uid == uid], refusal)
-        if self.get_workloads is not None and queueing.queue_name(body):
+        if self.get_workloads is not None:  # a job's Workload is seen even once its label is gone
             observed.kueue = True
             observed.workload = next((x for x in self.get_workloads(key) if controller_uid(x["metadata"]) == uid), None)
         return observed
@@ -234,7 +240,18 @@ class Controller:
     def read_kueue(self, body: dict[str, Any], observed: rc.Observed) -> None:
         """What a pass needs of Kueue's cluster-scoped objects: the value of the
         WorkloadPriorityClass the job names (before its Workload exists), and the
-        ResourceFlavors its admission assigns (read at most every FLAVOR_TTL_SECONDS)."""
+        ResourceFlavors its admission assigns (read at most every FLAVOR_TTL_SECONDS). What it
+        may not read (403: the namespaced install cannot read cluster-scoped objects) holds
+        the job with that message (`Observed.kueue_error`)."""
+        try:
+            self._read_kueue(body, observed)
+        except ApiException as e:
+            if e.status != 403:
+                raise
+            observed.kueue_error = (f"the operator may not read Kueue's cluster-scoped objects ({describe_error(e)}); "
+                                    "Kueue needs the cluster-wide install's RBAC")
+
+    def _read_kueue(self, body: dict[str, Any], observed: rc.Observed) -> None:
         if observed.workload is None:
             wanted = queueing.priority_class(body)
             if wanted:

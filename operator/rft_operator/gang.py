@@ -83,8 +83,10 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
         return _set_phase(g, names.SUSPENDED, "suspended: pods removed, checkpoints kept", names.REASON_SUSPENDED)
     if g.phase == names.SUSPENDED:
         g = _next_attempt(g, "resumed", names.REASON_RESUMED)
-    if queue is not None and not queue.admitted:
-        return _hold(g, pods, queue)
+    if queue is not None and queue.conflict:
+        return _fail(g, pods, now, names.REASON_INVALID_SPEC, queue.conflict)
+    if queue is not None and not queue.admitted and not _succeeded(g, spec, pods):
+        return _hold(g, ref, pods, queue, now, nodes or {})
     if g.attempt == 0:
         g = _set_phase(replace(g, status={**g.status, "attempt": 1}), names.PENDING, "starting attempt 1",
                        names.REASON_CREATED)
@@ -95,12 +97,19 @@ def compute_gang(ref: JobRef, spec: RFTJobSpec | None, spec_error: str, old: Obj
     return _run(g, ref, spec, old, pods, now, progress, nodes or {})
 
 
-def _hold(g: Gang, pods: list[PodView], queue: Queue) -> Gang:
+def _succeeded(g: Gang, spec: RFTJobSpec, pods: list[PodView]) -> bool:
+    """Every rank of the current attempt exited 0: the job is done, whatever Kueue says now."""
+    gang = [x for x in pods if x.attempt == g.attempt]
+    return len(gang) == spec.trainer.nodes and all(x.phase == "Succeeded" for x in gang)
+
+
+def _hold(g: Gang, ref: JobRef, pods: list[PodView], queue: Queue, now: datetime, nodes: dict[str, str]) -> Gang:
     """Not admitted by Kueue (queued, or evicted: preempted, deactivated): no pods, Pending
     with Kueue's reason. A gang of this attempt that had pods ends here (SIGTERM: the
     trainer saves a final checkpoint) and the next admission starts the next attempt,
     which resumes from that checkpoint; an eviction of a gang that was not already
-    restarting is a disruption (it does not use spec.failurePolicy.maxRestarts)."""
+    restarting is a disruption (it does not use spec.failurePolicy.maxRestarts). Pods that
+    will not go are handled as when a gang restarts (`terminating`)."""
     current = [x for x in pods if x.attempt == g.attempt]
     if current:
         if g.phase != names.RESTARTING and any(x.active for x in current):
@@ -110,7 +119,8 @@ def _hold(g: Gang, pods: list[PodView], queue: Queue) -> Gang:
                                                  f"attempt {g.attempt} stopped: {queue.message}; "
                                                  f"disruption {disruptions}"),))
         g = replace(g, status={**g.status, "attempt": g.attempt + 1})
-    g = _delete(g, [x for x in pods if x.active])
+    going = [x for x in pods if x.active or x.deleting]
+    g = _force_stuck(_delete(g, [x for x in pods if x.active]), going, now, nodes, ref.namespace)
     return _set_phase(g, names.PENDING, queue.message, names.REASON_QUEUED)
 
 

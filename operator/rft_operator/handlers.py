@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kubernetes.client.rest import ApiException
 
 from rft_contract import names
 from .controller import Controller, Key, write_threads
@@ -96,6 +97,22 @@ def kueue_installed(kube: Kube) -> bool:
     return any(x.get("name") == "workloads" for x in (found or {}).get("resources") or [])
 
 
+def workloads_forbidden(kube: Kube, namespaces: list[str]) -> str:
+    """Why the operator may not list Workloads where it serves jobs ("" when it may): an
+    informer that cannot list would hold up the start of every job's reconciling."""
+    for ns in namespaces or [None]:
+        path = f"/apis/{queueing.API_VERSION}" + (f"/namespaces/{ns}" if ns else "") + "/workloads"
+        try:
+            kube.request("GET", path, query={"limit": 1})
+        except ApiException as e:
+            if e.status == 403:
+                return (f"Kueue is installed but the operator may not list its Workloads"
+                        f"{' in ' + ns if ns else ''} (HTTP 403): grant it workloads get/list/watch/create/patch "
+                        "and workloads/status patch (manifests/base/rbac.yaml)")
+            raise
+    return ""
+
+
 def build_workload_informers(kube: Kube, ctl: Controller, namespaces: list[str],
                              stores: dict[str, Store]) -> list[Informer]:
     """Kueue's Workloads of our jobs (label-filtered like the children), into stores["Workload"]."""
@@ -118,9 +135,14 @@ async def _discover_kueue(kube: Kube, ctl: Controller, memo: Memo, jobs: kopf.In
         try:
             if not await asyncio.to_thread(kueue_installed, kube):
                 continue
+            blocked = await asyncio.to_thread(workloads_forbidden, kube, memo.namespaces)
         except Exception as e:  # the API server restarting, say: try again next time
             log.warning("looking for Kueue's API: %s", e)
             continue
+        if blocked:
+            ctl.kueue_blocked = blocked
+            log.error("%s; jobs that name a queue are not reconciled until then (restart the operator)", blocked)
+            return
         informers = build_workload_informers(kube, ctl, memo.namespaces, memo.stores)
         for informer in informers:
             informer.start()
@@ -193,10 +215,16 @@ async def startup(settings: kopf.OperatorSettings, memo: Memo, rftjobs_by_key: k
     kueue = await asyncio.to_thread(kueue_installed, kube)
     ctl = memo.controller = Controller(kube, get_job, lambda key: stores["Pod"].get(key), get_children,
                                        workers=workers)
+    if kueue:
+        ctl.kueue_blocked = await asyncio.to_thread(workloads_forbidden, kube, memo.namespaces)
+        if ctl.kueue_blocked:
+            log.error("%s; jobs that name a queue are not reconciled until then (restart the operator)",
+                      ctl.kueue_blocked)
+            kueue = False
     informers = memo.informers = build_informers(kube, ctl, memo.namespaces, stores, kueue)
     if kueue:
         use_workloads(ctl, stores)
-    else:
+    elif not ctl.kueue_blocked:
         log.info("Kueue %s: not installed (looked for again every %.0fs); a job that names a queue waits "
                  "in Pending and says so", queueing.API_VERSION, RESYNC_SECONDS)
         memo.kueue_discovery = asyncio.create_task(_discover_kueue(kube, ctl, memo, rftjobs_by_key))

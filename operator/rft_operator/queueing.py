@@ -16,7 +16,9 @@ operator:
   final checkpoint), then itself clears the admission (`compute_workload_status`): Kueue
   does not, and the preemptor would wait forever;
 - reports `PodsReady` when the gang runs and `Finished` when the job ends (quota freed);
-- maps the user's `spec.suspend` to the Workload's `spec.active` (`compute_workload_patch`).
+- maps the user's `spec.suspend` to the Workload's `spec.active` (`compute_workload_patch`),
+  without undoing a deactivation that is Kueue's own; keeps `queueName` on the job's label
+  and makes the Workload again when the job's pods changed while it holds no quota.
   The operator never writes the job's spec: GitOps sees no drift.
 
 A job without the label is untouched by all of this (no Kueue needed). The state lives in
@@ -27,16 +29,17 @@ picks up where it was.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 from rft_contract.times import format_time
 
 from .conditions import Cond
-from .model import Obj
+from .model import Obj, PodView
 from .objects import JobRef, build_meta, labels, spec_hash
 from .rollout_pods import build_rollout_pods
+from .terminating import FORCE_DELETE_MARGIN_SECONDS
 from .trainer_pods import build_trainer_pod
 
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
@@ -90,6 +93,9 @@ class Queue:
     message: str = ""
     cluster_queue: str = ""
     placement: dict[str, Placement] = field(default_factory=dict)
+    # Admitted, but the admission's node labels contradict the job's own nodeSelector: the
+    # job fails (Kueue's own integrations fail such a job too, FailedToStart).
+    conflict: str = ""
 
     @property
     def state(self) -> str:
@@ -132,8 +138,19 @@ def read_queue(local_queue: str, workload: Obj | None, flavors: dict[str, Obj]) 
         return Queue(local_queue, workload, admitted=False, evicted=True, reason=ev.get("reason") or EVICTED,
                      message=f"evicted by Kueue: {ev.get('message') or ev.get('reason')}", cluster_queue=cq)
     if is_true(workload, ADMITTED) and admission:
+        missing = sorted({f for x in admission.get("podSetAssignments") or [] for f in (x.get("flavors") or {}).values()}
+                         - set(flavors))
+        if missing:
+            return Queue(local_queue, workload, reason="FlavorNotFound", cluster_queue=cq,
+                         message=f"admitted to ClusterQueue {cq}, waiting to read ResourceFlavor {', '.join(missing)}")
+        placement = compute_placement(admission, status.get("admissionChecks") or [], flavors)
         return Queue(local_queue, workload, admitted=True, reason=STATE_ADMITTED, cluster_queue=cq,
-                     placement=compute_placement(admission, status.get("admissionChecks") or [], flavors))
+                     placement=placement, conflict=find_conflict(workload, placement))
+    if not (workload.get("spec") or {}).get("active", True):
+        ev = find_condition(workload, EVICTED) or {}
+        return Queue(local_queue, workload, reason="Deactivated",
+                     message=f"Workload {workload['metadata']['name']} is deactivated (spec.active: false)"
+                             + (f": {ev['message']}" if ev.get("message") else ""))
     why = find_condition(workload, QUOTA_RESERVED) or find_condition(workload, ADMITTED) or {}
     if is_true(workload, QUOTA_RESERVED):  # quota held, admission checks pending
         why = find_condition(workload, ADMITTED) or why
@@ -165,6 +182,19 @@ def compute_placement(admission: Obj, checks: list[Obj], flavors: dict[str, Obj]
                 annotations.update(update.get("annotations") or {})
         out[ps] = Placement(selector, tuple(tolerations), lbls, annotations)
     return out
+
+
+def find_conflict(workload: Obj, placement: dict[str, Placement]) -> str:
+    """A node label the admission sets to another value than the pod set's own nodeSelector
+    (the job's spec), in words; "" when there is none. Kueue's `podset.Merge` refuses the same."""
+    for ps in (workload.get("spec") or {}).get("podSets") or []:
+        own = ((ps.get("template") or {}).get("spec") or {}).get("nodeSelector") or {}
+        wanted = placement.get(ps.get("name") or "")
+        for key, value in sorted((wanted.node_selector if wanted else {}).items()):
+            if key in own and own[key] != value:
+                return (f"Kueue admitted pod set {ps['name']} where node label {key}={value}, but the job's pods "
+                        f"select {key}={own[key]}: change the job's nodeSelector or the queue's ResourceFlavor")
+    return ""
 
 
 def place(pod: Obj, placement: Placement | None) -> Obj:
@@ -212,16 +242,62 @@ def build_workload(ref: JobRef, spec: RFTJobSpec, local_queue: str, priority: tu
             "spec": body}
 
 
-def compute_workload_patch(workload: Obj, spec: RFTJobSpec) -> Obj | None:
-    """A merge patch of the Workload's spec when the user's suspend changed: `active`
-    follows `not spec.suspend` (a deactivated Workload is evicted by Kueue and gives its
-    quota back)."""
-    if (workload.get("spec") or {}).get("active", True) == (not spec.suspend):
-        return None
+def compute_workload_patch(workload: Obj, spec: RFTJobSpec, local_queue: str, suspended: bool
+                           ) -> tuple[Obj | None, bool]:
+    """A merge patch of the Workload's spec, or None, and whether the operator holds the
+    Workload deactivated for the user's suspend (`Queue.suspended`, kept in status.queue):
+
+    - `spec.suspend: true` deactivates it (Kueue evicts it and gives the quota back);
+    - after a suspend, `false` activates it again, once. A Workload Kueue deactivated by
+      itself (an admission check rejected it, its requeue limit or maximum execution time
+      was reached) stays inactive: the operator does not fight Kueue over it;
+    - while it holds no quota, `queueName` follows the job's label."""
+    body = workload.get("spec") or {}
+    active = body.get("active", True)
+    change: Obj = {}
+    if spec.suspend:
+        if active:
+            change["active"] = False
+        suspended = True
+    elif suspended:
+        if active:
+            suspended = False  # seen active again: done
+        else:
+            change["active"] = True
+    if not (workload.get("status") or {}).get("admission") and body.get("queueName") != local_queue:
+        change["queueName"] = local_queue
+    if not change:
+        return None, suspended
     meta = workload["metadata"]
     return {"apiVersion": API_VERSION, "kind": "Workload",
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-            "spec": {"active": not spec.suspend}}
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "spec": change}, suspended
+
+
+def workload_outdated(workload: Obj, ref: JobRef, spec: RFTJobSpec) -> bool:
+    """Whether the Workload's pod sets are not the job's any more (the spec changed its pods)
+    while it holds no quota: it is made again (its pod sets cannot change in place once
+    Kueue has looked at them)."""
+    if (workload.get("status") or {}).get("admission"):
+        return False
+    have = ((workload.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_SPEC_HASH)
+    return have != spec_hash(build_pod_sets(ref, spec))
+
+
+def workload_priority(workload: Obj) -> tuple[str, int] | None:
+    """The (WorkloadPriorityClass, value) a Workload was made with, for making it again."""
+    body = workload.get("spec") or {}
+    name = (body.get("priorityClassRef") or {}).get("name")
+    return (name, int(body.get("priority") or 0)) if name else None
+
+
+def holds_quota(pods: list[PodView], now: datetime) -> bool:
+    """Whether any of the job's pods may still run: Pending or Running, counting one being
+    deleted (its SIGTERM is the trainer's final checkpoint) until it is
+    FORCE_DELETE_MARGIN_SECONDS past its grace period: a pod on a node that no longer
+    answers is not waited for (Kueue's own Job integration does not count terminating pods)."""
+    margin = timedelta(seconds=FORCE_DELETE_MARGIN_SECONDS)
+    return any(x.phase in ("Pending", "Running")
+               and not (x.deletion_deadline is not None and now > x.deletion_deadline + margin) for x in pods)
 
 
 def compute_workload_status(workload: Obj, phase: str | None, pods_active: bool, now: datetime) -> Obj | None:
@@ -251,7 +327,9 @@ def compute_workload_status(workload: Obj, phase: str | None, pods_active: bool,
         out["conditions"] = True
 
     if phase in names.TERMINAL_PHASES:
-        if not is_true(workload, FINISHED):
+        # Only once its pods are gone: a succeeded job's inference pods serve the final
+        # weights for a while, and they hold what Kueue counted.
+        if not is_true(workload, FINISHED) and not pods_active:
             put(FINISHED, True, phase, f"the RFTJob {phase.lower()}")
     elif is_true(workload, EVICTED) and status.get("admission") and not pods_active:
         ev = conds[EVICTED]
@@ -264,6 +342,8 @@ def compute_workload_status(workload: Obj, phase: str | None, pods_active: bool,
         out["admission"] = None
     elif phase == names.RUNNING and is_true(workload, ADMITTED) and not is_true(workload, PODS_READY):
         put(PODS_READY, True, "PodsReady", "all trainer pods are running")
+    elif phase == names.RESTARTING and is_true(workload, PODS_READY):
+        put(PODS_READY, False, "WaitForRecovery", "the trainer gang is restarting")
     if not out:
         return None
     patch: Obj = {"conditions": sorted(conds.values(), key=lambda x: x["type"])}

@@ -73,6 +73,7 @@ class Observed:
     workload: Obj | None = None
     flavors: dict[str, Obj] = field(default_factory=dict)
     priority: tuple[str, int] | None = None
+    kueue_error: str = ""  # what the operator may not read of Kueue's (a 403), in words
 
     @classmethod
     def from_views(cls, pods: list[PodView], children: list[ChildView], refusal: Refusal | None = None
@@ -125,7 +126,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     static = compute_static_children(ref, spec, g.phase, observed.children, observed.live, rendered.static)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now,
                                   hold=queue is not None and not queue.admitted)
-    kueue = compute_kueue(ref, spec, g.phase, queue, observed, now)
+    kueue = compute_kueue(ref, spec, g.phase, queue, observed, now, bool((old["queue"] or {}).get("suspended")))
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
                                               ws.condition, generation, now, deadline,
@@ -133,7 +134,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     history = attempts.compute_attempts(old["attempts"], g.status, trainer, now, g.failed_reason)
 
     status = old | g.status | {"observedGeneration": generation, "conditions": conds,
-                               "queue": queue.status() if queue is not None else None}
+                               "queue": queue_status(queue, kueue.suspended)}
     if spec is not None and not trainer.get("progress"):
         # Seeded once for kubectl; the trainer's rank 0 owns the subtree from then on.
         status["trainer"] = {"totalSteps": spec.trainer.total_steps, "progress": f"0/{spec.trainer.total_steps}"}
@@ -149,7 +150,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
         patch=[*static.patch, *kueue.patch],
         workload_status=kueue.status,
         recreate=static.recreate,
-        delete=static.delete,
+        delete=[*static.delete, *kueue.delete],
         delete_pods=[*g.delete, *(n for n in ro.delete if n not in g.delete)],
         force_delete_pods=list(g.force_delete),
         events=[*g.events, *ws.events, *history.events],
@@ -168,6 +169,8 @@ def compute_queue(body: Obj, spec: RFTJobSpec | None, observed: Observed) -> que
         return queueing.Queue(local_queue, None, reason="KueueNotInstalled",
                               message=f"the job names LocalQueue {local_queue} ({queueing.LABEL_QUEUE_NAME}) but "
                                       f"Kueue's API ({queueing.API_VERSION} workloads) is not installed")
+    if observed.kueue_error:
+        return queueing.Queue(local_queue, observed.workload, reason="KueueForbidden", message=observed.kueue_error)
     wanted = queueing.priority_class(body)
     if observed.workload is None and wanted and observed.priority is None:
         return queueing.Queue(local_queue, None, reason="PriorityClassNotFound",
@@ -178,23 +181,43 @@ def compute_queue(body: Obj, spec: RFTJobSpec | None, observed: Observed) -> que
 class KueueWrites(NamedTuple):
     create: list[Obj]
     patch: list[Obj]
+    delete: list[Obj]
     status: Obj | None
+    suspended: bool  # status.queue.suspended (`queueing.compute_workload_patch`)
 
 
 def compute_kueue(ref: JobRef, spec: RFTJobSpec | None, phase: str | None, queue: queueing.Queue | None,
-                  observed: Observed, now: datetime) -> KueueWrites:
-    """The Workload to create, its spec patch (suspend) and its status patch."""
-    if queue is None or spec is None or not observed.kueue:
-        return KueueWrites([], [], None)
+                  observed: Observed, now: datetime, suspended: bool) -> KueueWrites:
+    """The Workload to create (or delete, to make again), its spec patch (suspend, queue)
+    and its status patch. Kueue is owed the status of a Workload the job owns whatever the
+    job's spec or labels say now (an invalid spec, a removed label): Finished, or the
+    admission cleared after an eviction, frees the quota."""
     workload = observed.workload
+    status = (queueing.compute_workload_status(workload, phase, queueing.holds_quota(observed.pods, now), now)
+              if workload is not None else None)
+    if queue is None or spec is None or not observed.kueue or observed.kueue_error:
+        return KueueWrites([], [], [], status, suspended)
+    terminal = phase in names.TERMINAL_PHASES
     if workload is None:
-        if phase in names.TERMINAL_PHASES or queue.reason == "PriorityClassNotFound":
-            return KueueWrites([], [], None)
-        return KueueWrites([queueing.build_workload(ref, spec, queue.local_queue, observed.priority)], [], None)
-    patch = queueing.compute_workload_patch(workload, spec) if phase not in names.TERMINAL_PHASES else None
-    running = any(x.phase in ("Pending", "Running") for x in observed.pods)
-    status = queueing.compute_workload_status(workload, phase, running, now)
-    return KueueWrites([], [patch] if patch else [], status)
+        if terminal or queue.reason == "PriorityClassNotFound":
+            return KueueWrites([], [], [], None, suspended)
+        return KueueWrites([queueing.build_workload(ref, spec, queue.local_queue, observed.priority)], [], [], None,
+                           spec.suspend)
+    if terminal:
+        return KueueWrites([], [], [], status, suspended)
+    if queueing.workload_outdated(workload, ref, spec):
+        meta = workload["metadata"]
+        return KueueWrites([], [], [{"kind": "Workload", "metadata": {"name": meta["name"],
+                                                                      "namespace": meta["namespace"]}}],
+                           status, suspended)
+    patch, suspended = queueing.compute_workload_patch(workload, spec, queue.local_queue, suspended)
+    return KueueWrites([], [patch] if patch else [], [], status, suspended)
+
+
+def queue_status(queue: queueing.Queue | None, suspended: bool) -> Obj | None:
+    if queue is None:
+        return None
+    return queue.status() | ({"suspended": True} if suspended else {})
 
 
 def place(queue: queueing.Queue | None, pods: list[Obj]) -> list[Obj]:

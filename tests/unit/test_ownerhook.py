@@ -89,7 +89,7 @@ def test_the_configuration_fails_closed_for_the_operators_labelled_objects_only(
     assert hook["failurePolicy"] == "Fail" and hook["clientConfig"]["url"] == "https://127.0.0.1:1/validate-owner"
     assert hook["objectSelector"] == {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}
     assert [m["name"] for m in hook["matchConditions"]] == ["operator-identity"]
-    assert {p for r in hook["rules"] for p in r["resources"]} == set(ownerhook.RESOURCES)
+    assert {p for r in hook["rules"] for p in r["resources"]} == {*ownerhook.RESOURCES, "workloads"}  # + Kueue's
     assert all(r["operations"] == ["CREATE"] for r in hook["rules"])
 
 

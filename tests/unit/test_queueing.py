@@ -5,6 +5,7 @@ status the job's controller owes Kueue. Kueue itself runs in tests/integration/t
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 from rft_contract import names
 from rft_contract.spec import parse_spec
@@ -180,7 +181,8 @@ def test_inference_and_explorers_wait_for_admission_too():
 
 def test_the_gang_runs_then_reports_pods_ready():
     wl = workload(*ADMITTED, admission=ADMISSION)
-    plan = reconcile(queued_job(job_status=status(names.PENDING)), observe([pod(1, 0), pod(1, 1)], wl=wl), NOW)
+    plan = reconcile(queued_job(job_status=status(names.PENDING)), observe([pod(1, 0), pod(1, 1)], wl=wl,
+                                                                            flavors={"h100": FLAVOR}), NOW)
     assert plan.status["phase"] == names.RUNNING
     ready = {x["type"]: x for x in plan.workload_status["status"]["conditions"]}[queueing.PODS_READY]
     assert ready["status"] == "True"
@@ -260,11 +262,30 @@ def test_suspend_deactivates_the_workload_and_resume_activates_it():
     assert patch["spec"] == {"active": False}
     assert plan.status["phase"] == names.SUSPENDED
     assert len(plan.delete_pods) == 2
-    resumed = reconcile(queued_job(SPEC, status(names.SUSPENDED)),
-                        observe(wl=workload(("Evicted", "True", "Deactivated", "deactivated"), active=False)), NOW)
+    assert plan.status["queue"]["suspended"] is True  # the operator holds it inactive
+    deactivated = workload(("Evicted", "True", "Deactivated", "deactivated"), active=False)
+    resumed = reconcile(queued_job(SPEC, status(names.SUSPENDED, queue=plan.status["queue"])),
+                        observe(wl=deactivated), NOW)
     (patch,) = [x for x in resumed.patch if x["kind"] == "Workload"]
     assert patch["spec"] == {"active": True}
     assert resumed.status["phase"] == names.PENDING and not created_pods(resumed)
+    assert resumed.status["queue"]["suspended"] is True  # until it is seen active
+    active = copy.deepcopy(deactivated)
+    active["spec"]["active"] = True
+    later = reconcile(queued_job(SPEC, status(names.PENDING, attempt=2, queue=resumed.status["queue"])),
+                      observe(wl=active), NOW)
+    assert not [x for x in later.patch if x["kind"] == "Workload"]
+    assert "suspended" not in later.status["queue"]
+
+
+def test_a_workload_kueue_deactivated_itself_stays_inactive():
+    """An admission check rejected it, or its requeue limit was reached: Kueue's decision."""
+    wl = workload(("Evicted", "True", "Deactivated", "The workload is deactivated due to exceeding the maximum "
+                   "number of re-queuing retries"), active=False)
+    plan = reconcile(queued_job(job_status=status(names.PENDING)), observe(wl=wl), NOW)
+    assert not [x for x in plan.patch if x["kind"] == "Workload"]
+    assert not created_pods(plan)
+    assert "re-queuing retries" in plan.status["message"]
 
 
 def test_a_finished_job_finishes_its_workload_once():
@@ -300,3 +321,102 @@ def test_once_its_admission_is_cleared_an_evicted_job_is_queued_again_with_kueue
     q = queueing.read_queue("team-a-queue", wl, {})
     assert (q.state, q.admitted) == ("Queued", False)
     assert "Preempted to accommodate" in q.message
+
+
+# ------------------------------------------------------------------ what the review found
+
+
+def test_a_gang_that_succeeded_is_done_even_if_evicted_after():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.RUNNING))
+    plan = reconcile(job, observe([pod(1, 0, "Succeeded", 0), pod(1, 1, "Succeeded", 0)], wl=wl), NOW)
+    assert plan.status["phase"] == names.SUCCEEDED and plan.status["attempt"] == 1
+
+
+def test_an_invalid_spec_still_finishes_the_workload_once_the_pods_are_gone():
+    job = queued_job({**SPEC, "trainer": {**SPEC["trainer"], "nodes": 0}}, status(names.RUNNING))
+    wl = workload(*ADMITTED, admission=ADMISSION)
+    plan = reconcile(job, observe([pod(1, 0), pod(1, 1)], wl=wl), NOW)
+    assert plan.status["phase"] == names.FAILED and len(plan.delete_pods) == 2
+    assert plan.workload_status is None  # its pods still hold what Kueue counted
+    gone = reconcile(queued_job(job["spec"], plan.status), observe(wl=wl), NOW)
+    finished = {x["type"]: x for x in gone.workload_status["status"]["conditions"]}[queueing.FINISHED]
+    assert (finished["status"], finished["reason"]) == ("True", "Failed")
+
+
+def test_a_succeeded_job_finishes_its_workload_after_its_inference_pods():
+    job = queued_job(LOOP, status(names.SUCCEEDED, completionTime=at(-5)))
+    wl = workload(*ADMITTED, admission=ADMISSION)
+    done = [pod(1, 0, "Succeeded", 0), pod(1, 1, "Succeeded", 0)]
+    serving = rollout_pods(LOOP)
+    assert reconcile(job, observe([*done, *serving], wl=wl), NOW).workload_status is None
+    assert reconcile(job, observe(done, wl=wl), NOW).workload_status is not None
+
+
+def test_with_its_label_removed_an_evicted_job_still_gives_the_quota_back():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    plan = reconcile(make_job(SPEC, status(names.PENDING, attempt=2)), observe(wl=wl), NOW)
+    assert plan.workload_status["status"]["admission"] is None
+
+
+def test_the_queue_name_follows_the_label_while_no_quota_is_held():
+    wl = workload(PENDING)
+    job = queued_job()
+    job["metadata"]["labels"][queueing.LABEL_QUEUE_NAME] = "other-queue"
+    (patch,) = [x for x in reconcile(job, observe(wl=wl), NOW).patch if x["kind"] == "Workload"]
+    assert patch["spec"] == {"queueName": "other-queue"}
+    admitted = workload(*ADMITTED, admission=ADMISSION)
+    assert not [x for x in reconcile(job, observe(wl=admitted, flavors={"h100": FLAVOR}), NOW).patch
+                if x["kind"] == "Workload"]
+
+
+def test_a_queued_job_whose_pods_changed_gets_its_workload_made_again():
+    wl = workload(PENDING)
+    plan = reconcile(queued_job({**SPEC, "trainer": {**SPEC["trainer"], "nodes": 4, "batchSize": 64}}),
+                     observe(wl=wl), NOW)
+    assert [(x["kind"], x["metadata"]["name"]) for x in plan.delete] == [("Workload", "rftjob-demo")]
+    assert not reconcile(queued_job(), observe(wl=wl), NOW).delete  # unchanged: kept
+
+
+def test_an_admission_that_contradicts_the_jobs_node_selector_fails_the_job():
+    spec = {**SPEC, "trainer": {**SPEC["trainer"], "nodeSelector": {"gpu.example.com/type": "a100"}}}
+    w = queueing.build_workload(REF, parse_spec(spec), "team-a-queue", None)
+    w["metadata"].update(resourceVersion="7", generation=1)
+    w["status"] = workload(*ADMITTED, admission=ADMISSION)["status"]
+    plan = reconcile(queued_job(spec, status(names.PENDING)), observe(wl=w, flavors={"h100": FLAVOR}), NOW)
+    assert plan.status["phase"] == names.FAILED and not created_pods(plan)
+    assert "gpu.example.com/type=h100" in plan.status["message"] and "a100" in plan.status["message"]
+
+
+def test_a_flavor_not_read_yet_holds_the_pods():
+    plan = reconcile(queued_job(job_status=status(names.PENDING)), observe(wl=workload(*ADMITTED, admission=ADMISSION)),
+                     NOW)
+    assert not created_pods(plan)
+    assert "ResourceFlavor h100" in plan.status["message"]
+
+
+def test_what_the_operator_may_not_read_holds_the_job_and_says_why():
+    o = observe(wl=workload(PENDING))
+    o.kueue_error = "the operator may not read Kueue's cluster-scoped objects (HTTP 403 Forbidden)"
+    plan = reconcile(queued_job(), o, NOW)
+    assert not created_pods(plan) and "HTTP 403" in plan.status["message"]
+    assert cond(plan, names.COND_ADMITTED)["reason"] == "KueueForbidden"
+
+
+def test_a_pod_that_outlives_its_grace_period_no_longer_holds_the_admission():
+    wl = workload(*ADMITTED, EVICTED, admission=ADMISSION)
+    job = queued_job(job_status=status(names.PENDING, attempt=3, disruptions=1))
+    long_gone = pod(2, 0, deletion_deadline=NOW - timedelta(seconds=61), grace=30)
+    plan = reconcile(job, observe([long_gone, pod(2, 1, "Failed", 143)], wl=wl), NOW)
+    assert plan.workload_status["status"]["admission"] is None
+    just_deleted = pod(2, 0, deletion_deadline=NOW + timedelta(seconds=20), grace=30)
+    assert reconcile(job, observe([just_deleted], wl=wl), NOW).workload_status is None
+
+
+def test_pods_ready_goes_false_while_the_gang_restarts():
+    wl = workload(*ADMITTED, (queueing.PODS_READY, "True", "PodsReady", "x"), admission=ADMISSION)
+    job = queued_job(job_status=status(names.RUNNING))
+    plan = reconcile(job, observe([pod(1, 0, "Failed", 1), pod(1, 1)], wl=wl, flavors={"h100": FLAVOR}), NOW)
+    assert plan.status["phase"] == names.RESTARTING
+    ready = {x["type"]: x for x in plan.workload_status["status"]["conditions"]}[queueing.PODS_READY]
+    assert (ready["status"], ready["reason"]) == ("False", "WaitForRecovery")
