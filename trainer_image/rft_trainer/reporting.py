@@ -174,6 +174,11 @@ class StatusReporter:
             waiting["attempt"] = self.attempt
         self._submit({"waiting": waiting}, urgent=True)
 
+    def report_tracking(self, tracking: dict) -> None:
+        """How each experiment tracker fares (`{backend: state}`, from the tracker's threads);
+        coalesced like steps."""
+        self._submit({"tracking": tracking}, urgent=False)
+
     # ------------------------------------------------------------ delivery
 
     def _submit(self, trainer_patch: dict, urgent: bool, clear_waiting: bool = False) -> None:
