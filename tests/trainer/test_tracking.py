@@ -185,9 +185,9 @@ class Recorder:
         self.trainer: dict = {}
         self.lock = threading.Lock()
 
-    def _submit(self, patch, urgent, clear_waiting=False):
+    def report_tracking(self, tracking):
         with self.lock:
-            for key, value in patch.get("tracking", {}).items():
+            for key, value in tracking.items():
                 self.trainer.setdefault("tracking", {})[key] = dict(value)
 
     def __getattr__(self, name):  # report_step, report_checkpoint, close, ...

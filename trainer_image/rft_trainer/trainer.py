@@ -326,9 +326,8 @@ class Trainer:
                 print(json.dumps(line), file=sys.stdout, flush=True)
 
     def _report_tracking(self, tracking: dict) -> None:
-        """Rank 0, from a tracker's thread: `status.trainer.tracking`, coalesced like steps.
-        (StatusReporter has no public method for it yet: `_submit` is what report_* use.)"""
-        self.reporter._submit({"tracking": tracking}, urgent=False)
+        """Rank 0, from a tracker's thread: `status.trainer.tracking`, coalesced like steps."""
+        self.reporter.report_tracking(tracking)
 
     async def shutdown(self) -> None:
         self._alive = False
