@@ -198,7 +198,7 @@ def test_the_spec_is_validated_once_while_it_stays_the_same(monkeypatch):
     renders = rc.RenderCache()
     job = make_job()
     for _ in range(3):  # e.g. three pod events
-        plan = reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)
+        reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW, renders)
     assert len(calls) == 1
     reconcile(job, observed([pod(1, 0), pod(1, 1)]), NOW)  # no cache: rendered afresh
     assert len(calls) == 2
