@@ -8,17 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
+
+from e2e.mlflow_server import MLflowServer
 
 from rft_contract.config import load_config
 from rft_contract.storage import get_storage
@@ -40,34 +38,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real MLflow tracking server (sqlite backend, local artifacts) on a free port."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_file = open(root / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        cwd=root, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    started = time.monotonic()
-
-    def healthy():
-        assert proc.poll() is None, f"mlflow server exited {proc.returncode}: {(root / 'server.log').read_text()[-2000:]}"
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-
-    try:
-        wait_for(healthy, timeout=120, message="mlflow server /health", interval=0.2)
-        print(f"mlflow server ready in {time.monotonic() - started:.1f}s")
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log_file.close()
+    with MLflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        print(f"mlflow server ready in {server.started_in:.1f}s")
+        yield server.url
 
 
 def rest(url: str, path: str, **query) -> dict:
