@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -239,6 +240,19 @@ def watch(cluster: Cluster, until: str, timeout: float) -> dict:
                        "`kubectl logs -n rftjob-system deploy/rftjob-operator` and the pods' logs")
 
 
+def fetch_tensorboard(checkpoint_uri: str, dest: Path) -> Path | None:
+    """The job's TensorBoard event files (spec.tracking.tensorboard), copied to `dest` for
+    `tensorboard --logdir`; None when it wrote none."""
+    from rft_contract.s3 import S3Storage
+
+    storage = S3Storage()
+    prefix = f"{checkpoint_uri}/tensorboard/"
+    if not storage.list(prefix):
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    return storage.download_prefix(prefix, dest)
+
+
 def write_curves(checkpoint_uri: str, out: Path) -> Path | None:
     """Reward and loss per step from the trainer's metrics log (`<uri>/metrics/`)."""
     from rft_trainer.metrics import read_metrics
@@ -300,6 +314,9 @@ def up(cluster: Cluster, timeout: float = 900) -> None:
     png = write_curves(uri, cluster.state_dir.parent / "demo" / "curves.png")
     if png:
         print(f"[demo] reward/loss curves: {png}")
+    board = fetch_tensorboard(uri, cluster.state_dir.parent / "demo" / "tensorboard")
+    if board:
+        print(f"[demo] TensorBoard:  {uri}/tensorboard/, copied to {board}: tensorboard --logdir {board}")
     print(f"\n  export KUBECONFIG={cluster.kubeconfig}")
     print(f"  kubectl get rftjob {JOB} -o yaml                 # the whole status")
     print(f"  kubectl logs {JOB}-trainer-1-0                   # a pod's log")

@@ -23,6 +23,8 @@ import pytest
 import yaml
 
 from e2e import demo
+from e2e import node as real_node
+from e2e.mlflow_server import MLflowServer
 from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
@@ -238,6 +240,8 @@ def test_demo_job_trains_checkpoints_and_serves_the_final_weights(job):
     rewards = [r["critic/rewards/mean"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first, f"reward did not rise: {rewards}"
+    board = demo.fetch_tensorboard(j["uri"], j["dir"] / "tensorboard")  # the sample tracks to TensorBoard
+    assert board is not None and list(board.rglob("events.out.tfevents.*")), "TensorBoard event files"
     wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 120,
              "inference and explorer pods gone after success")
     RESULTS["demo"] = {"seconds_to_running": round(running_at, 1),
@@ -542,3 +546,41 @@ def test_preempted_by_kueue_stops_requeues_and_resumes_from_its_checkpoint(job, 
     assert s["restarts"] == 0 and s["disruptions"] == 1
     RESULTS["kueue_preemption"] = {"checkpoint_at_eviction": kept[-1],
                                    "seconds_readmission_to_training": round(time.monotonic() - resumed, 1)}
+
+
+@pytest.fixture(scope="module")
+def mlflow_for_pods(node, tmp_path_factory):
+    """A real `mlflow server` on the node's bridge gateway, where the job's pods reach it."""
+    with MLflowServer(tmp_path_factory.mktemp("mlflow"), host=real_node.GATEWAY) as server:
+        yield server
+
+
+def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart(job, mlflow_for_pods):
+    """spec.tracking on the real node: the trainer's rank 0 logs every step to a real MLflow
+    server and TensorBoard event files to S3. A worker is SIGKILLed after a checkpoint: the
+    restarted attempt continues the same MLflow run (read back through MLflow's REST API)
+    and writes a second TensorBoard run beside the first."""
+    server = mlflow_for_pods
+    j = job(tracking={"mlflow": {"trackingUri": server.url, "experiment": f"e2e-{uuid.uuid4().hex[:6]}"},
+                      "tensorboard": {}})
+    experiment = get(j)["spec"]["tracking"]["mlflow"]["experiment"]
+    s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
+    assert ((s["trainer"].get("tracking") or {}).get("mlflow") or {}).get("ok", True), s["trainer"].get("tracking")
+    trainer_worker(j, rank=1).send_signal(signal.SIGKILL)
+    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    assert s["restarts"] == 1
+    tracking = s["trainer"]["tracking"]
+    assert tracking["mlflow"]["ok"] and tracking["tensorboard"]["ok"], tracking
+
+    (run,) = server.runs(experiment)  # one run for both attempts
+    assert run["info"]["status"] == "FINISHED"
+    key = next(m["key"] for m in run["data"]["metrics"] if m["key"].startswith("actor/"))
+    steps = {m["step"] for m in server.history(run["info"]["run_id"], key)}
+    assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
+    tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
+    assert tags.get("rft.job") == j["name"]
+    runs = {key.split("/tensorboard/", 1)[1].split("/", 1)[0]
+            for key in S3Storage().list(j["uri"] + "/tensorboard/")}
+    assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
+    RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
+                           "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
