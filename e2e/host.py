@@ -4,6 +4,7 @@ pinned versions, the build cache, free ports, and host processes recognised and 
 from __future__ import annotations
 
 import os
+import subprocess
 import signal
 import socket
 from dataclasses import dataclass
@@ -107,6 +108,19 @@ def stop_processes(records: list[ProcessRecord], grace: float = 10.0) -> None:
     _, still = psutil.wait_procs(alive, timeout=5)
     if still:
         raise ClusterError(f"could not stop processes {[p.pid for p in still]}")
+
+
+def stop_group(proc: "subprocess.Popen | None", grace: float = 10.0) -> None:
+    """Stop a server started with `start_new_session=True`: SIGTERM to its process group,
+    SIGKILL after `grace` seconds. Nothing when it is not running."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def write_private(path: Path, data: bytes) -> None:

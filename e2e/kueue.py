@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -43,7 +42,7 @@ from typing import Any, Callable
 import yaml
 
 from .cluster import ApiError, KubeApi
-from .host import cache_dir, log_tail, read_versions
+from .host import cache_dir, log_tail, read_versions, stop_group
 from .pki import write_serving_pair
 from .s3server import free_ports
 
@@ -219,14 +218,7 @@ class KueueProcess:
         """Deletes the webhook configurations (Kueue objects are admitted again without
         it), then SIGTERM, and SIGKILL after `grace` seconds."""
         self.delete_webhooks()
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        stop_group(self.proc, grace)
 
     def __enter__(self) -> "KueueProcess":
         self.start()

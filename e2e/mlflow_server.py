@@ -6,8 +6,6 @@ answers, stopped with its process group."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .host import free_port
+from .host import free_port, stop_group
 
 START_TIMEOUT = 120.0
 
@@ -56,14 +54,7 @@ class MLflowServer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_group(self.proc, 20)
 
     def tail(self, lines: int = 40) -> str:
         path = self.root / "server.log"

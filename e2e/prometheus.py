@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -37,7 +36,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .host import REPO_ROOT, cache_dir, free_port, log_tail, read_versions
+from .host import REPO_ROOT, cache_dir, free_port, log_tail, read_versions, stop_group
 
 SCRAPE_JOB = "rftjob-operator-metrics"  # the rules' up{job=...} and the ServiceMonitor's job
 RULES = REPO_ROOT / "manifests" / "monitoring" / "prometheusrule.yaml"
@@ -151,14 +150,7 @@ class PrometheusProcess:
 
     def stop(self, grace: float = 10) -> None:
         """SIGTERM, and SIGKILL after `grace` seconds."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        stop_group(self.proc, grace)
 
     def __enter__(self) -> "PrometheusProcess":
         self.start()
