@@ -70,6 +70,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
 from rft_contract.jobapi import get_job, job_api
 from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA
+from rft_contract.podmetrics import ExplorerMetrics
 from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
 
@@ -188,6 +189,7 @@ class Explorer:
         self.rejected_in_row = 0
         self.state = ExplorerState()
         self._order: tuple[int, list[int]] = (-1, [])
+        self.metrics = ExplorerMetrics()  # main() serves it (/metrics, port `metrics`)
 
     def stop(self) -> None:
         """Ask run() to return soon (signal-safe: only sets an event)."""
@@ -320,6 +322,7 @@ class Explorer:
                 out.append(self.client.complete(body))
             except ClientError as e:
                 log.error("task %s skipped: %s", task["id"], e)
+                self.metrics.rejected.inc()
                 return []
         return out
 
@@ -333,6 +336,8 @@ class Explorer:
             if progress is None:
                 break
             step, total, consumed_by, waiting = TrainerProgress(*progress)
+            self.metrics.observe_trainer(step)
+            self.metrics.observe_request_failures(self.client.failures)
             if step >= total:
                 log.info("trainer finished (step %d of %d): explorer done", step, total)
                 self.finished = True
@@ -354,8 +359,10 @@ class Explorer:
                          step, total, samples_written, consumed, allowed)
                 waited_since = now
             self.waiting.set()
+            self.metrics.waiting.set(1)
             self._stop.wait(self.section.poll_interval)
         self.waiting.clear()
+        self.metrics.waiting.set(0)
         return not self._stop.is_set()
 
     # ------------------------------------------------------------ state
@@ -385,12 +392,15 @@ class Explorer:
     def _log_shard(self, name: str, seq: int, samples: list[Sample], start: float) -> None:
         versions = [s.weights_version for s in samples]
         dropped = self.client.take_dropped()  # choices left out since the last shard log
+        reward_mean, seconds = sum(s.reward for s in samples) / len(samples), time.monotonic() - start
         log.info(json.dumps({
             "event": "shard", "name": name, "seq": seq, "samples": len(samples),
-            "reward_mean": round(sum(s.reward for s in samples) / len(samples), 6),
+            "reward_mean": round(reward_mean, 6),
             "version_min": min(versions), "version_max": max(versions),
-            "seconds": round(time.monotonic() - start, 3), "retries": self.client.failures,
+            "seconds": round(seconds, 3), "retries": self.client.failures,
             "dropped_straddling": dropped[STRADDLED], "dropped_unversioned": dropped[UNVERSIONED]}))
+        self.metrics.observe_shard(len(samples), versions, reward_mean, seconds, dropped)
+        self.metrics.observe_request_failures(self.client.failures)
 
 
 # ------------------------------------------------------------------ trainer progress
@@ -491,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    explorer.metrics.serve()
     written = explorer.run(max_shards=args.max_shards)
     log.info(json.dumps({"event": "explorer_exit", "shards_written": written,
                          "trainer_finished": explorer.finished, **dataclasses.asdict(explorer.state)}))

@@ -76,6 +76,7 @@ from typing import Any
 
 from rft_contract import names
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
+from rft_contract.podmetrics import SyncAgentMetrics
 from rft_contract.probe import read_probe
 from rft_contract.storage import get_storage
 
@@ -127,6 +128,7 @@ class SyncAgent:
         # ((version, id), monotonic time before which that export is not tried again).
         self.broken: tuple[tuple[int, str | None], float] | None = None
         self.engine_seen: float | None = None  # monotonic time the engine first answered
+        self.metrics = SyncAgentMetrics()  # main() serves it (/metrics, port `metrics`)
 
     # --- watching the job
     def target(self) -> dict | None:
@@ -169,7 +171,9 @@ class SyncAgent:
                     message = str(e) if isinstance(e, SyncError) else f"{type(e).__name__}: {e}"
                     self._log_failure(target, e, message)
                     self.report_error(message)
+                    self.metrics.observe_failure()
                     delay, backoff = backoff, min(self.max_backoff, backoff * 2)
+                self.metrics.observe_versions(target.get("version"), self.engine_version)
             self._changed.wait(delay)  # a new target cuts any wait short
             self._changed.clear()
 
@@ -266,6 +270,7 @@ class SyncAgent:
         log.info("serving version %s (%s) after %.2fs%s", target["version"], path, times["loadSeconds"],
                  f"; probe: {verdict.describe()}" if verdict else " (no probe to check)")
         self.report_ok(target, times, got.source, verdict)
+        self.metrics.observe_sync(times, got.s3_bytes, got.peer_bytes)
         self._link_initial(path)
         self._cleanup(target)
         return True
@@ -536,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             install_helpers(Path(args.install_helpers))
         return fetch_only(agent, Path(args.fetch_only))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    agent.metrics.serve()
     log.info("sync agent for %s/%s pod %s, engine %s at %s", args.namespace, args.job, args.pod, args.engine, url)
     agent.run()
     return 0

@@ -31,6 +31,7 @@ from rft_contract import names
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
 from rft_contract.layout import weights_uri
+from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
 
 from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
@@ -99,6 +100,7 @@ class Trainer:
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.tracker: Tracker | None = None  # rank 0: spec.tracking's experiment trackers
+        self.pod_metrics = TrainerMetrics()  # served on rank 0 only (prepare)
         self.last_synced: int | None = None
         self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
         self.ended_together = False  # train() returned (finished or an agreed stop) on every rank
@@ -116,6 +118,8 @@ class Trainer:
         if self.rt.is_main:
             self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
             self.tracker = build_tracker(self.config, report=self._report_tracking)
+            self.pod_metrics.observe_job(self.config.job.attempt, self.config.trainer.total_steps)
+            self.pod_metrics.serve()
         self.storage = get_storage(self.config.checkpoint.uri)  # built once: an S3 client is not free
         self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
         self.checkpointer.on_commit = self._report_commit
@@ -129,6 +133,7 @@ class Trainer:
         self.reporter.report_resumed(step, None if resumed is None else step_uri(self.config.checkpoint.uri, resumed))
         if step:  # resumed: the status shows where this attempt starts
             self.reporter.report_step(step, self.config.trainer.total_steps)
+            self.pod_metrics.observe_step(step, {})
 
     def load_checkpoint(self) -> dict | None:
         """Resume the engine's `checkpoint_roles()` and step from the newest complete
@@ -143,6 +148,7 @@ class Trainer:
         """Rank 0, once a checkpoint's manifest is written (maybe in the upload thread)."""
         ckpt = self.checkpointer
         self.reporter.report_checkpoint(step, prefix, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
+        self.pod_metrics.observe_checkpoint(step, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
 
     async def train(self) -> str:
         while await self.train_step():
@@ -229,7 +235,9 @@ class Trainer:
     def _report_buffer(self) -> None:
         if self.rt is None or self.rt.is_main:
             stale = self.buffer.stats["dropped_stale"] + sum(self.buffer.pending_stale.values())
-            self.reporter.report_buffer(self.buffer.consumed_counts(), int(stale), int(self.buffer.stats["samples"]))
+            consumed, samples = self.buffer.consumed_counts(), int(self.buffer.stats["samples"])
+            self.reporter.report_buffer(consumed, int(stale), samples)
+            self.pod_metrics.observe_buffer(consumed, int(stale), samples)
 
     def agree_stop(self) -> bool:
         """At a step boundary: stop when any rank was asked to (MAX over ranks of the age
@@ -299,10 +307,12 @@ class Trainer:
         """Export the policy (all ranks), then on rank 0: drop old versions and report
         `status.trainer.latestWeights`, which the operator promotes to the sync target."""
         step, root, sync = self.train_step_num, self.config.checkpoint.uri, self.config.sync
+        start = time.perf_counter()
         manifest = self.engine.save_state_dict(self.storage, weights_uri(root, step), sync.dtype)
         self.last_synced = step
         if manifest is None:  # not rank 0
             return
+        self.pod_metrics.observe_weights(step, manifest.get("bytes"), time.perf_counter() - start)
         protect = {sync.pinned_version} if sync.pinned_version is not None else set()
         try:
             versions = apply_weights_retention(self.storage, root, sync.keep, protect)
@@ -315,6 +325,7 @@ class Trainer:
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
+        self.pod_metrics.observe_step(self.train_step_num, metrics)
         if self.metrics_log is not None:
             self.metrics_log.append(self.train_step_num, metrics)
         if self.tracker is not None:
@@ -338,6 +349,7 @@ class Trainer:
             if self.tracker is not None:  # before the reporter: its last state goes out with it
                 self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
             self.reporter.close()
+            self.pod_metrics.close()
             if self.metrics_log is not None:
                 self.metrics_log.close()
             if torch.distributed.is_initialized():
