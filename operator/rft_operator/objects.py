@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Collection
 
 from rft_contract import names
 from rft_contract.checks import parse_quantity
+from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT, METRICS_PORT_NAME
 from rft_contract.spec import EnvVar, RFTJobSpec
 
 from .model import Obj
@@ -216,3 +217,14 @@ def build_shm(size: str) -> tuple[list[Obj], list[Obj]]:
         return [], []
     return ([{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}],
             [{"name": "dshm", "mountPath": "/dev/shm"}])
+
+
+def build_metrics_port(taken: Collection[int] = ()) -> tuple[list[Obj], list[Obj]]:
+    """The `metrics` container port of a program that serves rft_contract.podmetrics, and
+    its environment: (ports, env). 9400 unless another port of the pod has it (the engine's
+    `inference.port`, `trainer.masterPort`), then the next free one, passed as
+    RFT_METRICS_PORT (9400 needs none). The monitoring component's PodMonitor scrapes it."""
+    port = next(p for p in range(METRICS_PORT, METRICS_PORT + len(taken) + 1) if p not in taken)
+    env = [] if port == METRICS_PORT else [{"name": ENV_METRICS_PORT, "value": str(port)}]
+    return [{"name": METRICS_PORT_NAME, "containerPort": port}], env
+

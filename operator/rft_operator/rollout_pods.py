@@ -13,8 +13,11 @@ from __future__ import annotations
 from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_pod_security_context, build_shm,
-                      build_resources, build_s3_env, build_user_env, labels, spec_hash)
+from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT_NAME
+
+from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod,
+                      build_pod_security_context, build_shm, build_resources, build_s3_env, build_user_env, labels,
+                      spec_hash)
 
 # Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
 # children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
@@ -153,7 +156,9 @@ def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     if spec.sync.probe_tolerance is not None:
         extra += ["--probe-tolerance", str(spec.sync.probe_tolerance)]
     agent = _agent_container(ref, spec, "sync-agent", extra)
-    agent["ports"] = [{"name": "weights", "containerPort": port}]
+    metrics_ports, metrics_env = build_metrics_port({spec.inference.port, port, supervisor_port(spec)})
+    agent["ports"] = [{"name": "weights", "containerPort": port}, *metrics_ports]
+    agent["env"] += metrics_env
     return agent
 
 
@@ -163,12 +168,28 @@ def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
 UNHASHED_CONTAINER_FIELDS = ("terminationMessagePolicy",)
 
 
+def _hashed(container: Obj) -> Obj:
+    """What of a container the spec hash covers: not the UNHASHED_CONTAINER_FIELDS, nor the
+    /metrics endpoint (`build_metrics_port`: its port and RFT_METRICS_PORT), for the same
+    reason: the upgrade that added it replaces no running pod (those go unscraped until
+    something else replaces them)."""
+    out = {k: v for k, v in container.items() if k not in UNHASHED_CONTAINER_FIELDS}
+    ports = [x for x in out.get("ports", []) if x["name"] != METRICS_PORT_NAME]
+    if len(ports) < len(out.get("ports", [])):
+        out["env"] = [x for x in out.get("env", []) if x["name"] != ENV_METRICS_PORT]
+        if ports:
+            out["ports"] = ports
+        else:
+            del out["ports"]
+    return out
+
+
 def _with_hash(pod: Obj) -> Obj:
     """Stamp the rendered pod's hash: the operator replaces a pod whose spec drifted."""
     spec = {**pod["spec"]}
     for kind in ("initContainers", "containers"):
         if kind in spec:
-            spec[kind] = [{k: v for k, v in x.items() if k not in UNHASHED_CONTAINER_FIELDS} for x in spec[kind]]
+            spec[kind] = [_hashed(x) for x in spec[kind]]
     pod["metadata"].setdefault("annotations", {})[names.ANNOTATION_SPEC_HASH] = spec_hash(spec)
     return pod
 
@@ -204,12 +225,14 @@ def _explorer_container(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         {"name": names.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
         {"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
     ] + build_s3_env(spec)
+    metrics_ports, metrics_env = build_metrics_port()
     return {
         "name": "explorer",
         "image": ex.image or spec.trainer.image,
         "command": ["python", "-m", "rft_rollout.explorer"],
         "args": ["--config", f"{names.CONFIG_MOUNT}/{names.CONFIG_FILE}"],
-        "env": env,
+        "env": env + metrics_env,
+        "ports": metrics_ports,
         "securityContext": build_container_security_context(spec),
         "volumeMounts": [{"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}],
     }

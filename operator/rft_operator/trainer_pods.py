@@ -11,8 +11,8 @@ from __future__ import annotations
 from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
-from .objects import (JobRef, Obj, build_container_security_context, build_pod, build_shm, build_user_env,
-                      build_pod_security_context, build_resources, build_s3_env, labels)
+from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
+                      build_user_env, build_pod_security_context, build_resources, build_s3_env, labels)
 
 
 def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
@@ -84,7 +84,13 @@ def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) 
 
 
 def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> Obj:
+    """Rank 0's pod also names the port of the trainer's /metrics (global rank 0 serves it):
+    the other pods serve none, so the PodMonitor finds no target there."""
     t = spec.trainer
+    ports, env = [{"name": "rendezvous", "containerPort": t.master_port}], build_trainer_env(ref, spec, attempt)
+    if rank == 0:
+        metrics_ports, metrics_env = build_metrics_port({t.master_port})
+        ports, env = ports + metrics_ports, env + metrics_env
     container: Obj = {
         "name": "trainer",
         "image": t.image,
@@ -92,8 +98,8 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
         # (plain torchrun exits 1 for every failure, hiding fatal codes like 78).
         "command": ["python", "-m", "rft_trainer.launch"],
         "args": build_torchrun_args(ref, spec, attempt, rank),
-        "env": build_trainer_env(ref, spec, attempt),
-        "ports": [{"name": "rendezvous", "containerPort": t.master_port}],
+        "env": env,
+        "ports": ports,
         "resources": build_resources(t.resources, t.gpus_per_node),
         "securityContext": build_container_security_context(spec),
         "volumeMounts": [

@@ -462,3 +462,70 @@ def test_home_set_in_trainer_env_wins():
     pod = builders.build_trainer_pod(REF, parse_spec({**SPEC, "trainer": trainer}), 1, 0)
     env = pod["spec"]["containers"][0]["env"]
     assert [e for e in env if e["name"] == "HOME"] == [{"name": "HOME", "value": "/var/cache/rft/models/home"}]
+
+
+# ------------------------------------------------------------------ /metrics of the job's pods
+# rft_contract.podmetrics: the trainer's rank 0, each sync agent and each explorer serve it
+# on a port named `metrics` (the monitoring component's PodMonitor selects it by name).
+
+def _ports(container) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def _pod_ports(pod) -> list[int]:
+    return [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+
+
+def test_only_the_rank_0_trainer_pod_names_a_metrics_port(spec):
+    rank0, rank1 = (builders.build_trainer_pod(REF, spec, 1, r)["spec"]["containers"][0] for r in (0, 1))
+    assert _ports(rank0) == {"rendezvous": spec.trainer.master_port, "metrics": 9400}
+    assert "metrics" not in _ports(rank1)  # nothing listens there: no target to be down
+    assert not any(e["name"] == "RFT_METRICS_PORT" for c in (rank0, rank1) for e in c["env"])
+
+
+def test_the_trainers_metrics_port_moves_aside_for_the_rendezvous():
+    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "masterPort": 9400}})
+    (c,) = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"]
+    assert _ports(c) == {"rendezvous": 9400, "metrics": 9401}
+    assert {e["name"]: e.get("value") for e in c["env"]}["RFT_METRICS_PORT"] == "9401"
+
+
+def test_the_sync_agent_and_the_explorer_name_a_metrics_port_and_the_engine_none():
+    spec = parse_spec(LOOP)
+    engine, agent = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"]
+    (explorer,) = builders.build_explorer_pod(REF, spec, 0)["spec"]["containers"]
+    assert _ports(agent)["metrics"] == _ports(explorer)["metrics"] == 9400
+    assert "metrics" not in _ports(engine)
+    assert not any(e["name"] == "RFT_METRICS_PORT" for c in (engine, agent, explorer) for e in c["env"])
+
+
+@pytest.mark.parametrize("engine", ["reference", "vllm"])
+def test_the_sync_agents_metrics_port_moves_aside_for_an_engine_on_it(engine):
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "port": 9400, "engine": engine, "image": "e:1"}})
+    pod = builders.build_inference_pod(REF, spec, 0)
+    agent = pod["spec"]["containers"][1]
+    assert _ports(agent)["metrics"] == 9401
+    assert {e["name"]: e.get("value") for e in agent["env"]}["RFT_METRICS_PORT"] == "9401"
+    assert len(_pod_ports(pod)) == len(set(_pod_ports(pod)))
+
+
+@pytest.mark.parametrize("port", [8000, 9400])
+def test_the_metrics_endpoint_leaves_the_rollout_pods_spec_hash_alone(port):
+    """An operator upgrade that adds the port replaces no running inference or explorer pod:
+    their hash is the one rendered without it (port and RFT_METRICS_PORT)."""
+    spec = parse_spec({**LOOP, "inference": {**LOOP["inference"], "port": port}})
+    for pod in builders.build_rollout_pods(REF, spec):
+        bare = {**pod["spec"], "containers": []}
+        for c in pod["spec"]["containers"]:
+            c = {k: v for k, v in c.items() if k != "terminationMessagePolicy"}
+            ports = [p for p in c.pop("ports", []) if p["name"] != "metrics"]
+            c["env"] = [e for e in c["env"] if e["name"] != "RFT_METRICS_PORT"]
+            bare["containers"].append({**c, "ports": ports} if ports else c)
+        assert pod["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH] == builders.spec_hash(bare)
+
+
+def test_every_pod_of_a_job_has_distinct_container_ports():
+    spec = parse_spec(ALL_ROLES)
+    pods = builders.build_rollout_pods(REF, spec) + builders.build_trainer_pods(REF, spec, 1)
+    for pod in pods:
+        assert len(_pod_ports(pod)) == len(set(_pod_ports(pod))), pod["metadata"]["name"]

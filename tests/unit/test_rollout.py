@@ -102,7 +102,7 @@ def _arg(container, flag):
 def test_the_sync_agent_serves_its_children_on_a_named_port_and_reads_its_parent():
     pod, agent = _agents()
     assert _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT) and _arg(agent, "--fanout") == str(WEIGHTS_FANOUT)
-    assert agent["ports"] == [{"name": "weights", "containerPort": WEIGHTS_PEER_PORT}]
+    assert agent["ports"][0] == {"name": "weights", "containerPort": WEIGHTS_PEER_PORT}  # then `metrics`
     env = {e["name"]: e for e in agent["env"]}
     # The agent advertises http://$RFT_POD_IP:<port> in its status entry.
     assert env[names.ENV_POD_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -114,7 +114,7 @@ def test_the_sync_agent_serves_its_children_on_a_named_port_and_reads_its_parent
 def test_the_relay_port_moves_aside_for_an_engine_on_it():
     pod, agent = _agents({"port": WEIGHTS_PEER_PORT})
     ports = [p["containerPort"] for ct in pod["spec"]["containers"] for p in ct.get("ports", [])]
-    assert len(ports) == len(set(ports)) == 2 and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT + 1)
+    assert len(ports) == len(set(ports)) == 3 and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT + 1)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -125,16 +125,22 @@ def test_the_init_container_reads_from_the_parent_but_serves_nothing(engine):
     assert "ports" not in fetch and _arg(agent, "--peer-port") == str(WEIGHTS_PEER_PORT)
 
 
+def _before_termination_messages_and_metrics(container):
+    out = {k: v for k, v in container.items() if k != "terminationMessagePolicy"}
+    ports = [p for p in out.pop("ports", []) if p["name"] != "metrics"]
+    return {**out, "ports": ports} if ports else out
+
+
 def test_a_pod_from_an_operator_before_termination_messages_is_not_replaced():
-    # An upgrade that only adds terminationMessagePolicy leaves running pods be; their hash
-    # is the one the pod would have without it.
+    # An upgrade that only adds terminationMessagePolicy (or the /metrics port) leaves
+    # running pods be; their hash is the one the pod would have without it.
     from rft_operator.objects import spec_hash
 
     for obj in build_rollout_pods(REF, parse_spec(LOOP)):
         spec = obj["spec"]
         containers = spec.get("initContainers", []) + spec["containers"]
         assert all(x["terminationMessagePolicy"] == "FallbackToLogsOnError" for x in containers)
-        before = {**spec, **{kind: [{k: v for k, v in x.items() if k != "terminationMessagePolicy"} for x in spec[kind]]
+        before = {**spec, **{kind: [_before_termination_messages_and_metrics(x) for x in spec[kind]]
                              for kind in ("initContainers", "containers") if kind in spec}}
         old = rollout_pod(obj["metadata"]["name"], spec_hash=spec_hash(before))
         assert not rollout.should_replace(old, obj)
