@@ -60,10 +60,10 @@ def dry_run(kubectl, objects: list[dict]) -> subprocess.CompletedProcess:
 
 def test_the_monitoring_component_is_accepted(prometheus_crds, installed, kubectl, tmp_path):
     objects = component_objects(tmp_path)
-    assert sorted(o["kind"] for o in objects) == ["PrometheusRule", "Service", "ServiceMonitor"]
+    assert sorted(o["kind"] for o in objects) == ["PodMonitor", "PrometheusRule", "Service", "ServiceMonitor"]
     proc = dry_run(kubectl, objects)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("created (server dry run)") == 3, proc.stdout
+    assert proc.stdout.count("created (server dry run)") == 4, proc.stdout
 
 
 def test_a_broken_rule_or_monitor_is_refused(prometheus_crds, installed, kubectl, tmp_path):
@@ -81,12 +81,13 @@ def test_a_broken_rule_or_monitor_is_refused(prometheus_crds, installed, kubectl
 def test_the_charts_monitoring_objects_are_accepted(prometheus_crds, installed, kubectl):
     from tests.unit.test_chart import template  # the real Helm, built on demand
 
-    rendered = template("--set", "monitoring.serviceMonitor.enabled=true",
+    rendered = template("--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
                         "--set", "monitoring.prometheusRule.enabled=true")
-    objects = [o for (kind, _, _), o in rendered.items() if kind in ("Service", "ServiceMonitor", "PrometheusRule")]
-    assert len(objects) == 3, sorted(rendered)
+    kinds = ("Service", "ServiceMonitor", "PodMonitor", "PrometheusRule")
+    objects = [o for (kind, _, _), o in rendered.items() if kind in kinds]
+    assert len(objects) == 4, sorted(rendered)
     proc = dry_run(kubectl, objects)
-    assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 3, proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 4, proc.stderr
 
 
 # --------------------------------------------------------------------------- a real Prometheus

@@ -128,8 +128,9 @@ def test_bad_values_are_refused_by_name():
 
 RULE = REPO_ROOT / "manifests" / "monitoring" / "prometheusrule.yaml"
 RULE_TEMPLATE = CHART / "templates" / "monitoring-prometheusrule.yaml"
-MONITORING_ON = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true"]
-MONITORING_KINDS = {"Service", "ServiceMonitor", "PrometheusRule"}
+MONITORING_ON = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+                 "--set", "monitoring.prometheusRule.enabled=true"]
+MONITORING_KINDS = {"Service", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def build_rule_template(rule_file: str) -> str:
@@ -161,7 +162,7 @@ def test_the_monitoring_values_render_what_the_component_adds(tmp_path):
     got = {k: v for k, v in template(*MONITORING_ON).items() if k[0] in MONITORING_KINDS}
     assert_same(got, component(tmp_path))
     # Off by default: the chart as before (tests/unit/test_chart.py compares it with manifests/).
-    assert not {k for k in template() if k[0] in {"ServiceMonitor", "PrometheusRule"}}
+    assert not {k for k in template() if k[0] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}}
 
 
 @pytest.mark.timeout(1800)
