@@ -1,5 +1,9 @@
 """A real Prometheus as a host process that scrapes the operator and evaluates its alert
-rules, for the integration test of the alerts (tests/integration/test_prometheus.py).
+rules, for the integration test of the alerts (tests/integration/test_prometheus.py), and
+that finds the operator and the jobs' pods through the API server in the end-to-end test
+(tests/e2e/test_rftjob.py: `monitor_scrape_config` turns the monitoring component's
+ServiceMonitor and PodMonitor into the scrape jobs prometheus-operator would generate, as
+no prometheus-operator runs here).
 
 The server from Debian's `prometheus` package at the pinned version (`bash
 e2e/build-binaries.sh promtool` keeps it beside promtool; PROMETHEUS_DEB_VERSION in
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.error
@@ -67,15 +72,89 @@ def build_rule_file(prometheus_rule: dict[str, Any]) -> dict[str, Any]:
     return {"groups": spec["groups"]}
 
 
-def build_config(target: str, rule_files: list[str]) -> dict[str, Any]:
-    """prometheus.yml: one static job scraping `target` (host:port) with the operator's
-    own `namespace` and `job` labels kept, and the given rule files."""
+def build_config(target: str | None, rule_files: list[str],
+                 scrape_configs: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """prometheus.yml: one static job scraping `target` (host:port; None: none) with the
+    operator's own `namespace` and `job` labels kept, `scrape_configs` besides, and the
+    given rule files."""
+    static = [] if target is None else [{"job_name": SCRAPE_JOB, "honor_labels": True,
+                                          "static_configs": [{"targets": [target]}]}]
     return {
         "global": {"scrape_interval": INTERVAL, "evaluation_interval": INTERVAL},
         "rule_files": rule_files,
-        "scrape_configs": [{"job_name": SCRAPE_JOB, "honor_labels": True,
-                            "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": static + list(scrape_configs),
     }
+
+
+# The parts of prometheus-operator's ServiceMonitor and PodMonitor that monitor_scrape_config
+# understands; anything else in a monitor is refused, not silently dropped.
+_MONITOR_KEYS = {"selector", "namespaceSelector", "endpoints", "podMetricsEndpoints"}
+_ENDPOINT_KEYS = {"port", "path", "interval", "honorLabels", "relabelings"}
+_RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex",
+                 "replacement": "replacement", "action": "action", "separator": "separator"}
+
+
+def _label(name: str) -> str:
+    """A Kubernetes label key as Prometheus' discovery names it (`rft.dev/role` -> `rft_dev_role`)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def monitor_scrape_config(monitor: dict[str, Any], kubeconfig: str, interval: str | None = None) -> dict[str, Any]:
+    """The scrape job prometheus-operator (v0.85) generates for a ServiceMonitor or PodMonitor
+    with one endpoint, for a Prometheus outside the cluster: Kubernetes service discovery
+    through `kubeconfig` (role `endpoints` or `pod`), keep the targets the selector and
+    endpoint port select, running pods only, label them `namespace`, `pod`, `container`
+    (`service`, and `job` = the Service's name, for a ServiceMonitor; `job` =
+    `<namespace>/<name>` for a PodMonitor) and apply the endpoint's relabelings.
+    `interval` overrides the endpoint's (tests scrape every second). Fields this does not
+    model raise ValueError, so a monitor that grows one is not tested as something else."""
+    kind, meta, spec = monitor.get("kind"), monitor["metadata"], monitor.get("spec") or {}
+    if kind not in ("ServiceMonitor", "PodMonitor"):
+        raise ValueError(f"{kind} is not a ServiceMonitor or PodMonitor")
+    pod = kind == "PodMonitor"
+    endpoints = spec.get("podMetricsEndpoints" if pod else "endpoints") or []
+    extra = set(spec) - _MONITOR_KEYS or {k for e in endpoints for k in e if k not in _ENDPOINT_KEYS}
+    if extra or len(endpoints) != 1:
+        raise ValueError(f"{kind} {meta['name']}: unsupported here: {sorted(extra) or f'{len(endpoints)} endpoints'}")
+    endpoint, selector = endpoints[0], spec.get("selector") or {}
+    meta_prefix = "__meta_kubernetes_pod" if pod else "__meta_kubernetes_service"
+    relabel: list[dict[str, Any]] = []
+    for key, value in (selector.get("matchLabels") or {}).items():
+        relabel.append({"action": "keep", "regex": f"({value});true", "source_labels": [
+            f"{meta_prefix}_label_{_label(key)}", f"{meta_prefix}_labelpresent_{_label(key)}"]})
+    for expr in selector.get("matchExpressions") or []:
+        if expr["operator"] != "Exists":
+            raise ValueError(f"{kind} {meta['name']}: matchExpressions operator {expr['operator']} unsupported here")
+        relabel.append({"action": "keep", "regex": "true",
+                        "source_labels": [f"{meta_prefix}_labelpresent_{_label(expr['key'])}"]})
+    port_label = "__meta_kubernetes_pod_container_port_name" if pod else "__meta_kubernetes_endpoint_port_name"
+    relabel += [
+        {"action": "keep", "source_labels": [port_label], "regex": endpoint["port"]},
+        {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
+        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+        {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+    ]
+    if pod:
+        relabel.append({"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"})
+    else:
+        relabel += [{"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
+                    {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"}]
+    relabel.append({"target_label": "endpoint", "replacement": endpoint["port"]})
+    for r in endpoint.get("relabelings") or []:
+        if set(r) - set(_RELABEL_KEYS):
+            raise ValueError(f"{kind} {meta['name']}: relabeling fields {sorted(set(r) - set(_RELABEL_KEYS))} "
+                             "unsupported here")
+        relabel.append({_RELABEL_KEYS[k]: v for k, v in r.items()})
+    namespaces = spec.get("namespaceSelector") or {}
+    sd: dict[str, Any] = {"role": "pod" if pod else "endpoints", "kubeconfig_file": kubeconfig}
+    if not namespaces.get("any"):
+        sd["namespaces"] = {"names": namespaces.get("matchNames") or [meta["namespace"]]}
+    return {"job_name": f"{'podMonitor' if pod else 'serviceMonitor'}/{meta['namespace']}/{meta['name']}/0",
+            "honor_labels": bool(endpoint.get("honorLabels")),
+            "scrape_interval": interval or endpoint.get("interval") or INTERVAL,
+            "metrics_path": endpoint.get("path") or "/metrics",
+            "kubernetes_sd_configs": [sd], "relabel_configs": relabel}
 
 
 def matches(alert: dict[str, Any], name: str, labels: dict[str, str], state: str) -> bool:
@@ -112,8 +191,10 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str, died: Callabl
 class PrometheusProcess:
     """Prometheus on the host, scraping `target` (host:port of the operator's /metrics)."""
 
-    def __init__(self, state_dir: str | os.PathLike, target: str, rules: Path = RULES):
+    def __init__(self, state_dir: str | os.PathLike, target: str | None, rules: Path = RULES,
+                 scrape_configs: list[dict[str, Any]] = ()):
         self.state_dir, self.target, self.rules = Path(state_dir), target, rules
+        self.scrape_configs = list(scrape_configs)
         self.binary = locate_binary()
         self.log_path = self.state_dir / "prometheus.log"
         self.config_path = self.state_dir / "prometheus.yml"
@@ -133,7 +214,8 @@ class PrometheusProcess:
         /-/ready answers (the rules are loaded by then: a bad rule file stops it first)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.rules_path.write_text(yaml.safe_dump(build_rule_file(yaml.safe_load(self.rules.read_text()))))
-        self.config_path.write_text(yaml.safe_dump(build_config(self.target, [str(self.rules_path)])))
+        self.config_path.write_text(yaml.safe_dump(build_config(self.target, [str(self.rules_path)],
+                                                                self.scrape_configs)))
         self.port = free_port()
         argv = [str(self.binary), f"--config.file={self.config_path}",
                 f"--storage.tsdb.path={self.state_dir / 'data'}",
