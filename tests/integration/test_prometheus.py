@@ -1,8 +1,8 @@
-"""The monitoring objects (manifests/monitoring/: the metrics Service, a ServiceMonitor and
-the alert rules) against prometheus-operator's real CRDs (v0.85.0, from its Go module:
-`bash e2e/build-binaries.sh prometheus_crds`), installed in the test cluster: the API
-server accepts them on a server-side dry run, and refuses a broken one (so the schema
-is really checked).
+"""The monitoring objects (manifests/monitoring/: the metrics Service, a ServiceMonitor, a
+PodMonitor, the alert rules and the Grafana dashboard's ConfigMap) against
+prometheus-operator's real CRDs (v0.85.0, from its Go module: `bash e2e/build-binaries.sh
+prometheus_crds`), installed in the test cluster: the API server accepts them on a
+server-side dry run, and refuses a broken one (so the schema is really checked).
 
 Then the rules at work: a real Prometheus (Debian's 2.42 package, e2e/prometheus.py)
 scrapes the session's operator every second and evaluates the PrometheusRule's groups
@@ -60,10 +60,11 @@ def dry_run(kubectl, objects: list[dict]) -> subprocess.CompletedProcess:
 
 def test_the_monitoring_component_is_accepted(prometheus_crds, installed, kubectl, tmp_path):
     objects = component_objects(tmp_path)
-    assert sorted(o["kind"] for o in objects) == ["PodMonitor", "PrometheusRule", "Service", "ServiceMonitor"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "PodMonitor", "PrometheusRule", "Service",
+                                                  "ServiceMonitor"]
     proc = dry_run(kubectl, objects)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("created (server dry run)") == 4, proc.stdout
+    assert proc.stdout.count("created (server dry run)") == 5, proc.stdout
 
 
 def test_a_broken_rule_or_monitor_is_refused(prometheus_crds, installed, kubectl, tmp_path):
@@ -82,12 +83,14 @@ def test_the_charts_monitoring_objects_are_accepted(prometheus_crds, installed, 
     from tests.unit.test_chart import template  # the real Helm, built on demand
 
     rendered = template("--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
-                        "--set", "monitoring.prometheusRule.enabled=true")
-    kinds = ("Service", "ServiceMonitor", "PodMonitor", "PrometheusRule")
+                        "--set", "monitoring.prometheusRule.enabled=true",
+                        "--set", "monitoring.grafanaDashboard.enabled=true",
+                        "--set-string", "monitoring.grafanaDashboard.annotations.grafana_folder=RFT jobs")
+    kinds = ("Service", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap")
     objects = [o for (kind, _, _), o in rendered.items() if kind in kinds]
-    assert len(objects) == 4, sorted(rendered)
+    assert len(objects) == 5, sorted(rendered)
     proc = dry_run(kubectl, objects)
-    assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 4, proc.stderr
+    assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 5, proc.stderr
 
 
 # --------------------------------------------------------------------------- a real Prometheus

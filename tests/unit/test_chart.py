@@ -123,14 +123,17 @@ def test_bad_values_are_refused_by_name():
 
 # ------------------------------------------------------------------ the monitoring switches
 # The chart's monitoring switches render what the kustomize component manifests/monitoring/
-# adds, object for object, and the chart's PrometheusRule template is generated from the
-# component's rule file.
+# adds, object for object (the dashboard's ConfigMap too: same data, same labels), the
+# chart's PrometheusRule template is generated from the component's rule file, and its
+# dashboard is a copy of the component's.
 
 RULE = REPO_ROOT / "manifests" / "monitoring" / "prometheusrule.yaml"
 RULE_TEMPLATE = CHART / "templates" / "monitoring-prometheusrule.yaml"
+DASHBOARD = REPO_ROOT / "manifests" / "monitoring" / "grafana-dashboard.json"
+DASHBOARD_COPY = CHART / "dashboards" / "rftjob-operator.json"  # Helm reads no file outside the chart
 MONITORING_ON = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
-                 "--set", "monitoring.prometheusRule.enabled=true"]
-MONITORING_KINDS = {"Service", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
+                 "--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true"]
+MONITORING_KINDS = {"Service", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}
 
 
 def build_rule_template(rule_file: str) -> str:
@@ -148,6 +151,12 @@ def test_the_charts_rule_template_is_generated_from_the_component():
     assert RULE_TEMPLATE.read_text() == want, "RFT_REGENERATE=1 pytest tests/unit/test_chart.py"
 
 
+def test_the_charts_dashboard_is_the_components():
+    if os.environ.get("RFT_REGENERATE"):
+        DASHBOARD_COPY.write_text(DASHBOARD.read_text())
+    assert DASHBOARD_COPY.read_text() == DASHBOARD.read_text(), "RFT_REGENERATE=1 pytest tests/unit/test_chart.py"
+
+
 def component(tmp_path) -> dict:
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
@@ -161,8 +170,9 @@ def component(tmp_path) -> dict:
 def test_the_monitoring_values_render_what_the_component_adds(tmp_path):
     got = {k: v for k, v in template(*MONITORING_ON).items() if k[0] in MONITORING_KINDS}
     assert_same(got, component(tmp_path))
+    assert ("ConfigMap", "rftjob-system", "rftjob-operator-dashboard") in got  # the dashboard's, compared too
     # Off by default: the chart as before (tests/unit/test_chart.py compares it with manifests/).
-    assert not {k for k in template() if k[0] in {"ServiceMonitor", "PodMonitor", "PrometheusRule"}}
+    assert not {k for k in template() if k[0] in {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"}}
 
 
 @pytest.mark.timeout(1800)

@@ -1,7 +1,8 @@
 """The monitoring component (manifests/monitoring/): the alert rules under the real promtool
 (Debian's prometheus package, `bash e2e/build-binaries.sh promtool`, fetched on demand
-here), and every metric the rules and the Grafana dashboard name is one the operator
-exports (read from a real scrape of `OperatorMetrics`)."""
+here), every metric the rules and the Grafana dashboard name is one the operator
+exports (read from a real scrape of `OperatorMetrics`), and the dashboard the component's
+ConfigMap carries to Grafana's sidecar is the one checked here."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.cluster import REPO_ROOT, cache_dir, read_versions
 from rft_operator.metrics import OperatorMetrics
 
+from .test_chart import component
 from .testing import make_job
 
 MONITORING = REPO_ROOT / "manifests" / "monitoring"
@@ -175,3 +177,12 @@ def test_the_dashboard_has_one_job_and_the_fleet():
     assert len(ids) == len(set(ids))
     job_exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", []) if "$job" in t["expr"]]
     assert job_exprs and all('namespace="$namespace"' in e for e in job_exprs)
+
+
+def test_the_configmap_carries_this_dashboard_to_grafanas_sidecar(tmp_path):
+    cm = component(tmp_path)[("ConfigMap", "rftjob-system", "rftjob-operator-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's default label
+    (key, text), = cm["data"].items()
+    assert key.endswith(".json")  # the sidecar writes it under this name; Grafana loads *.json
+    assert json.loads(text) == json.loads(DASHBOARD.read_text())
+    assert text == DASHBOARD.read_text()
