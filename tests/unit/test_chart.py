@@ -116,9 +116,14 @@ def test_helm_unittest_suites():
 
 
 @pytest.mark.timeout(1800)
-def test_bad_values_are_refused_by_name():
-    proc = run_helm("template", "x", str(CHART), "--set", "metrics.port=http", check=False)
-    assert proc.returncode != 0 and "metrics.port" in proc.stderr.replace("/", "."), proc.stderr
+@pytest.mark.parametrize("value, name", [
+    ("metrics.port=http", "metrics.port"),
+    ("monitoring.grafanaDashboard.folder=RFT", "folder"),  # a value the chart does not know (a typo)
+    ("monitoring.grafanaDashboard.labelValue=1", "monitoring.grafanaDashboard.labelValue"),  # --set-string
+])
+def test_bad_values_are_refused_by_name(value, name):
+    proc = run_helm("template", "x", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0 and name in proc.stderr.replace("/", "."), proc.stderr
 
 
 # ------------------------------------------------------------------ the monitoring switches
