@@ -32,10 +32,12 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
@@ -99,10 +101,12 @@ def _label(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
-def monitor_scrape_config(monitor: dict[str, Any], kubeconfig: str, interval: str | None = None) -> dict[str, Any]:
+def monitor_scrape_config(monitor: dict[str, Any], discovery_url: str, interval: str | None = None) -> dict[str, Any]:
     """The scrape job prometheus-operator (v0.85) generates for a ServiceMonitor or PodMonitor
-    with one endpoint, for a Prometheus outside the cluster: Kubernetes service discovery
-    through `kubeconfig` (role `endpoints` or `pod`), keep the targets the selector and
+    with one endpoint, for a Prometheus outside the cluster: targets from Kubernetes service
+    discovery (role `endpoints` or `pod`; served over HTTP SD at `discovery_url` by
+    `KubernetesDiscovery`, as Debian's Prometheus is built without Kubernetes discovery),
+    keep the targets the selector and
     endpoint port select, running pods only, label them `namespace`, `pod`, `container`
     (`service`, and `job` = the Service's name, for a ServiceMonitor; `job` =
     `<namespace>/<name>` for a PodMonitor) and apply the endpoint's relabelings.
@@ -147,14 +151,158 @@ def monitor_scrape_config(monitor: dict[str, Any], kubeconfig: str, interval: st
                              "unsupported here")
         relabel.append({_RELABEL_KEYS[k]: v for k, v in r.items()})
     namespaces = spec.get("namespaceSelector") or {}
-    sd: dict[str, Any] = {"role": "pod" if pod else "endpoints", "kubeconfig_file": kubeconfig}
-    if not namespaces.get("any"):
-        sd["namespaces"] = {"names": namespaces.get("matchNames") or [meta["namespace"]]}
+    query = "" if namespaces.get("any") else "?" + urllib.parse.urlencode(
+        {"namespaces": ",".join(namespaces.get("matchNames") or [meta["namespace"]])})
+    sd = {"url": f"{discovery_url}/{'pod' if pod else 'endpoints'}{query}", "refresh_interval": interval or "30s"}
     return {"job_name": f"{'podMonitor' if pod else 'serviceMonitor'}/{meta['namespace']}/{meta['name']}/0",
             "honor_labels": bool(endpoint.get("honorLabels")),
             "scrape_interval": interval or endpoint.get("interval") or INTERVAL,
             "metrics_path": endpoint.get("path") or "/metrics",
-            "kubernetes_sd_configs": [sd], "relabel_configs": relabel}
+            "http_sd_configs": [sd], "relabel_configs": relabel}
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _meta_labels(prefix: str, labels: dict[str, str] | None) -> dict[str, str]:
+    out = {}
+    for key, value in (labels or {}).items():
+        out[f"{prefix}_label_{_label(key)}"] = value
+        out[f"{prefix}_labelpresent_{_label(key)}"] = "true"
+    return out
+
+
+def _pod_meta(pod: dict[str, Any]) -> dict[str, str]:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    return {"__meta_kubernetes_namespace": meta["namespace"], "__meta_kubernetes_pod_name": meta["name"],
+            "__meta_kubernetes_pod_ip": status.get("podIP") or "",
+            "__meta_kubernetes_pod_phase": status.get("phase") or "",
+            **_meta_labels("__meta_kubernetes_pod", meta.get("labels"))}
+
+
+def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kubernetes discovery's role `pod` for pods as the API serves them (camelCase): one
+    target per declared container port of each pod with an IP, with the
+    `__meta_kubernetes_pod_*` labels Prometheus' own discovery gives it."""
+    groups = []
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            continue
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports") or []:
+                groups.append({"targets": [f"{ip}:{port['containerPort']}"], "labels": {
+                    **_pod_meta(pod), "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}})
+    return groups
+
+
+def endpoints_targets(services: list[dict[str, Any]], slices: list[dict[str, Any]],
+                      pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kubernetes discovery's role `endpoints` (read from EndpointSlices): one target per
+    ready address and port of each Service, with the Service's labels and, for an address
+    backed by a pod, the pod's and its container's."""
+    by_service = {(s["metadata"]["namespace"], s["metadata"]["name"]): s for s in services}
+    by_pod = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+    groups = []
+    for sl in slices:
+        ns = sl["metadata"]["namespace"]
+        service = by_service.get((ns, (sl["metadata"].get("labels") or {}).get("kubernetes.io/service-name")))
+        if service is None:
+            continue
+        for endpoint in sl.get("endpoints") or []:
+            ref = endpoint.get("targetRef") or {}
+            pod = by_pod.get((ns, ref.get("name"))) if ref.get("kind") == "Pod" else None
+            for port in sl.get("ports") or []:
+                for address in endpoint.get("addresses") or []:
+                    labels = {"__meta_kubernetes_namespace": ns,
+                              "__meta_kubernetes_service_name": service["metadata"]["name"],
+                              **_meta_labels("__meta_kubernetes_service", service["metadata"].get("labels")),
+                              "__meta_kubernetes_endpoint_port_name": port.get("name") or "",
+                              "__meta_kubernetes_endpoint_ready": str(
+                                  (endpoint.get("conditions") or {}).get("ready", True)).lower()}
+                    if pod is not None:
+                        labels.update(_pod_meta(pod))
+                        container = next((c["name"] for c in pod["spec"]["containers"]
+                                          for p in c.get("ports") or [] if p["containerPort"] == port["port"]), "")
+                        labels["__meta_kubernetes_pod_container_name"] = container
+                    groups.append({"targets": [f"{address}:{port['port']}"], "labels": labels})
+    return groups
+
+
+class KubernetesDiscovery:
+    """Prometheus' Kubernetes service discovery, roles `pod` and `endpoints`, served as HTTP
+    SD from the test process (`/pod`, `/endpoints`, `?namespaces=a,b`), read from the API
+    server with `api` (a kubernetes ApiClient) on each of Prometheus' refreshes."""
+
+    def __init__(self, api) -> None:
+        import kubernetes
+
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.discovery = kubernetes.client.DiscoveryV1Api(api)
+        self.serialize = api.sanitize_for_serialization
+        self.server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None, "not started"
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def targets(self, role: str, namespaces: list[str]) -> list[dict[str, Any]]:
+        def listed(namespaced, every) -> list[dict[str, Any]]:
+            items = ([x for ns in namespaces for x in namespaced(ns).items] if namespaces else every().items)
+            return [self.serialize(x) for x in items]
+
+        pods = listed(self.core.list_namespaced_pod, self.core.list_pod_for_all_namespaces)
+        if role == "pod":
+            return pod_targets(pods)
+        services = listed(self.core.list_namespaced_service, self.core.list_service_for_all_namespaces)
+        slices = listed(self.discovery.list_namespaced_endpoint_slice,
+                        self.discovery.list_endpoint_slice_for_all_namespaces)
+        return endpoints_targets(services, slices, pods)
+
+    def start(self) -> "KubernetesDiscovery":
+        discovery = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                role = url.path.strip("/")
+                namespaces = [n for n in (urllib.parse.parse_qs(url.query).get("namespaces") or [""])[0].split(",")
+                              if n]
+                if role not in ("pod", "endpoints"):
+                    self.send_error(404, f"no role {role!r}: pod or endpoints")
+                    return
+                try:
+                    body = json.dumps(discovery.targets(role, namespaces)).encode()
+                except Exception as e:  # noqa: BLE001 - Prometheus keeps the last targets and logs this
+                    self.send_error(502, f"listing from the API server: {e}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, name="kubernetes-sd", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def __enter__(self) -> "KubernetesDiscovery":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def matches(alert: dict[str, Any], name: str, labels: dict[str, str], state: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.prometheus import monitor_scrape_config
+from e2e.prometheus import endpoints_targets, monitor_scrape_config, pod_targets
 
 MONITORING = Path(__file__).resolve().parents[2] / "manifests" / "monitoring"
 
@@ -52,8 +52,8 @@ JOB_POD = {"app_kubernetes_io_managed_by": "rftjob-operator", "rft_dev_role": "t
 
 
 def test_the_podmonitor_finds_the_jobs_metrics_ports_in_any_namespace():
-    config = monitor_scrape_config(load("podmonitor.yaml"), "/kubeconfig", interval="1s")
-    assert config["kubernetes_sd_configs"] == [{"role": "pod", "kubeconfig_file": "/kubeconfig"}]  # any namespace
+    config = monitor_scrape_config(load("podmonitor.yaml"), "http://sd", interval="1s")
+    assert config["http_sd_configs"] == [{"url": "http://sd/pod", "refresh_interval": "1s"}]  # any namespace
     assert (config["scrape_interval"], config["metrics_path"], config["honor_labels"]) == ("1s", "/metrics", False)
     assert relabel(config, pod_target(**JOB_POD)) == {
         "namespace": "team-a", "pod": "demo-trainer-1-0", "container": "trainer",
@@ -67,13 +67,13 @@ def test_the_podmonitor_finds_the_jobs_metrics_ports_in_any_namespace():
     pod_target(phase="Succeeded", **JOB_POD),
 ], ids=["other-port", "other-manager", "no-role", "succeeded"])
 def test_the_podmonitor_keeps_nothing_else(target):
-    assert relabel(monitor_scrape_config(load("podmonitor.yaml"), "/k"), target) is None
+    assert relabel(monitor_scrape_config(load("podmonitor.yaml"), "http://sd"), target) is None
 
 
 def test_the_servicemonitor_scrapes_the_operators_service_with_its_labels_honoured():
-    config = monitor_scrape_config(load("servicemonitor.yaml"), "/k")
-    assert config["kubernetes_sd_configs"] == [
-        {"role": "endpoints", "kubeconfig_file": "/k", "namespaces": {"names": ["rftjob-system"]}}]
+    config = monitor_scrape_config(load("servicemonitor.yaml"), "http://sd")
+    assert config["http_sd_configs"] == [
+        {"url": "http://sd/endpoints?namespaces=rftjob-system", "refresh_interval": "30s"}]
     assert config["honor_labels"] is True and config["scrape_interval"] == "30s"
     target = {"__meta_kubernetes_namespace": "rftjob-system", "__meta_kubernetes_service_name": "rftjob-operator-metrics",
               "__meta_kubernetes_service_label_app_kubernetes_io_name": "rftjob-operator",
@@ -89,8 +89,48 @@ def test_a_monitor_field_it_does_not_model_is_refused_not_dropped():
     monitor = copy.deepcopy(load("podmonitor.yaml"))
     monitor["spec"]["podMetricsEndpoints"][0]["scheme"] = "https"
     with pytest.raises(ValueError, match=r"scheme"):
-        monitor_scrape_config(monitor, "/k")
+        monitor_scrape_config(monitor, "http://sd")
     monitor = copy.deepcopy(load("podmonitor.yaml"))
     monitor["spec"]["selector"]["matchExpressions"][0]["operator"] = "NotIn"
     with pytest.raises(ValueError, match="NotIn"):
-        monitor_scrape_config(monitor, "/k")
+        monitor_scrape_config(monitor, "http://sd")
+
+
+# ------------------------------------------------------------------ discovery (KubernetesDiscovery)
+
+POD = {"metadata": {"namespace": "team-a", "name": "demo-inference-0",
+                    "labels": {"app.kubernetes.io/managed-by": "rftjob-operator", "rft.dev/role": "inference",
+                               "rft.dev/job": "demo"}},
+       "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": 8000}]},
+                               {"name": "sync-agent", "ports": [{"name": "weights", "containerPort": 8001},
+                                                                {"name": "metrics", "containerPort": 9400}]}]},
+       "status": {"podIP": "10.88.0.7", "phase": "Running"}}
+
+
+def test_pod_discovery_gives_each_declared_port_and_the_podmonitor_keeps_the_metrics_one():
+    groups = pod_targets([POD, {**POD, "status": {"phase": "Pending"}}])  # no IP yet: no target
+    assert [g["targets"] for g in groups] == [["10.88.0.7:8000"], ["10.88.0.7:8001"], ["10.88.0.7:9400"]]
+    config = monitor_scrape_config(load("podmonitor.yaml"), "http://sd")
+    kept = [(g["targets"], relabel(config, g["labels"])) for g in groups if relabel(config, g["labels"])]
+    assert kept == [(["10.88.0.7:9400"], {
+        "namespace": "team-a", "pod": "demo-inference-0", "container": "sync-agent",
+        "job": "rftjob-system/rftjob-pods", "endpoint": "metrics", "rftjob": "demo", "role": "inference"})]
+
+
+def test_endpoints_discovery_labels_the_operators_service_and_pod():
+    service = {"metadata": {"namespace": "rftjob-system", "name": "rftjob-operator-metrics",
+                            "labels": {"app.kubernetes.io/name": "rftjob-operator"}}}
+    pod = {"metadata": {"namespace": "rftjob-system", "name": "op-1", "labels": {}},
+           "spec": {"containers": [{"name": "operator", "ports": [{"name": "metrics", "containerPort": 9090}]}]},
+           "status": {"podIP": "10.88.0.3", "phase": "Running"}}
+    endpoint_slice = {"metadata": {"namespace": "rftjob-system",
+                                   "labels": {"kubernetes.io/service-name": "rftjob-operator-metrics"}},
+                      "ports": [{"name": "metrics", "port": 9090}],
+                      "endpoints": [{"addresses": ["10.88.0.3"], "conditions": {"ready": True},
+                                     "targetRef": {"kind": "Pod", "name": "op-1"}}]}
+    (group,) = endpoints_targets([service], [endpoint_slice], [pod])
+    assert group["targets"] == ["10.88.0.3:9090"]
+    assert relabel(monitor_scrape_config(load("servicemonitor.yaml"), "http://sd"), group["labels"]) == {
+        "namespace": "rftjob-system", "pod": "op-1", "container": "operator", "service": "rftjob-operator-metrics",
+        "job": "rftjob-operator-metrics", "endpoint": "metrics"}
+    assert endpoints_targets([], [endpoint_slice], [pod]) == []  # a slice of no Service listed
