@@ -25,6 +25,7 @@ import yaml
 from e2e import demo
 from e2e import node as real_node
 from e2e.mlflow_server import MLflowServer
+from e2e.prometheus import KubernetesDiscovery, PrometheusProcess, monitor_scrape_config
 from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
@@ -584,3 +585,75 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
     RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
                            "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
+
+
+@pytest.fixture
+def prometheus_in_cluster(stack, kubectl, tmp_path):
+    """A real Prometheus on the host that finds its targets as the monitoring component's
+    ServiceMonitor and PodMonitor would have prometheus-operator find them
+    (e2e/prometheus.monitor_scrape_config): the operator through the component's metrics
+    Service, the jobs' pods by their `metrics` port, listed from the API server (Debian's
+    Prometheus has no Kubernetes discovery built in: KubernetesDiscovery serves the same
+    targets and meta labels over HTTP SD). Scrapes and evaluates the component's alert
+    rules every second."""
+    monitoring = ROOT / "manifests" / "monitoring"
+    kubectl("apply", "-f", str(monitoring / "service.yaml"))
+    monitors = [yaml.safe_load((monitoring / f).read_text()) for f in ("servicemonitor.yaml", "podmonitor.yaml")]
+    try:
+        with KubernetesDiscovery(stack["api"]) as sd:
+            configs = [monitor_scrape_config(m, sd.url, interval="1s") for m in monitors]
+            with PrometheusProcess(tmp_path / "prometheus", target=None, scrape_configs=configs) as prom:
+                yield prom
+    finally:
+        kubectl("delete", "-f", str(monitoring / "service.yaml"), "--ignore-not-found", check=False)
+
+
+def test_a_real_prometheus_scrapes_the_operator_and_the_jobs_pods_and_alerts_when_the_trainer_stalls(
+        job, prometheus_in_cluster):
+    """The operator's per-job series (through the ServiceMonitor's Service) and the job's own
+    /metrics (rank-0 trainer, each sync agent, the explorer, through the PodMonitor) in one
+    real Prometheus. Then the trainer's processes are frozen (SIGSTOP): the job makes no
+    step, the frozen rank 0 answers no scrape, the operator restarts the gang past its
+    progress deadline and RFTJobProgressDeadlineExceeded fires for the job."""
+    prom = prometheus_in_cluster
+    deadline = 40
+    j = job(failurePolicy={"progressDeadlineSeconds": deadline})
+    ns, name = j["ns"], j["name"]
+    sel = f'namespace="{ns}",rftjob="{name}"'
+    wait_for(lambda: prom.query('up{job="rftjob-operator-metrics"} == 1'), 60, "the operator scraped")
+    wait_for(lambda: prom.query(f'rftjob_job_phase{{namespace="{ns}",job="{name}",phase="Running"}} == 1'), 240,
+             "the job's phase series from the operator")
+    wait_for(lambda: prom.query(f'rft_trainer_step{{{sel},role="trainer"}} >= 2'), 400, "the trainer's steps scraped")
+    wait_for(lambda: len(prom.query(f'rft_sync_agent_served_version{{{sel},role="inference"}} >= 1')) == 2, 120,
+             "both sync agents serving a trained version")
+    wait_for(lambda: prom.query(f'rft_explorer_samples_written_total{{{sel},role="explorer"}} > 0'), 60,
+             "the explorer's samples")
+    # One target per program that serves /metrics: rank 0 (rank 1 has no `metrics` port),
+    # the two sync agents, the explorer; none of them answers with an error.
+    targets = prom.query(f'up{{{sel}}}')
+    roles = sorted((t["metric"]["role"], t["metric"]["container"], t["value"][1]) for t in targets)
+    assert roles == [("explorer", "explorer", "1"), ("inference", "sync-agent", "1"),
+                     ("inference", "sync-agent", "1"), ("trainer", "trainer", "1")], roles
+    tokens = prom.query(f'rft_trainer_throughput_tokens_per_second{{{sel}}}')
+    assert tokens and float(tokens[0]["value"][1]) > 0, tokens
+
+    frozen = [proc for p in pods(j, names.ROLE_TRAINER) if p.status.phase == "Running" for proc in pod_processes(p)]
+    assert frozen, "the trainer's processes"
+    for proc in frozen:
+        proc.suspend()
+    stalled = time.monotonic()
+    try:
+        wait_for(lambda: prom.query(f'up{{{sel},role="trainer"}} == 0'), 60, "the frozen rank 0 unscrapable")
+        alert = prom.wait_alert("RFTJobProgressDeadlineExceeded", {"namespace": ns, "job": name}, deadline + 120)
+        fired = time.monotonic() - stalled
+    finally:
+        for proc in frozen:
+            try:
+                proc.resume()
+            except psutil.NoSuchProcess:
+                pass
+    assert alert["labels"]["severity"] == "warning"
+    s = wait_status(j, lambda s: s.get("restarts") == 1, 60, "the deadline's restart")
+    assert s["lastFailure"]["reason"] == names.REASON_PROGRESS_DEADLINE
+    RESULTS["prometheus"] = {"targets": len(targets), "deadline_seconds": deadline,
+                             "seconds_frozen_to_alert": round(fired, 1)}
