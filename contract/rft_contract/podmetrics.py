@@ -243,10 +243,10 @@ class ExplorerMetrics(PodMetrics):
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         self._failures_seen = 0
-        self._trainer_step = 0
+        self.last_trainer_step = 0
 
     def observe_trainer(self, step: int) -> None:
-        self._trainer_step = step
+        self.last_trainer_step = step
         self.trainer_step.set(step)
 
     def observe_request_failures(self, total: int) -> None:
@@ -263,7 +263,7 @@ class ExplorerMetrics(PodMetrics):
             low, high = min(versions), max(versions)
             self.policy_version.labels("min").set(low)
             self.policy_version.labels("max").set(high)
-            self.staleness.set(self._trainer_step - low)
+            self.staleness.set(self.last_trainer_step - low)
         self.reward_mean.set(reward_mean)
         self.shard_seconds.set(seconds)
         self.shard_time.set(now())

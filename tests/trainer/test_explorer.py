@@ -494,3 +494,48 @@ def test_cli_exits_0_on_sigterm(bucket, servers, model_dir, tmp_path):
     assert '"event": "explorer_exit"' in rest
     state = json.loads(get_storage(f"s3://{bucket}/buf").read_bytes(f"s3://{bucket}/buf/_explorer/e000.json"))
     assert shard_names(f"s3://{bucket}/buf") == [shard_name(i, 0) for i in range(state["seq"])]
+
+
+def test_cli_logs_its_rollouts_to_the_jobs_trackers_in_runs_of_its_own(bucket, servers, model_dir, tmp_path):
+    """spec.tracking reaches the explorer too (as Trinity-RFT, one run per role): explorer 1
+    of 2 logs each shard's rollout figures to a real MLflow server, in the run
+    `demo_explorer-1` (not the trainer's `demo`), and to the TensorBoard run `explorer-1`
+    beside the trainer's on S3, read back with TensorBoard's own reader. A second process
+    (a restarted pod) continues the same MLflow run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from e2e.mlflow_server import MLflowServer
+
+    write_taskset(f"s3://{bucket}/tasks.jsonl", arithmetic(8))
+    root = f"s3://{bucket}/run"
+    cfg = job_config(model_dir, "", f"s3://{bucket}/tasks.jsonl", replicas=2) | {
+        "checkpoint": {"uri": root}, "buffer": {"max_staleness": 1}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RFT_", "MLFLOW_")) and k != "KUBECONFIG"}
+    env["RFT_EXPLORER_INDEX"] = "1"
+    with MLflowServer(tmp_path / "mlflow") as server:
+        cfg["tracking"] = {"mlflow": {"tracking_uri": server.url, "experiment": "explore"}, "tensorboard": {}}
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps(cfg))
+        for shards in (2, 1):  # the second process resumes after shard 2 and writes one more
+            res = subprocess.run([sys.executable, "-m", "rft_rollout.explorer", "--config", str(config),
+                                  "--endpoints", servers[1].url, "--max-shards", str(shards)],
+                                 env=env, capture_output=True, text=True, timeout=180)
+            assert res.returncode == 0, res.stderr[-3000:]
+        (run,) = server.runs("explore")
+        assert run["info"]["run_name"] == "demo_explorer-1"
+        tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
+        assert tags["rft.role"] == "explorer-1" and tags["rft.job"] == "demo"
+        rewards = server.history(run["info"]["run_id"], "rollout/rewards/mean")
+        assert sorted(m["step"] for m in rewards) == [1, 2, 3]
+        assert all(0.0 <= m["value"] <= 1.0 for m in rewards)
+        samples = server.history(run["info"]["run_id"], "rollout/samples")
+        assert {m["value"] for m in samples} == {BATCH}
+    storage, local = get_storage(root), tmp_path / "tb"
+    for uri in storage.list(f"{root}/tensorboard/explorer-1/"):
+        (local / uri.rsplit("/", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+        (local / uri.rsplit("/", 1)[1]).write_bytes(storage.read_bytes(uri))
+    acc = EventAccumulator(str(local))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("rollout/rewards/mean")] == [1, 2, 3]
+    assert {"rollout/response_length/mean", "rollout/policy_version/min", "timing_s/shard"} <= set(
+        acc.Tags()["scalars"])

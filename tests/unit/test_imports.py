@@ -140,7 +140,8 @@ ALLOWED = {  # package -> the other deployables' modules it may import
     "rft_operator": set(),
     "rft_serving": set(),
     "rft_trainer": set(),
-    "rft_rollout": {"rft_trainer", "rft_trainer.experience"},  # the shard format
+    "rft_rollout": {"rft_trainer", "rft_trainer.experience",  # the shard format
+                    "rft_trainer.tracking"},  # spec.tracking: the explorers log to the same trackers
 }
 
 

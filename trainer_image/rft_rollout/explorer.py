@@ -73,6 +73,7 @@ from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA
 from rft_contract.podmetrics import ExplorerMetrics
 from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
+from rft_trainer.tracking import Tracker, build_tracker, explorer_role
 
 from .rewards import get_reward
 from .rollouts import (STRADDLED, UNVERSIONED, ClientError, Completion, InferenceClient, Sample, Stopped,
@@ -190,6 +191,7 @@ class Explorer:
         self.state = ExplorerState()
         self._order: tuple[int, list[int]] = (-1, [])
         self.metrics = ExplorerMetrics()  # main() serves it (/metrics, port `metrics`)
+        self.tracker: Tracker | None = None  # spec.tracking's runs of this explorer (main() builds it)
 
     def stop(self) -> None:
         """Ask run() to return soon (signal-safe: only sets an event)."""
@@ -401,6 +403,14 @@ class Explorer:
             "dropped_straddling": dropped[STRADDLED], "dropped_unversioned": dropped[UNVERSIONED]}))
         self.metrics.observe_shard(len(samples), versions, reward_mean, seconds, dropped)
         self.metrics.observe_request_failures(self.client.failures)
+        if self.tracker is not None:  # queued: a tracker that is down never holds the explorer
+            self.tracker.log_metrics(seq + 1, {
+                "rollout/rewards/mean": reward_mean, "rollout/samples": len(samples),
+                "rollout/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+                "rollout/policy_version/min": min(versions), "rollout/policy_version/max": max(versions),
+                "rollout/staleness": self.metrics.last_trainer_step - min(versions),
+                "rollout/dropped/straddled": dropped[STRADDLED], "rollout/dropped/unversioned": dropped[UNVERSIONED],
+                "rollout/request_retries": self.client.failures, "timing_s/shard": seconds})
 
 
 # ------------------------------------------------------------------ trainer progress
@@ -502,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     explorer.metrics.serve()
-    written = explorer.run(max_shards=args.max_shards)
+    explorer.tracker = build_tracker(config, role=explorer_role(index, replicas))
+    try:
+        written = explorer.run(max_shards=args.max_shards)
+    finally:
+        if explorer.tracker is not None:
+            explorer.tracker.close(finished=explorer.finished)
     log.info(json.dumps({"event": "explorer_exit", "shards_written": written,
                          "trainer_finished": explorer.finished, **dataclasses.asdict(explorer.state)}))
     return 0

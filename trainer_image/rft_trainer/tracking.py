@@ -19,8 +19,14 @@ A tracker that is down never stops or slows training:
 Where things go, `<root>` being `checkpoint.uri`:
 
     <tensorboard.uri or <root>/tensorboard>/attempt-NNN/events.out.tfevents.*   one run per attempt
+    <tensorboard.uri or <root>/tensorboard>/explorer/...   the explorer's rollouts (explorer-<i> for several)
     <root>/tracking/mlflow-run.json   the MLflow run of the job: a resumed attempt continues it
-    <root>/tracking/wandb/            W&B's offline run files, for `wandb sync`
+    <root>/tracking/mlflow-run-explorer.json   the explorer's run, `<job>_explorer`
+    <root>/tracking/wandb/            W&B's offline run files, for `wandb sync` (wandb-explorer/ the explorer's)
+
+The explorers log each shard's rollout figures (`rollout/rewards/mean`, ...; step = the
+explorer's shard count) to runs of their own (`build_tracker(role=...)`), as Trinity-RFT
+makes one run per role.
 """
 
 from __future__ import annotations
@@ -312,8 +318,8 @@ class TensorBoardBackend:
     name = "tensorboard"
 
     def __init__(self, uri: str, attempt: int, local_dir: str, config_text: str | None = None,
-                 storage: Storage | None = None, roll_bytes: int = 16 << 20):
-        run = f"attempt-{attempt:03d}"
+                 storage: Storage | None = None, roll_bytes: int = 16 << 20, run: str | None = None):
+        run = run or f"attempt-{attempt:03d}"  # an explorer's run is its role: every restart adds files to it
         self.dest, self.local = join(uri, run), Path(local_dir) / TENSORBOARD / run
         self.storage = storage or get_storage(uri)
         self.config_text, self.roll_bytes = config_text, roll_bytes
@@ -525,32 +531,48 @@ class WandbBackend:
 
 # ------------------------------------------------------------------ from the config
 
-def mlflow_state_uri(root: str) -> str:
-    return join(root, TRACKING, MLFLOW_RUN_FILE)
+def mlflow_state_uri(root: str, role: str | None = None) -> str:
+    """Where the MLflow run's id is kept: the trainer's `mlflow-run.json`, a role's
+    `mlflow-run-<role>.json`."""
+    return join(root, TRACKING, MLFLOW_RUN_FILE if role is None else f"mlflow-run-{role}.json")
+
+
+def explorer_role(index: int, replicas: int) -> str:
+    """An explorer's tracking role: `explorer`, or `explorer-<i>` when there are several
+    (each its own run: their shards are counted apart)."""
+    return "explorer" if replicas == 1 else f"explorer-{index}"
 
 
 def build_tracker(config, report: Callable[[dict], None] | None = None, local_dir: str | None = None,
-                  **worker_kw: Any) -> Tracker | None:
-    """The trackers `config.tracking` names (None: none), for rank 0. Event and run files
-    are written under `local_dir` (default a new temp dir) before they are uploaded."""
+                  role: str | None = None, **worker_kw: Any) -> Tracker | None:
+    """The trackers `config.tracking` names (None: none), for the trainer's rank 0 (`role`
+    None) or another role (`explorer_role`). Event and run files are written under
+    `local_dir` (default a new temp dir) before they are uploaded.
+
+    As Trinity-RFT does, a role other than the trainer gets runs of its own beside the
+    trainer's: MLflow and W&B runs named `<job>_<role>` (continued across the pod's
+    restarts like the trainer's across attempts), and the TensorBoard run `<role>` next to
+    the trainer's `attempt-NNN` ones."""
     spec = config.tracking
     if spec is None or not (spec.tensorboard or spec.mlflow or spec.wandb):
         return None
     root, job, attempt = config.checkpoint.uri, config.job, config.job.attempt
     local_dir = local_dir or tempfile.mkdtemp(prefix="rft-tracking-")
     params = build_params(config)
+    run_name = (f"{job.name}_{role}" if role else job.name) or None
     backends: list[Any] = []
     if spec.tensorboard:
         backends.append(TensorBoardBackend(spec.tensorboard.uri or join(root, TENSORBOARD), attempt, local_dir,
-                                           config_text=json.dumps(params, indent=1, sort_keys=True)))
+                                           config_text=json.dumps(params, indent=1, sort_keys=True), run=role))
     if spec.mlflow:
         tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
-                "rft.checkpoint_uri": root, "rft.attempt": str(attempt)}
-        backends.append(MLflowBackend(spec.mlflow.tracking_uri, spec.mlflow.experiment, mlflow_state_uri(root),
-                                      params, {k: v for k, v in tags.items() if v}, run_name=job.name or None))
+                "rft.checkpoint_uri": root, "rft.attempt": str(attempt), "rft.role": role or "trainer"}
+        backends.append(MLflowBackend(spec.mlflow.tracking_uri, spec.mlflow.experiment, mlflow_state_uri(root, role),
+                                      params, {k: v for k, v in tags.items() if v}, run_name=run_name))
     if spec.wandb:
         w = spec.wandb
-        run_id = "rft-" + hashlib.sha256((job.uid or root).encode()).hexdigest()[:16]
+        run_id = "rft-" + hashlib.sha256(((job.uid or root) + (f"/{role}" if role else "")).encode()).hexdigest()[:16]
         backends.append(WandbBackend(w.project, w.entity, w.mode, run_id, str(Path(local_dir) / "wandb-run"),
-                                     params, join(root, TRACKING, "wandb"), run_name=job.name or None))
+                                     params, join(root, TRACKING, "wandb" if role is None else f"wandb-{role}"),
+                                     run_name=run_name))
     return Tracker(backends, report, **worker_kw)
