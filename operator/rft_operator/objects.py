@@ -228,3 +228,30 @@ def build_metrics_port(taken: Collection[int] = ()) -> tuple[list[Obj], list[Obj
     env = [] if port == METRICS_PORT else [{"name": ENV_METRICS_PORT, "value": str(port)}]
     return [{"name": METRICS_PORT_NAME, "containerPort": port}], env
 
+
+# The keys each tracker's Secret may hold, each given as the variable of its own name, and
+# whether the pod may start without it. MLflow takes a username and password or a token, so
+# each is optional; W&B online mode needs its key.
+MLFLOW_SECRET_KEYS = (("MLFLOW_TRACKING_USERNAME", True), ("MLFLOW_TRACKING_PASSWORD", True),
+                      ("MLFLOW_TRACKING_TOKEN", True))
+WANDB_SECRET_KEYS = (("WANDB_API_KEY", False),)
+
+
+def build_tracking_env(spec: RFTJobSpec) -> list[Obj]:
+    """`tracking.mlflow.credentialsSecret` and `tracking.wandb.apiKeySecret` as secretKeyRefs,
+    for the trainer pods (only rank 0 sends to the trackers, but every rank runs the same pod
+    spec) and the explorers (their runs of rollout figures)."""
+    t = spec.tracking
+    secrets = [(t.mlflow and t.mlflow.credentials_secret, MLFLOW_SECRET_KEYS),
+               (t.wandb and t.wandb.api_key_secret, WANDB_SECRET_KEYS)] if t else []
+    env: list[Obj] = []
+    for secret, keys in secrets:
+        if not secret:
+            continue
+        for key, optional in keys:
+            # Referenced, never copied: the values stay in the Secret.
+            ref: Obj = {"name": secret, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env

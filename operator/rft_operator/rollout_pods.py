@@ -11,13 +11,12 @@ parent replica's agent (port `weights`) rather than S3 where it can (rft_serving
 from __future__ import annotations
 
 from rft_contract import names
+from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT_NAME
 from rft_contract.spec import RFTJobSpec
 
-from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT_NAME
-
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod,
-                      build_pod_security_context, build_shm, build_resources, build_s3_env, build_user_env, labels,
-                      spec_hash)
+                      build_pod_security_context, build_shm, build_resources, build_s3_env, build_tracking_env,
+                      build_user_env, labels, spec_hash)
 
 # Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
 # children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
@@ -224,7 +223,7 @@ def _explorer_container(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         {"name": names.ENV_EXPLORER_INDEX, "value": str(index)},
         {"name": names.ENV_EXPLORER_REPLICAS, "value": str(ex.replicas)},
         {"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))},
-    ] + build_s3_env(spec)
+    ] + build_s3_env(spec) + build_tracking_env(spec)
     metrics_ports, metrics_env = build_metrics_port()
     return {
         "name": "explorer",

@@ -12,7 +12,8 @@ from rft_contract import names
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
-                      build_user_env, build_pod_security_context, build_resources, build_s3_env, labels)
+                      build_tracking_env, build_user_env, build_pod_security_context, build_resources, build_s3_env,
+                      labels)
 
 
 def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
@@ -37,33 +38,6 @@ def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
     env += build_s3_env(spec)
     env += build_tracking_env(spec)
     env += [build_user_env(e) for e in spec.trainer.env]
-    return env
-
-
-# The keys each tracker's Secret may hold, each given as the variable of its own name, and
-# whether the pod may start without it. MLflow takes a username and password or a token, so
-# each is optional; W&B online mode needs its key.
-MLFLOW_SECRET_KEYS = (("MLFLOW_TRACKING_USERNAME", True), ("MLFLOW_TRACKING_PASSWORD", True),
-                      ("MLFLOW_TRACKING_TOKEN", True))
-WANDB_SECRET_KEYS = (("WANDB_API_KEY", False),)
-
-
-def build_tracking_env(spec: RFTJobSpec) -> list[Obj]:
-    """`tracking.mlflow.credentialsSecret` and `tracking.wandb.apiKeySecret` as secretKeyRefs
-    (only rank 0 sends to the trackers, but every rank runs the same pod spec)."""
-    t = spec.tracking
-    secrets = [(t.mlflow and t.mlflow.credentials_secret, MLFLOW_SECRET_KEYS),
-               (t.wandb and t.wandb.api_key_secret, WANDB_SECRET_KEYS)] if t else []
-    env: list[Obj] = []
-    for secret, keys in secrets:
-        if not secret:
-            continue
-        for key, optional in keys:
-            # Referenced, never copied: the values stay in the Secret.
-            ref: Obj = {"name": secret, "key": key}
-            if optional:
-                ref["optional"] = True
-            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 

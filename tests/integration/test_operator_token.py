@@ -343,7 +343,7 @@ def test_pods_read_the_tracking_secrets_their_spec_names(operator_api, api, kube
     """spec.tracking's Secrets (MLflow credentials, the W&B key) reach the trainer pods as
     the operator renders them; another Secret under the same variable names does not."""
     from rft_contract.spec import parse_spec
-    from rft_operator.trainer_pods import build_tracking_env
+    from rft_operator.objects import build_tracking_env
 
     tracking = {"mlflow": {"trackingUri": "https://mlflow.example", "experiment": "rft",
                            "credentialsSecret": "mlflow-creds"},

@@ -14,7 +14,7 @@ from rft_contract import names
 from rft_operator import builders
 from rft_contract.spec import parse_spec
 
-from .testing import REF, SPEC
+from .testing import LOOP, REF, SPEC
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -147,9 +147,12 @@ TRACKING = {"mlflow": {"trackingUri": "https://mlflow.example", "experiment": "r
             "wandb": {"project": "rft", "apiKeySecret": "wandb-key"}}
 
 
-def test_tracking_secrets_are_referenced_key_by_key():
-    spec = parse_spec({**SPEC, "tracking": TRACKING})
-    env = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"][0]["env"]
+@pytest.mark.parametrize("role", ["trainer", "explorer"])  # the explorers log their rollouts to runs of their own
+def test_tracking_secrets_are_referenced_key_by_key(role):
+    spec = parse_spec({**LOOP, "tracking": TRACKING})
+    pod = (builders.build_trainer_pod(REF, spec, 1, 0) if role == "trainer"
+           else builders.build_explorer_pod(REF, spec, 0))
+    env = pod["spec"]["containers"][0]["env"]
     tracking = [e for e in env if e["name"].startswith(("MLFLOW_", "WANDB_"))]
     ref = lambda secret, key, **kw: {"name": key, "valueFrom": {"secretKeyRef": {  # noqa: E731
         "name": secret, "key": key, **kw}}}
