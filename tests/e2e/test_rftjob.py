@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import signal
 import time
 import uuid
@@ -24,7 +25,9 @@ import yaml
 
 from e2e import demo
 from e2e import node as real_node
+from e2e.host import cache_dir
 from e2e.mlflow_server import MLflowServer
+from e2e.screenshot import curve_drawn, screenshot_tensorboard
 from e2e.prometheus import KubernetesDiscovery, PrometheusProcess, monitor_scrape_config
 from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
@@ -243,6 +246,11 @@ def test_demo_job_trains_checkpoints_and_serves_the_final_weights(job):
     assert last > first, f"reward did not rise: {rewards}"
     board = demo.fetch_tensorboard(j["uri"], j["dir"] / "tensorboard")  # the sample tracks to TensorBoard
     assert board is not None and list(board.rglob("events.out.tfevents.*")), "TensorBoard event files"
+    png = screenshot_tensorboard(board, j["dir"] / "tensorboard.png")  # a real TensorBoard, headless Chromium
+    saved = cache_dir() / "screenshots" / "tensorboard-reward.png"  # the README's, after a run: docs/img/
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(png, saved)
+    assert curve_drawn(png), f"no reward curve in TensorBoard's screenshot {saved}"
     wait_for(lambda: not [p for p in pods(j) if p.status.phase in ("Pending", "Running")], 120,
              "inference and explorer pods gone after success")
     RESULTS["demo"] = {"seconds_to_running": round(running_at, 1),
@@ -573,8 +581,13 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     tracking = s["trainer"]["tracking"]
     assert tracking["mlflow"]["ok"] and tracking["tensorboard"]["ok"], tracking
 
-    (run,) = server.runs(experiment)  # one run for both attempts
+    runs = {r["info"]["run_name"]: r for r in server.runs(experiment)}
+    assert sorted(runs) == sorted([j["name"], f"{j['name']}_explorer"]), sorted(runs)
+    run = runs[j["name"]]  # the trainer's: one run for both attempts
     assert run["info"]["status"] == "FINISHED"
+    # The explorer's own run (as Trinity-RFT: one per role): each shard's rollout figures.
+    rollouts = server.history(runs[f"{j['name']}_explorer"]["info"]["run_id"], "rollout/rewards/mean")
+    assert len(rollouts) >= 2, rollouts
     key = next(m["key"] for m in run["data"]["metrics"] if m["key"].startswith("actor/"))
     steps = {m["step"] for m in server.history(run["info"]["run_id"], key)}
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
@@ -583,7 +596,9 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     runs = {key.split("/tensorboard/", 1)[1].split("/", 1)[0]
             for key in S3Storage().list(j["uri"] + "/tensorboard/")}
     assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
+    assert "explorer" in runs, runs
     RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
+                           "explorer_shards_tracked": len(rollouts),
                            "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
 
 
