@@ -586,17 +586,20 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     run = runs[j["name"]]  # the trainer's: one run for both attempts
     assert run["info"]["status"] == "FINISHED"
     # The explorer's own run (as Trinity-RFT: one per role): each shard's rollout figures.
-    rollouts = server.history(runs[f"{j['name']}_explorer"]["info"]["run_id"], "rollout/rewards/mean")
-    assert len(rollouts) >= 2, rollouts
+    explorer_run = runs[f"{j['name']}_explorer"]["info"]["run_id"]
+    rollouts = wait_for(lambda: (h := server.history(explorer_run, "rollout/rewards/mean")) and len(h) >= 2 and h,
+                        120, "the explorer's shards in its MLflow run")
     key = next(m["key"] for m in run["data"]["metrics"] if m["key"].startswith("actor/"))
     steps = {m["step"] for m in server.history(run["info"]["run_id"], key)}
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
     tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
     assert tags.get("rft.job") == j["name"]
-    runs = {key.split("/tensorboard/", 1)[1].split("/", 1)[0]
-            for key in S3Storage().list(j["uri"] + "/tensorboard/")}
+    def tensorboard_runs() -> set[str]:
+        return {key.split("/tensorboard/", 1)[1].split("/", 1)[0] for key in S3Storage().list(j["uri"] + "/tensorboard/")}
+
+    # The explorer uploads its event files every 30 s and when it ends, after the trainer.
+    runs = wait_for(lambda: "explorer" in (r := tensorboard_runs()) and r, 120, "the explorer's TensorBoard run")
     assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
-    assert "explorer" in runs, runs
     RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
                            "explorer_shards_tracked": len(rollouts),
                            "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
