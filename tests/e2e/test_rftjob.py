@@ -27,8 +27,8 @@ from e2e import demo
 from e2e import node as real_node
 from e2e.host import cache_dir
 from e2e.mlflow_server import MLflowServer
-from e2e.screenshot import curve_drawn, screenshot_tensorboard
 from e2e.prometheus import KubernetesDiscovery, PrometheusProcess, monitor_scrape_config
+from e2e.screenshot import curve_drawn, screenshot_tensorboard
 from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
