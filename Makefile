@@ -64,13 +64,14 @@ down:
 	$(PYTHON) -m e2e.demo down
 
 # Fast layers first; the end-to-end tests (which run whole jobs) last. The unit and trainer
-# layers need only the Python packages and SeaweedFS, so on a cold machine they run while
+# layers need only the Python packages, SeaweedFS, promtool and the host packages (headless
+# Chromium for the TensorBoard screenshot), so on a cold machine they run while
 # the other Go builds and the images are still under way; the integration and end-to-end
 # layers (control plane, real node, images) start once everything is built and the first
 # two layers have passed.
 test: test-python test-cluster
 
-test-python: python-packages s3-binary vllm-env promtool-binary
+test-python: host-packages python-packages s3-binary vllm-env promtool-binary
 	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
 
 test-cluster: setup images | test-python
