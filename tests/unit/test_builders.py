@@ -14,7 +14,7 @@ from rft_contract import names
 from rft_operator import builders
 from rft_contract.spec import parse_spec
 
-from .testing import LOOP, REF, SPEC
+from .testing import REF, SPEC
 
 GOLDEN = Path(__file__).parent / "golden"
 
