@@ -243,7 +243,7 @@ class ExplorerMetrics(PodMetrics):
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         self._failures_seen = 0
-        self.last_trainer_step = 0
+        self.last_trainer_step: int | None = None  # unknown until the job's status is read
 
     def observe_trainer(self, step: int) -> None:
         self.last_trainer_step = step
@@ -263,7 +263,8 @@ class ExplorerMetrics(PodMetrics):
             low, high = min(versions), max(versions)
             self.policy_version.labels("min").set(low)
             self.policy_version.labels("max").set(high)
-            self.staleness.set(self.last_trainer_step - low)
+            if self.last_trainer_step is not None:
+                self.staleness.set(self.last_trainer_step - low)
         self.reward_mean.set(reward_mean)
         self.shard_seconds.set(seconds)
         self.shard_time.set(now())

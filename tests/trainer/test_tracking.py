@@ -302,3 +302,31 @@ def test_wandb_offline_writes_its_run_files_and_uploads_them(tmp_path):
     assert b"actor/pg_loss" in data and b"critic/advantages/mean" in data
     uploaded = get_storage(root).list(f"{root}/tracking/wandb/")
     assert any(u.endswith(".wandb") and runs[0].name in u for u in uploaded)
+
+
+def test_a_role_gets_runs_of_its_own_beside_the_trainers(tmp_path):
+    """build_tracker(role=...): the explorer's MLflow run id file, W&B run id and upload
+    place, and TensorBoard run all differ from the trainer's, named after the role (a W&B
+    run id must not collide: the role is part of the hash); the trainer's are unchanged."""
+    from rft_trainer.tracking import explorer_role
+
+    root = str(tmp_path / "job")
+    tracking = {"tensorboard": {}, "wandb": {"project": "p", "mode": "offline"},
+                "mlflow": {"tracking_uri": "http://127.0.0.1:9", "experiment": "e"}}
+    backends = {}
+    for role in (None, explorer_role(0, 1), explorer_role(1, 2)):
+        tracker = build_tracker(config(root, tracking, attempt=3), local_dir=str(tmp_path / f"l-{role}"), role=role)
+        backends[role] = {w.name: w.backend for w in tracker.workers}
+        tracker.close(finished=False, timeout=1)
+    assert [explorer_role(0, 1), explorer_role(1, 2)] == ["explorer", "explorer-1"]
+    names = {role: (b["mlflow"].run_name, b["mlflow"].state_uri, b["wandb"].run_name, b["wandb"].upload_uri,
+                    b["tensorboard"].dest) for role, b in backends.items()}
+    assert names == {
+        None: ("demo", f"{root}/tracking/mlflow-run.json", "demo", f"{root}/tracking/wandb",
+               f"{root}/tensorboard/attempt-003"),
+        "explorer": ("demo_explorer", f"{root}/tracking/mlflow-run-explorer.json", "demo_explorer",
+                     f"{root}/tracking/wandb-explorer", f"{root}/tensorboard/explorer"),
+        "explorer-1": ("demo_explorer-1", f"{root}/tracking/mlflow-run-explorer-1.json", "demo_explorer-1",
+                       f"{root}/tracking/wandb-explorer-1", f"{root}/tensorboard/explorer-1")}
+    assert len({b["wandb"].run_id for b in backends.values()}) == 3
+    assert backends[None]["mlflow"].tags["rft.attempt"] == "3" and "rft.attempt" not in backends["explorer"]["mlflow"].tags

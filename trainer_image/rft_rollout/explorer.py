@@ -83,6 +83,8 @@ from .tasksets import load_taskset
 log = logging.getLogger("rft_rollout.explorer")
 
 EX_CONFIG = 78
+# The trackers' last sends on exit, well inside the pod's 30 s termination grace period.
+TRACKER_CLOSE_SECONDS = 10.0
 # Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
 # is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
 MAX_REJECTED_IN_ROW = 8
@@ -330,6 +332,18 @@ class Explorer:
 
     # ------------------------------------------------------------ throttle
 
+    def trainer_done(self) -> bool:
+        """Whether the trainer has reached total_steps, read once now (False if unknown)."""
+        try:
+            progress = self.progress() if self.progress else None
+        except Exception as e:  # noqa: BLE001 - only a run's final status hangs on it
+            log.warning("trainer progress unreadable: %s", e)
+            return False
+        if progress is None:
+            return False
+        step, total, *_ = TrainerProgress(*progress)
+        return step >= total
+
     def _wait_for_trainer(self, samples_written: int) -> bool:
         """Wait while we are ahead of the trainer; False once it finished or on stop()."""
         waited_since = None
@@ -404,11 +418,12 @@ class Explorer:
         self.metrics.observe_shard(len(samples), versions, reward_mean, seconds, dropped)
         self.metrics.observe_request_failures(self.client.failures)
         if self.tracker is not None:  # queued: a tracker that is down never holds the explorer
+            trainer_step = self.metrics.last_trainer_step
             self.tracker.log_metrics(seq + 1, {
                 "rollout/rewards/mean": reward_mean, "rollout/samples": len(samples),
                 "rollout/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
                 "rollout/policy_version/min": min(versions), "rollout/policy_version/max": max(versions),
-                "rollout/staleness": self.metrics.last_trainer_step - min(versions),
+                **({} if trainer_step is None else {"rollout/staleness": trainer_step - min(versions)}),
                 "rollout/dropped/straddled": dropped[STRADDLED], "rollout/dropped/unversioned": dropped[UNVERSIONED],
                 "rollout/request_retries": self.client.failures, "timing_s/shard": seconds})
 
@@ -517,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         written = explorer.run(max_shards=args.max_shards)
     finally:
         if explorer.tracker is not None:
-            explorer.tracker.close(finished=explorer.finished)
+            # The operator stops the explorers once the job succeeds, maybe before they saw
+            # the trainer's last step: their runs end FINISHED all the same.
+            explorer.tracker.close(finished=explorer.finished or explorer.trainer_done(),
+                                   timeout=TRACKER_CLOSE_SECONDS)
     log.info(json.dumps({"event": "explorer_exit", "shards_written": written,
                          "trainer_finished": explorer.finished, **dataclasses.asdict(explorer.state)}))
     return 0

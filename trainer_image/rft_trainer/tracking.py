@@ -566,7 +566,8 @@ def build_tracker(config, report: Callable[[dict], None] | None = None, local_di
                                            config_text=json.dumps(params, indent=1, sort_keys=True), run=role))
     if spec.mlflow:
         tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
-                "rft.checkpoint_uri": root, "rft.attempt": str(attempt), "rft.role": role or "trainer"}
+                "rft.checkpoint_uri": root, "rft.role": role or "trainer",
+                "rft.attempt": None if role else str(attempt)}  # an explorer outlives the gang's attempts
         backends.append(MLflowBackend(spec.mlflow.tracking_uri, spec.mlflow.experiment, mlflow_state_uri(root, role),
                                       params, {k: v for k, v in tags.items() if v}, run_name=run_name))
     if spec.wandb:
