@@ -589,6 +589,9 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     explorer_run = runs[f"{j['name']}_explorer"]["info"]["run_id"]
     rollouts = wait_for(lambda: (h := server.history(explorer_run, "rollout/rewards/mean")) and len(h) >= 2 and h,
                         120, "the explorer's shards in its MLflow run")
+    # Stopped by the operator once the job succeeded, the explorer still ends its run FINISHED.
+    wait_for(lambda: server.get("runs/get", run_id=explorer_run)["run"]["info"]["status"] == "FINISHED", 120,
+             "the explorer's MLflow run FINISHED")
     key = next(m["key"] for m in run["data"]["metrics"] if m["key"].startswith("actor/"))
     steps = {m["step"] for m in server.history(run["info"]["run_id"], key)}
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
@@ -635,7 +638,9 @@ def test_a_real_prometheus_scrapes_the_operator_and_the_jobs_pods_and_alerts_whe
     progress deadline and RFTJobProgressDeadlineExceeded fires for the job."""
     prom = prometheus_in_cluster
     deadline = 40
-    j = job(failurePolicy={"progressDeadlineSeconds": deadline})
+    # Steps enough that the job is still training when the trainer is frozen, whatever the
+    # checks before take.
+    j = job(steps=60, failurePolicy={"progressDeadlineSeconds": deadline})
     ns, name = j["ns"], j["name"]
     sel = f'namespace="{ns}",rftjob="{name}"'
     wait_for(lambda: prom.query('up{job="rftjob-operator-metrics"} == 1'), 60, "the operator scraped")
@@ -655,6 +660,9 @@ def test_a_real_prometheus_scrapes_the_operator_and_the_jobs_pods_and_alerts_whe
     tokens = prom.query(f'rft_trainer_throughput_tokens_per_second{{{sel}}}')
     assert tokens and float(tokens[0]["value"][1]) > 0, tokens
 
+    before = status(j)
+    assert before.get("restarts", 0) == 0 and step(before) < 60, (
+        f"restarted or done before the freeze (progress deadline {deadline}s too short?): {before.get('lastFailure')}")
     frozen = [proc for p in pods(j, names.ROLE_TRAINER) if p.status.phase == "Running" for proc in pod_processes(p)]
     assert frozen, "the trainer's processes"
     for proc in frozen:
