@@ -37,6 +37,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RFT_CACHE") or Path.home() / ".cache" / "rftjob")
 
 
+def cached_binary(name: str, version_key: str, binary: str, build: str, error: type[Exception]) -> Path:
+    """The pinned `binary` that `bash e2e/build-binaries.sh <build>` caches under
+    `<cache>/bin/<name>-<version>/` (version from versions.env's `version_key`), or `error`
+    saying how to get it."""
+    version = read_versions()[version_key]
+    path = cache_dir() / "bin" / f"{name}-{version}" / binary
+    if not os.access(path, os.X_OK):
+        raise error(f"{name} {version} missing at {path}; get it with `bash e2e/build-binaries.sh {build}`")
+    return path
+
+
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1 (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

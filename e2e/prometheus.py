@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .host import REPO_ROOT, cache_dir, free_port, log_tail, read_versions, stop_group
+from .host import REPO_ROOT, cached_binary, free_port, log_tail, stop_group
 
 SCRAPE_JOB = "rftjob-operator-metrics"  # the rules' up{job=...} and the ServiceMonitor's job
 RULES = REPO_ROOT / "manifests" / "monitoring" / "prometheusrule.yaml"
@@ -55,12 +55,7 @@ class PrometheusError(RuntimeError):
 
 
 def locate_binary() -> Path:
-    version = read_versions()["PROMETHEUS_DEB_VERSION"]
-    binary = cache_dir() / "bin" / f"prometheus-{version}" / "prometheus"
-    if not os.access(binary, os.X_OK):
-        raise PrometheusError(f"prometheus {version} missing at {binary}; fetch it with "
-                              f"`bash e2e/build-binaries.sh promtool` (apt-get download, no install)")
-    return binary
+    return cached_binary("prometheus", "PROMETHEUS_DEB_VERSION", "prometheus", "promtool", PrometheusError)
 
 
 # --------------------------------------------------------------------------- pure

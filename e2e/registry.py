@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import psutil
 import yaml
 
-from .host import REPO_ROOT, ProcessRecord, cache_dir, free_port, log_tail, read_versions, stop_processes
+from .host import REPO_ROOT, ProcessRecord, cache_dir, cached_binary, free_port, log_tail, stop_processes
 
 log = logging.getLogger("e2e.registry")
 
@@ -58,11 +58,7 @@ class RegistryError(RuntimeError):
 
 def registry_binary() -> Path:
     """The pinned registry binary, or an error saying how to build it."""
-    version = read_versions()["REGISTRY_VERSION"]
-    path = cache_dir() / "bin" / f"registry-{version}" / "registry"
-    if not os.access(path, os.X_OK):
-        raise RegistryError(f"{path} is missing; build it with: bash e2e/build-binaries.sh registry")
-    return path
+    return cached_binary("registry", "REGISTRY_VERSION", "registry", "registry", RegistryError)
 
 
 def storage_dir() -> Path:

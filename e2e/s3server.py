@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from .host import ProcessRecord, cache_dir, log_tail, read_versions, write_private
+from .host import ProcessRecord, cached_binary, log_tail, write_private
 
 RECORD_FILE = "server.json"
 CONFIG_FILE = "s3.json"
@@ -57,12 +57,7 @@ class S3ServerError(RuntimeError):
 
 def weed_binary() -> Path:
     """The pinned `weed` binary in the build cache, or an error naming the build command."""
-    version = read_versions()["SEAWEEDFS_VERSION"]
-    path = cache_dir() / "bin" / f"seaweedfs-{version}" / "weed"
-    if not os.access(path, os.X_OK):
-        raise S3ServerError(f"SeaweedFS binary missing: {path}; build it with "
-                            f"`bash e2e/build-binaries.sh seaweedfs` (Go toolchain, a few minutes)")
-    return path
+    return cached_binary("seaweedfs", "SEAWEEDFS_VERSION", "weed", "seaweedfs", S3ServerError)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
