@@ -539,3 +539,19 @@ def test_cli_logs_its_rollouts_to_the_jobs_trackers_in_runs_of_its_own(bucket, s
     assert [e.step for e in acc.Scalars("rollout/rewards/mean")] == [1, 2, 3]
     assert {"rollout/response_length/mean", "rollout/policy_version/min", "timing_s/shard"} <= set(
         acc.Tags()["scalars"])
+
+
+def test_trainer_done_reads_the_trainers_progress_once(tmp_path, model_dir, tokenizer):
+    """Stopped by the operator after the job succeeded, the explorer asks once more whether
+    the trainer finished, so its tracker runs end FINISHED rather than KILLED."""
+    def explorer(progress):
+        return make_explorer(model_dir, tokenizer, str(tmp_path / "buf"), ["http://127.0.0.1:9"], progress=progress)
+
+    def down():
+        raise OSError("API server unreachable")
+
+    assert explorer(lambda: (10, 10, None, None)).trainer_done()
+    assert not explorer(lambda: (3, 10, None, None)).trainer_done()
+    assert not explorer(lambda: None).trainer_done()  # no job status yet
+    assert not explorer(down).trainer_done()
+    assert not explorer(None).trainer_done()  # no trainer to follow (the CLI without a job)
