@@ -185,3 +185,23 @@ def test_no_private_name_is_imported_from_another_module():
                 bad += [f"{path.relative_to(ROOT)}: from {base} import {a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]
     assert not bad, "\n".join(bad)
+
+
+def test_the_engine_helpers_import_only_the_standard_library_and_each_other():
+    """supervise.py and cpu_isa.py run in any engine image (the init container copies them
+    there, rft_serving.sync_agent.HELPER_FILES): nothing but the standard library, the
+    other helpers and, in vllm_worker.py, the engine's own packages."""
+    import sys
+
+    from rft_serving.sync_agent import HELPER_FILES
+
+    files = module_files()
+    helpers = {"rft_serving" + ("" if f == "__init__.py" else "." + f[:-3]) for f in HELPER_FILES}
+    assert "rft_serving.cpu_isa" in helpers and "rft_serving.supervise" in helpers
+    allowed = helpers | {"__future__"}
+    for name in helpers:
+        engine = {"vllm", "torch"} if name == "rft_serving.vllm_worker" else set()
+        for imported in imports_of(name, files[name]):
+            top = imported.split(".")[0]
+            assert imported in allowed or top in sys.stdlib_module_names or top in engine or (
+                imported.rpartition(".")[0] in helpers), f"{name} imports {imported}"

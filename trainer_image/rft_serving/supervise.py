@@ -19,6 +19,10 @@ agent, in the same pod, asks it on the pod's loopback for a restart, which is im
   crash is still a container restart the kubelet counts and backs off.
 - SIGTERM/SIGINT are passed to the engine's process group; the supervisor exits with
   the engine's code once it stopped.
+- An engine image that records its build's CPU kernels (cpu_isa.ENGINE_BUILD_RECORD, as
+  the `vllm` CPU image does) is not started on a CPU that lacks a flag they need: the
+  supervisor exits with EXIT_CPU_UNSUPPORTED and a message naming the flags, in its log
+  and in the container's termination message, where vLLM would die of SIGILL.
 
 Standard library only: the module runs in the engine's image, whatever else it has
 (the inference pod's init container copies the rft_serving package there).
@@ -37,9 +41,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from . import cpu_isa
+
 log = logging.getLogger("rft_serving.supervise")
 
 CONTROL_PORT = 8472
+EXIT_CPU_UNSUPPORTED = 78  # sysexits' EX_CONFIG: the image does not fit the node's CPU
+TERMINATION_LOG = "/dev/termination-log"  # the container's terminationMessagePath (the default)
 
 
 class Supervisor:
@@ -187,6 +195,17 @@ def _handler(supervisor: Supervisor):
     return Handler
 
 
+def _termination_message(message: str, path: str = TERMINATION_LOG) -> None:
+    """The container's termination message (`kubectl describe pod`, the pod's status), into
+    the file the kubelet mounted there; outside a container there is none, and none is made."""
+    try:
+        with open(path, "r+") as f:  # never creates it
+            f.truncate()
+            f.write(message[-4096:])  # the kubelet keeps at most 4 KiB
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
@@ -196,12 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rft_serving.supervise")
     ap.add_argument("--control-port", type=int, default=CONTROL_PORT)
     ap.add_argument("--stop-timeout", type=float, default=30.0)
+    ap.add_argument("--engine-build", default=cpu_isa.ENGINE_BUILD_RECORD, help=argparse.SUPPRESS)
+    ap.add_argument("--cpuinfo", default=cpu_isa.CPUINFO, help=argparse.SUPPRESS)
     args = ap.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command:
         print("no engine command after --", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    build = cpu_isa.read_record(args.engine_build)
+    if build is not None:
+        flags = cpu_isa.cpu_flags(args.cpuinfo)
+        refused = cpu_isa.refusal(build, flags)
+        if refused:
+            log.error("not starting the engine: %s", refused)
+            _termination_message(f"not starting the engine: {refused}")
+            return EXIT_CPU_UNSUPPORTED
+        log.info("CPU check: %s", cpu_isa.summary(build, flags))
     supervisor = Supervisor(command, args.stop_timeout)
     server = ThreadingHTTPServer(("127.0.0.1", args.control_port), _handler(supervisor))
     threading.Thread(target=server.serve_forever, name="control", daemon=True).start()

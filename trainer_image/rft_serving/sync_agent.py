@@ -91,7 +91,7 @@ ENGINE_START_ATTEMPTS = 12
 # `--fetch-only <dest>/initial` to the init container and the same path to the engine).
 INITIAL_LINK = "initial"
 # What the engine container runs from the helpers volume (install_helpers).
-HELPER_FILES = ("__init__.py", "supervise.py", "vllm_worker.py")
+HELPER_FILES = ("__init__.py", "supervise.py", "cpu_isa.py", "vllm_worker.py")
 
 
 # ------------------------------------------------------------------ the agent
