@@ -54,9 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from rft_serving import cpu_isa
+
+from . import vllm_env
 from .buildah import BuildahSession, BuildError, remove_leftovers, run_logged, unmount_below
 from .cluster import REPO_ROOT, cache_dir
-from . import vllm_env
 from .imagespec import (
     BASE_RECIPE, DEBIAN_ARCH, IMAGES, LAYER_COMPRESSION, PYPROJECT, SITE_PACKAGES, USER, ImageRef, ImageSpec, build_app_key,
     build_dependency_list, build_deps_key, build_env_deps_key, build_host_pins, build_images_json, build_pip_target_args,
@@ -147,7 +149,7 @@ class ImageBuilder:
         started = time.monotonic()
         if spec.deps_from == "vllm-env":
             requirements, pins = [], {}
-            deps_tag = compute_hash(build_env_deps_key(vllm_env.recipe(), base.digest, spec.apt))
+            deps_tag = compute_hash(build_env_deps_key(vllm_env.recipe(), base.digest, spec.apt, _engine_record()))
         else:
             requirements = build_dependency_list(self.pyproject, spec.extras)
             pins = build_host_pins(requirements, self.installed)
@@ -188,7 +190,16 @@ class ImageBuilder:
             source = vllm_env.site_packages(vllm_env.ensure().parents[1])
             log.info("%s: copying %s (vLLM's CPU build and its torch)", spec.name, source)
             copy_environment(source, rootfs / SITE_PACKAGES.lstrip("/"))
-            b.config(container, f"--created-by=copy of e2e/vllm_env.py's environment {vllm_env.recipe()}")
+            labels = []
+            record = _engine_record()
+            if record is not None:  # the kernels it holds, for the engine's CPU check (rft_serving.cpu_isa)
+                dest = rootfs / cpu_isa.ENGINE_BUILD_RECORD.lstrip("/")
+                dest.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+                dest.write_text(json.dumps(record, indent=2) + "\n")
+                dest.chmod(0o644)
+                kernels = ",".join(Path(k["library"]).name.split(".")[0] for k in record["kernels"])
+                labels = [f"--label=rft.dev/engine-build={record['build']}", f"--label=rft.dev/cpu-kernels={kernels}"]
+            b.config(container, *labels, f"--created-by=copy of e2e/vllm_env.py's environment {vllm_env.recipe()}")
         else:
             install_requirements(requirements, pins, rootfs, self.pip_args, b.log_file)
             b.config(container, f"--created-by=pip install --target {SITE_PACKAGES} "
@@ -213,8 +224,11 @@ class ImageBuilder:
                      f"--entrypoint={json.dumps(config['entrypoint'])}", f"--cmd={json.dumps(config['cmd'])}",
                      *(f"--port={p}" for p in config["ports"]),
                      f"--created-by=copy {' '.join(spec.packages)} to {SITE_PACKAGES}")
-            log.info("%s: smoke check: %s", spec.name, spec.smoke.splitlines()[-1])
-            b.run(container, ["python3", "-c", spec.smoke], user=USER)
+            args = _smoke_args(spec)
+            log.info("%s: smoke check: %s %s", spec.name, spec.smoke.splitlines()[-1], " ".join(args))
+            out = b.run(container, ["python3", "-c", spec.smoke, *args], user=USER)
+            if out.strip():
+                log.info("%s: %s", spec.name, out.strip().splitlines()[-1])
             local = f"localhost/{spec.repository}:{tag}"
             manifest = b.commit(container, local)
             result.uncompressed = sum(layer["size"] for layer in manifest["layers"])
@@ -233,6 +247,20 @@ class ImageBuilder:
     def _compressed_size(self, repository: str, digest: str) -> int:
         manifest = self.registry.manifest(repository, digest)
         return manifest["config"]["size"] + sum(layer["size"] for layer in manifest["layers"])
+
+
+def _engine_record() -> dict | None:
+    build = vllm_env.engine_build()
+    return build.to_record() if build is not None else None
+
+
+def _smoke_args(spec: ImageSpec) -> list[str]:
+    """The vLLM image's smoke check is told which kernel library this CPU should get (the
+    build machine runs it); the other images' take no arguments."""
+    if spec.deps_from != "vllm-env":
+        return []
+    build = vllm_env.engine_build()
+    return [cpu_isa.choose(build, cpu_isa.cpu_flags()).library if build else "-"]
 
 
 def _remove(path: Path) -> None:
@@ -335,6 +363,10 @@ def build_images(names: Sequence[str], state_dir: Path) -> list[StageResult]:
         builder = ImageBuilder(registry, state_dir)
         results = [builder.ensure_base()]
         for name in names:
+            if IMAGES[name].deps_from == "vllm-env" and not (fits := vllm_env.runnable())[0]:
+                # Its smoke check would die of an illegal instruction; the tests that need it skip.
+                log.warning("%s: not built: this CPU cannot run it (%s)", name, fits[1])
+                continue
             results.append(builder.ensure_image(IMAGES[name], results[0].ref))
             log.info("%s: %s", name, "built " + "+".join(results[-1].built) if results[-1].built else "cached")
         save_images_json(state_dir / "images.json", {r.name: r.ref for r in results[1:]})

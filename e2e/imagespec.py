@@ -90,6 +90,28 @@ class ImageSpec:
 
 
 NO_TORCH = "import importlib.util; assert importlib.util.find_spec('torch') is None, 'torch in a slim image'\n"
+# The vLLM image's smoke check: vLLM loads its kernel library the way its engine does
+# (CpuPlatform.import_kernels: the one this CPU runs, of the wheel's three), which must be
+# sys.argv[1] (the library rft_serving.cpu_isa chose for the build machine's flags, or
+# "-" where the build has no table), and one of its kernels (RMSNorm) computes what
+# torch does. Never `import vllm._C` by hand: that is the AVX-512 library, an illegal
+# instruction on a CPU without AVX-512.
+VLLM_SMOKE = """\
+import sys, torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+maps = open('/proc/self/maps').read().splitlines()
+loaded = sorted({line.rsplit('/vllm/', 1)[1] for line in maps if '/vllm/_C' in line})
+expected = sys.argv[1] if len(sys.argv) > 1 else '-'
+assert expected == '-' or loaded == [expected.split('/', 1)[1]], f'vLLM loaded {loaded}, not {expected}'
+x, w = torch.randn(4, 64), torch.rand(64) + 0.5
+out = torch.empty_like(x)
+torch.ops._C.rms_norm(out, x, w, 1e-6)
+ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+assert torch.allclose(out, ref, atol=1e-5), float((out - ref).abs().max())
+from vllm.entrypoints.openai import api_server
+print('vLLM kernels:', *loaded)
+"""
 IMAGES: dict[str, ImageSpec] = {spec.name: spec for spec in (
     ImageSpec("operator", (), ("contract/rft_contract", "operator/rft_operator"),
               entrypoint=("python3", "-m", "rft_operator"),
@@ -109,8 +131,7 @@ IMAGES: dict[str, ImageSpec] = {spec.name: spec for spec in (
     # VLLM_BUILD=gpu the regular vllm package). Nothing of ours: the inference pod's init
     # container copies the engine's helpers in (rft_operator.rollout_pods).
     ImageSpec("vllm", (), (), entrypoint=(), cmd=("python3", "-m", "vllm.entrypoints.openai.api_server", "--help"),
-              smoke="import torch, vllm, vllm._C; from vllm.entrypoints.openai import api_server",
-              deps_from="vllm-env", apt=("libnuma1",)),  # vllm._C links libnuma
+              smoke=VLLM_SMOKE, deps_from="vllm-env", apt=("libnuma1",)),  # vllm's kernels link libnuma
 )}
 # What `make demo` builds: the images its sample job runs (no vLLM).
 DEMO_IMAGES = ("operator", "sidecar", "trainer")
@@ -197,9 +218,14 @@ def build_deps_key(requirements: Sequence[str], pins: dict[str, str], base_diges
             "base": base_digest, "pip": list(pip_args)}
 
 
-def build_env_deps_key(recipe: dict[str, str], base_digest: str, apt: Sequence[str] = ()) -> dict[str, Any]:
-    """The deps key of an image whose dependencies are a prepared environment's."""
-    return {"format": DEPS_FORMAT, "environment": recipe, "base": base_digest, "apt": sorted(apt)}
+def build_env_deps_key(recipe: dict[str, str], base_digest: str, apt: Sequence[str] = (),
+                       record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The deps key of an image whose dependencies are a prepared environment's; `record`:
+    the engine build's kernel table it carries (ENGINE_BUILD_RECORD), if any."""
+    key = {"format": DEPS_FORMAT, "environment": recipe, "base": base_digest, "apt": sorted(apt)}
+    if record is not None:
+        key["engine_build"] = record
+    return key
 
 
 def build_app_key(spec: ImageSpec, sources_hash: str, deps_digest: str) -> dict[str, Any]:

