@@ -2,9 +2,10 @@
 # The Debian packages the real node and the image builds need (e2e/node.py, e2e/images.py):
 # containerd, runc and the CNI plugins run the pods; debootstrap and buildah build the
 # images; gcc builds the pause binary; chromium-headless-shell takes the tests' screenshots
-# of a real TensorBoard (e2e/screenshot.py). Installs the missing ones with apt (as root).
+# of a real TensorBoard (e2e/screenshot.py); qemu-user emulates a CPU without AVX-512 for
+# tests/trainer/test_cpu_isa.py (vLLM's AVX2 kernels). Installs the missing ones with apt (as root).
 set -euo pipefail
-packages=(containerd runc containernetworking-plugins debootstrap buildah iptables iproute2 gcc chromium-headless-shell)
+packages=(containerd runc containernetworking-plugins debootstrap buildah iptables iproute2 gcc chromium-headless-shell qemu-user)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,6 +8,9 @@
   the end. Set RFT_KUBECONFIG to reuse a running one instead (e.g. the demo's, from
   `python -m e2e.cluster env`). Missing binaries are an error, never a skip: a CI run
   that silently skips every integration test would look green while proving nothing.
+* The one exception: tests marked `real_vllm` run vLLM's CPU build, which needs AVX2 and
+  F16C (rft_serving.cpu_isa); on a CPU without them they skip with the flags it lacks
+  named, and pytest's summary counts them. The header says which kernels this CPU gets.
 """
 
 import json
@@ -20,12 +23,27 @@ from typing import Any, Callable
 
 import pytest
 
+from e2e import vllm_env
 from e2e.cluster import Cluster, ExistingCluster
 from e2e.s3server import S3Server
 
 # access key -> secret key: the tests' own, and the demo's (the e2e jobs use the sample's
 # Secret, manifests/samples/s3-secret.example.yaml).
 S3_CREDENTIALS = {"test": "test-secret", "rftdemo": "rftdemo-secret-change-me"}
+
+
+def pytest_report_header(config) -> str:
+    return f"cpu: {vllm_env.runnable()[1]}"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    runs, why = vllm_env.runnable()
+    if runs:
+        return
+    skip = pytest.mark.skip(reason=f"this CPU cannot run vLLM's CPU build: {why}")
+    for item in items:
+        if "real_vllm" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

