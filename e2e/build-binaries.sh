@@ -24,7 +24,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=e2e/versions.env
 source "$here/versions.env"
 RFT_CACHE=${RFT_CACHE:-$HOME/.cache/rftjob}
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+# GOAMD64=v1 (Go's default, pinned against a caller's GOAMD64=v3/v4): the cached binaries
+# run on any x86-64 CPU, with or without AVX2 or AVX-512.
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false GOAMD64=v1
 # Go's build and module caches serve only these builds (the binaries are cached by version,
 # above), and a cold build leaves about 12 GB in them that a CI machine's disk needs for the
 # images and the tests: they live in a temp dir of this invocation, removed when it ends.
