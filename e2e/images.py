@@ -198,7 +198,8 @@ class ImageBuilder:
                 dest.write_text(json.dumps(record, indent=2) + "\n")
                 dest.chmod(0o644)
                 kernels = ",".join(Path(k["library"]).name.split(".")[0] for k in record["kernels"])
-                labels = [f"--label=rft.dev/engine-build={record['build']}", f"--label=rft.dev/cpu-kernels={kernels}"]
+                labels = [f"--label={cpu_isa.LABEL_ENGINE_BUILD}={record['build']}",
+                          f"--label={cpu_isa.LABEL_CPU_KERNELS}={kernels}"]
             b.config(container, *labels, f"--created-by=copy of e2e/vllm_env.py's environment {vllm_env.recipe()}")
         else:
             install_requirements(requirements, pins, rootfs, self.pip_args, b.log_file)
@@ -260,7 +261,7 @@ def _smoke_args(spec: ImageSpec) -> list[str]:
     if spec.deps_from != "vllm-env":
         return []
     build = vllm_env.engine_build()
-    return [cpu_isa.choose(build, cpu_isa.cpu_flags()).library if build else "-"]
+    return [cpu_isa.compute_kernels(build, cpu_isa.cpu_flags()).library if build else "-"]
 
 
 def _remove(path: Path) -> None:
@@ -363,7 +364,7 @@ def build_images(names: Sequence[str], state_dir: Path) -> list[StageResult]:
         builder = ImageBuilder(registry, state_dir)
         results = [builder.ensure_base()]
         for name in names:
-            if IMAGES[name].deps_from == "vllm-env" and not (fits := vllm_env.runnable())[0]:
+            if IMAGES[name].deps_from == "vllm-env" and not (fits := vllm_env.compute_cpu_fit())[0]:
                 # Its smoke check would die of an illegal instruction; the tests that need it skip.
                 log.warning("%s: not built: this CPU cannot run it (%s)", name, fits[1])
                 continue

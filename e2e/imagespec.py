@@ -128,8 +128,9 @@ IMAGES: dict[str, ImageSpec] = {spec.name: spec for spec in (
               smoke="import torch, transformers, rft_trainer.launch, rft_rollout.explorer, "
                     "rft_serving.serve, rft_serving.sync_agent"),
     # vLLM's CPU build (trainer_image/Dockerfile.vllm with VLLM_BUILD=cpu builds the same;
-    # VLLM_BUILD=gpu the regular vllm package). Nothing of ours: the inference pod's init
-    # container copies the engine's helpers in (rft_operator.rollout_pods).
+    # VLLM_BUILD=gpu the regular vllm package). No code of ours, only the kernel record
+    # (images.py): the inference pod's init container copies the engine's helpers in
+    # (rft_operator.rollout_pods).
     ImageSpec("vllm", (), (), entrypoint=(), cmd=("python3", "-m", "vllm.entrypoints.openai.api_server", "--help"),
               smoke=VLLM_SMOKE, deps_from="vllm-env", apt=("libnuma1",)),  # vllm's kernels link libnuma
 )}

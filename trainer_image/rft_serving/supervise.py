@@ -223,15 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         print("no engine command after --", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    build = cpu_isa.read_record(args.engine_build)
+    try:
+        build = cpu_isa.read_record(args.engine_build)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        build, refused = None, f"the image's {args.engine_build} cannot be read ({type(e).__name__}: {e})"
+    else:
+        refused = None
     if build is not None:
         flags = cpu_isa.cpu_flags(args.cpuinfo)
-        refused = cpu_isa.refusal(build, flags)
-        if refused:
-            log.error("not starting the engine: %s", refused)
-            _termination_message(f"not starting the engine: {refused}")
-            return EXIT_CPU_UNSUPPORTED
-        log.info("CPU check: %s", cpu_isa.summary(build, flags))
+        refused = cpu_isa.compute_refusal(build, flags)
+        if not refused:
+            log.info("CPU check: %s", cpu_isa.compute_summary(build, flags))
+    if refused:
+        log.error("not starting the engine: %s", refused)
+        _termination_message(f"not starting the engine: {refused}")
+        return EXIT_CPU_UNSUPPORTED
     supervisor = Supervisor(command, args.stop_timeout)
     server = ThreadingHTTPServer(("127.0.0.1", args.control_port), _handler(supervisor))
     threading.Thread(target=server.serve_forever, name="control", daemon=True).start()
