@@ -95,6 +95,9 @@ crd:
 	cp crds/rftjob.yaml $(CHART)/crds/rftjob.yaml
 	{ echo '{{- if .Values.admissionPolicies.enabled }}'; cat manifests/base/admission-policies.yaml; \
 	  echo '{{- end }}'; } > $(CHART)/templates/admission-policies.yaml
+	$(PYTHON) -m rft_operator.ownerhook configuration > manifests/base/owner-webhook-configuration.yaml
+	sed 's/namespace: rftjob-system/namespace: {{ .Release.Namespace }}/' manifests/base/owner-webhook-configuration.yaml \
+	  > $(CHART)/templates/owner-webhook-configuration.yaml
 
 bench: setup
 	$(PYTHON) bench/reconcile.py

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"serve Prometheus /metrics on this port (default {DEFAULT_METRICS_PORT}; 0 disables)")
     ap.add_argument("--webhook-port", type=int, default=0,
                     help=f"serve the owner webhook on this port (0, the default: not at all; "
-                         f"manifests/webhook uses {ownerhook.DEFAULT_PORT})")
+                         f"the install uses {ownerhook.DEFAULT_PORT})")
     ap.add_argument("--webhook-cert-dir", default=ownerhook.CERT_DIR,
                     help="the webhook's tls.crt and tls.key (default %(default)s)")
     ap.add_argument("--leader-elect", action="store_true",

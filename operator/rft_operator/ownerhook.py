@@ -1,25 +1,34 @@
-"""The owner webhook: what the operator's identity creates must belong to an RFTJob that exists.
+"""The owner webhook: what the operator's identity writes must belong to an RFTJob that exists.
 
-    python -m rft_operator.ownerhook install [--namespace rftjob-system] | kubectl apply --server-side -f -
+On in every install (manifests/base/owner-webhook*.yaml, the chart's templates of the same
+names). For each CREATE or UPDATE (a PATCH arrives as one) by the operator's ServiceAccount
+of an object labelled as the operator's, it GETs the RFTJob the object's job label names
+and refuses unless:
 
-`rftjob-operator-owner` (a ValidatingAdmissionPolicy) checks a new child of the operator
-against each RFTJob of its namespace, one at a time: a uid that is not its job's, a Secret
-or claim that job's spec does not name, anything in a namespace without an RFTJob. What no
-policy can see is that *no* RFTJob of the namespace has the name an object claims: beside
-a real job `demo`, a made-up job `ghost` passes every evaluation, and a leaked operator
-token could start a pod for it that reads any Secret of the namespace.
+* that RFTJob exists (a made-up job `ghost` beside a real `demo` gets nothing: no pod that
+  reads the namespace's Secrets);
+* the object has exactly one owner reference, the controller reference to that RFTJob with
+  its uid (an Event: its object is that RFTJob);
+* a pod being created is one that job's spec renders (`check_pod`): only the Secrets the
+  spec names, a claim or a host path only as the spec's model cache (the very path, on
+  trainer pods), only the capabilities and seccomp profile the spec sets. In a namespace
+  labelled rft.dev/pod-security=privileged, where the admission policy lets host paths
+  and capabilities through, this is what holds a forged pod to its job's own spec.
 
-This webhook closes that gap: for a CREATE by the operator's ServiceAccount of an object
-labelled as the operator's, it GETs the RFTJob the object's job label names and refuses
-unless that RFTJob exists and every owner reference (an Event's object) carries its uid.
-The policy then checks the rest against that very job. The webhook is registered only for
-that identity and those labels (a matchCondition and an objectSelector), so nothing else in
-the cluster waits on it; it fails closed (an operator that cannot answer creates nothing,
-and its own writes are retried).
+One lookup per write, whatever the number of jobs: a ValidatingAdmissionPolicy could only
+compare an object with every RFTJob of the namespace, one evaluation each per request
+(`paramRef.selector`), which made each wave of jobs quadratic (issue 38).
 
-The operator serves it (`--webhook-port`, `--webhook-cert-dir` holding tls.crt and tls.key,
-re-read when they change, so a rotated Secret needs no restart); `install` prints a
-self-signed CA's serving Secret and the ValidatingWebhookConfiguration that trusts it.
+The configuration matches only that identity and those labels (a matchCondition and an
+objectSelector), so nothing else in the cluster waits on it; it fails closed (an operator
+that cannot answer creates nothing, and its own writes are retried). Every replica serves
+it (`--webhook-port`, `--webhook-cert-dir` holding tls.crt and tls.key, re-read when they
+change, so a new pair needs no restart).
+
+The serving pair: the install's Job runs `python -m rft_operator.ownerhook certs` as its own
+ServiceAccount: it keeps the Secret's pair while current, else writes a new self-signed CA
+and pair, then sets the configuration's caBundle. The operator's identity can neither read
+that Secret nor change the configuration.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import base64
 import datetime as dt
 import json
 import logging
+import os
 import ssl
 import sys
 import threading
@@ -54,42 +64,124 @@ DEFAULT_PORT = 9443
 MAX_BODY = 2 << 20
 MAX_CONCURRENT = 16  # requests answered at once; the API server retries a refused connection
 CERT_DIR = "/etc/rftjob-operator/webhook"
+# The install's Job makes a new pair when the one in the Secret ends within this.
+RENEW_BEFORE = dt.timedelta(days=90)
 # Kinds the operator creates for a job (plural resource -> API group).
 RESOURCES = {"pods": "", "services": "", "configmaps": "", "serviceaccounts": "", "events": "",
              "roles": "rbac.authorization.k8s.io", "rolebindings": "rbac.authorization.k8s.io"}
 EVENTS_V1 = "events.k8s.io"
+MODEL_CACHE_VOLUME = "model-cache"
 
+# Every write that can set what an object claims (a PATCH arrives as an UPDATE).
+OPERATIONS = ["CREATE", "UPDATE"]
 # (namespace, name) -> the RFTJob as a dict, or None when there is none.
 GetJob = Callable[[str, str], "dict[str, Any] | None"]
 
 
-def claims(obj: dict[str, Any], resource: str) -> tuple[str, list[str]]:
-    """The job an object claims to belong to (its job label) and the uids it claims for it:
-    its owner references', or an Event's object's (core `involvedObject`, events.k8s.io
-    `regarding`)."""
+def claims(obj: dict[str, Any], resource: str) -> tuple[str, list[dict[str, Any]]]:
+    """The job an object claims to belong to (its job label) and what it says refers to
+    that job: its owner references, or an Event's object (core `involvedObject`,
+    events.k8s.io `regarding`)."""
     meta = obj.get("metadata") or {}
     job = (meta.get("labels") or {}).get(names.LABEL_JOB, "")
     if resource == "events":
-        about = obj.get("involvedObject") or obj.get("regarding") or {}
-        return job, [about.get("uid") or ""]
-    return job, [r.get("uid") or "" for r in meta.get("ownerReferences") or []]
+        return job, [obj.get("involvedObject") or obj.get("regarding") or {}]
+    return job, list(meta.get("ownerReferences") or [])
 
 
-def check(namespace: str, obj: dict[str, Any], resource: str, get_job: GetJob) -> str | None:
-    """Why the object may not be created (None: it may). `get_job` raising is not an answer:
-    the caller refuses with what it raised."""
-    job, uids = claims(obj, resource)
+def _is_controller_ref(ref: dict[str, Any], name: str, uid: str) -> bool:
+    return (ref.get("kind") == names.KIND and str(ref.get("apiVersion") or "").startswith(names.GROUP + "/")
+            and ref.get("name") == name and ref.get("uid") == uid and ref.get("controller") is True)
+
+
+def spec_secrets(spec: dict[str, Any]) -> set[str]:
+    """The Secrets a job's spec names: what its pods may read, key by key."""
+    tracking = spec.get("tracking") or {}
+    named = {(spec.get("checkpoint") or {}).get("credentialsSecret"),
+             (tracking.get("mlflow") or {}).get("credentialsSecret"),
+             (tracking.get("wandb") or {}).get("apiKeySecret")}
+    for part in ("trainer", "inference"):
+        for e in (spec.get(part) or {}).get("env") or []:
+            named.add((((e.get("valueFrom") or {}).get("secretKeyRef")) or {}).get("name"))
+    return {n for n in named if n}
+
+
+def check_pod(pod: dict[str, Any], spec: dict[str, Any]) -> str | None:
+    """Why a pod is not one the job's spec renders (None: it may be): it reads only the
+    Secrets the spec names, mounts a claim or a host path only as the model cache the spec
+    names (the host path on trainer pods), adds only the capabilities and asks only for the
+    seccomp profile `spec.trainer.securityContext` sets. The rest of the pod is the
+    admission policy's (rftjob-operator-scope) and Pod Security's; this narrows what they
+    let through, in a namespace labelled rft.dev/pod-security=privileged too, to this very
+    job's spec."""
+    pod_spec = pod.get("spec") or {}
+    role = ((pod.get("metadata") or {}).get("labels") or {}).get(names.LABEL_ROLE, "")
+    containers = list(pod_spec.get("containers") or []) + list(pod_spec.get("initContainers") or [])
+    secrets = spec_secrets(spec)
+    for c in containers:
+        for e in c.get("env") or []:
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref is not None and ref.get("name") not in secrets:
+                return ("the rftjob-operator's pods read only the Secrets their RFTJob's spec names "
+                        "(checkpoint.credentialsSecret, tracking.mlflow.credentialsSecret, tracking.wandb.apiKeySecret, "
+                        f"trainer.env and inference.env secretKeyRefs): not {ref.get('name')!r}")
+    cache = (spec.get("model") or {}).get("cache") or {}
+    for v in pod_spec.get("volumes") or []:
+        if "persistentVolumeClaim" in v and not (
+                v.get("name") == MODEL_CACHE_VOLUME and cache.get("persistentVolumeClaim")
+                and (v["persistentVolumeClaim"] or {}).get("claimName") == cache["persistentVolumeClaim"]):
+            return ("the rftjob-operator mounts only what the job's spec renders: a PersistentVolumeClaim only as "
+                    "the model cache spec.model.cache.persistentVolumeClaim names")
+        if "hostPath" in v and not (
+                v.get("name") == MODEL_CACHE_VOLUME and role == names.ROLE_TRAINER and cache.get("hostPath")
+                and (v["hostPath"] or {}).get("path") == cache["hostPath"]):
+            return ("the rftjob-operator mounts only what the job's spec renders: a host path only as a trainer "
+                    "pod's model cache, at the path spec.model.cache.hostPath names")
+    security = (spec.get("trainer") or {}).get("securityContext") or {}
+    capabilities = set(security.get("addCapabilities") or [])
+    seccomp = {"RuntimeDefault", security.get("seccompProfile") or "RuntimeDefault"}
+    contexts = [pod_spec.get("securityContext") or {}] + [c.get("securityContext") or {} for c in containers]
+    for sc in contexts:
+        added = set((sc.get("capabilities") or {}).get("add") or [])
+        if not added <= capabilities:
+            return ("the rftjob-operator adds only the capabilities spec.trainer.securityContext.addCapabilities "
+                    f"names: not {', '.join(sorted(added - capabilities))}")
+        profile = (sc.get("seccompProfile") or {}).get("type")
+        if profile is not None and profile not in seccomp:
+            return ("the rftjob-operator asks only for the seccomp profile spec.trainer.securityContext."
+                    f"seccompProfile sets (RuntimeDefault by default): not {profile}")
+        if sc.get("procMount", "Default") != "Default":
+            return "the rftjob-operator's containers see a masked /proc (procMount Default)"
+    return None
+
+
+def check(namespace: str, obj: dict[str, Any], resource: str, get_job: GetJob, operation: str = "CREATE") -> str | None:
+    """Why the object may not be written (None: it may). It must belong to an RFTJob that
+    exists: exactly one owner reference, the controller reference to the RFTJob its job label
+    names, with that RFTJob's uid (an Event: its object, that RFTJob). A pod being created
+    must be one that RFTJob's spec renders (`check_pod`; a pod's spec cannot change after).
+    `get_job` raising is not an answer: the caller refuses with what it raised."""
+    job, refs = claims(obj, resource)
     if not job:
         return f"the rftjob-operator's objects carry the label {names.LABEL_JOB}"
     found = get_job(namespace, job)
     if found is None:
         return (f"the rftjob-operator's objects belong to an RFTJob that exists: there is no RFTJob "
                 f"{namespace}/{job}")
-    uid = (found.get("metadata") or {}).get("uid")
-    if not uids or any(u != uid for u in uids):
-        # (Not the uid itself: anyone on the pod network can ask this server.)
-        return (f"the rftjob-operator's objects belong to an RFTJob that exists: the uid the object claims "
-                f"({', '.join(u or '(none)' for u in uids) or 'no owner'}) is not RFTJob {namespace}/{job}'s")
+    uid = (found.get("metadata") or {}).get("uid") or ""
+    # (Never the uid itself in a message: anyone on the pod network can ask this server.)
+    if resource == "events":
+        about = refs[0]
+        if about.get("uid") != uid or about.get("name") != job or about.get("kind") != names.KIND:
+            return (f"the rftjob-operator's objects belong to an RFTJob that exists: the object the Event is "
+                    f"about is not RFTJob {namespace}/{job} (by kind, name and uid)")
+        return None
+    if len(refs) != 1 or not _is_controller_ref(refs[0], job, uid):
+        return (f"the rftjob-operator's objects belong to an RFTJob that exists: exactly one owner reference, "
+                f"the controller reference to RFTJob {namespace}/{job} with its uid (this object has "
+                f"{len(refs)}{', none of them that' if refs else ''})")
+    if resource == "pods" and operation == "CREATE":
+        return check_pod(obj, found.get("spec") or {})
     return None
 
 
@@ -97,10 +189,11 @@ def review(body: dict[str, Any], get_job: GetJob) -> dict[str, Any]:
     """An AdmissionReview answered: allowed, or refused with a message that says why."""
     request = body.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
-    if request.get("operation") == "CREATE":
+    operation = request.get("operation")
+    if operation in ("CREATE", "UPDATE"):
         resource = (request.get("resource") or {}).get("resource", "")
         try:
-            reason = check(request.get("namespace") or "", request.get("object") or {}, resource, get_job)
+            reason = check(request.get("namespace") or "", request.get("object") or {}, resource, get_job, operation)
         except Exception as e:  # noqa: BLE001 - fail closed, and say why
             reason = f"cannot look the RFTJob up: {type(e).__name__}: {e}"
             log.warning("owner webhook: %s", reason)
@@ -244,23 +337,23 @@ class OwnerWebhook:
 # ---------------------------------------------------------------- what an installer applies
 
 
-def webhook_configuration(ca_bundle: bytes, *, service: tuple[str, str] | None = (OPERATOR_NAMESPACE, SERVICE_NAME),
+def webhook_configuration(ca_bundle: bytes | None, *, service: tuple[str, str] | None = (OPERATOR_NAMESPACE, SERVICE_NAME),
                           url: str | None = None, namespace_selector: dict | None = None) -> dict[str, Any]:
     """The ValidatingWebhookConfiguration: CREATE of the operator's labelled objects, by its
     identity only, answered by the operator (`service`) or at `url` (tests), failing closed."""
     from .policygen import OPERATOR_IDENTITY
     from .queueing import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
 
-    client: dict[str, Any] = {"caBundle": base64.b64encode(ca_bundle).decode()}
+    client: dict[str, Any] = {} if ca_bundle is None else {"caBundle": base64.b64encode(ca_bundle).decode()}
     if url is not None:
         client["url"] = url + PATH
     else:
         client["service"] = {"namespace": service[0], "name": service[1], "path": PATH, "port": 443}
-    rules = [{"apiGroups": [group], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": [plural],
+    rules = [{"apiGroups": [group], "apiVersions": ["v1"], "operations": list(OPERATIONS), "resources": [plural],
               "scope": "Namespaced"} for plural, group in RESOURCES.items()]
-    rules.append({"apiGroups": [EVENTS_V1], "apiVersions": ["v1"], "operations": ["CREATE"],
+    rules.append({"apiGroups": [EVENTS_V1], "apiVersions": ["v1"], "operations": list(OPERATIONS),
                   "resources": ["events"], "scope": "Namespaced"})
-    rules.append({"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": ["CREATE"],
+    rules.append({"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": list(OPERATIONS),
                   "resources": ["workloads"], "scope": "Namespaced"})  # a queued job's (queueing.py)
     hook: dict[str, Any] = {
         "name": f"{WEBHOOK_NAME}.{names.GROUP}",
@@ -322,27 +415,134 @@ def serving_pair(hosts: list[str], days: int = 3650) -> tuple[bytes, bytes, byte
             key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
-def install_manifests(namespace: str = OPERATOR_NAMESPACE) -> str:
-    """The serving Secret and the webhook configuration, for `kubectl apply --server-side -f -`
-    (server-side: a client-side apply would copy the key into an annotation)."""
-    ca, cert, key = serving_pair([f"{SERVICE_NAME}.{namespace}.svc", f"{SERVICE_NAME}.{namespace}.svc.cluster.local"])
-    secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-              "metadata": {"name": TLS_SECRET, "namespace": namespace},
-              "data": {"tls.crt": base64.b64encode(cert).decode(), "tls.key": base64.b64encode(key).decode()}}
-    return yaml.safe_dump_all([secret, webhook_configuration(ca, service=(namespace, SERVICE_NAME))],
-                              sort_keys=False)
+def service_hosts(namespace: str) -> list[str]:
+    """The names the API server calls the webhook by (the Service's)."""
+    return [f"{SERVICE_NAME}.{namespace}.svc", f"{SERVICE_NAME}.{namespace}.svc.cluster.local"]
+
+
+def is_pair_current(data: dict[str, bytes], hosts: list[str], now: dt.datetime | None = None,
+                    renew_before: dt.timedelta = RENEW_BEFORE) -> bool:
+    """Whether a serving Secret's ca.crt, tls.crt and tls.key can stay: all there, the
+    certificate for `hosts`, signed by that CA, with its key, not near its end."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        ca = x509.load_pem_x509_certificate(data["ca.crt"])
+        cert = x509.load_pem_x509_certificate(data["tls.crt"])
+        key = serialization.load_pem_private_key(data["tls.key"], password=None)
+        cert.verify_directly_issued_by(ca)
+        names_ = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                     .get_values_for_type(x509.DNSName))
+    except (KeyError, ValueError, TypeError, x509.ExtensionNotFound, Exception):  # noqa: BLE001 - any doubt: a new pair
+        return False
+    now = now or dt.datetime.now(dt.timezone.utc)
+    same_key = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
+        == cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return (same_key and set(hosts) <= names_
+            and min(ca.not_valid_after_utc, cert.not_valid_after_utc) - renew_before > now)
+
+
+def ensure_serving_secret(core: Any, namespace: str) -> bytes:
+    """The serving Secret in `namespace` kept if current (`is_pair_current`), else a new
+    self-signed CA and pair written over it; returns the CA certificate (PEM)."""
+    import kubernetes
+
+    hosts = service_hosts(namespace)
+    try:
+        secret = core.read_namespaced_secret(TLS_SECRET, namespace)
+    except kubernetes.client.ApiException as e:
+        if e.status != 404:
+            raise
+        secret = None
+    if secret is not None:
+        data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        if is_pair_current(data, hosts):
+            log.info("owner webhook: the serving pair in %s/%s is current", namespace, TLS_SECRET)
+            return data["ca.crt"]
+    ca, cert, key = serving_pair(hosts)
+    body = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": TLS_SECRET, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/name": "rftjob-operator"}},
+            "data": {k: base64.b64encode(v).decode() for k, v in
+                     (("ca.crt", ca), ("tls.crt", cert), ("tls.key", key))}}
+    if secret is None:
+        core.create_namespaced_secret(namespace, body)
+    else:  # with its resourceVersion: a concurrent writer makes this fail, and the Job retry
+        body["metadata"]["resourceVersion"] = secret.metadata.resource_version
+        core.replace_namespaced_secret(TLS_SECRET, namespace, body)
+    log.info("owner webhook: wrote a new serving pair (a new CA) to %s/%s", namespace, TLS_SECRET)
+    return ca
+
+
+def ensure_ca_bundle(admission: Any, ca: bytes, timeout: float = 300, clock=None, sleep=None) -> None:
+    """Every webhook of the configuration trusts `ca` (its caBundle), waiting up to
+    `timeout` for the configuration to exist (applied with this Job, in any order)."""
+    import time
+
+    import kubernetes
+
+    clock, sleep = clock or time.monotonic, sleep or time.sleep
+    bundle = base64.b64encode(ca).decode()
+    deadline = clock() + timeout
+    while True:
+        try:
+            config = admission.read_validating_webhook_configuration(WEBHOOK_NAME)
+            if all(h.client_config.ca_bundle == bundle for h in config.webhooks or []):
+                log.info("owner webhook: %s trusts the CA", WEBHOOK_NAME)
+                return
+            for h in config.webhooks or []:
+                h.client_config.ca_bundle = bundle
+            admission.replace_validating_webhook_configuration(WEBHOOK_NAME, config)  # resourceVersion kept
+            log.info("owner webhook: set the caBundle of %s", WEBHOOK_NAME)
+            return
+        except kubernetes.client.ApiException as e:
+            if e.status not in (404, 409) or clock() > deadline:
+                raise
+            log.info("owner webhook: %s: %s, trying again", WEBHOOK_NAME, "not there yet" if e.status == 404 else
+                     "changed meanwhile")
+        sleep(2)
+
+
+def ensure_certificates(namespace: str, timeout: float = 300) -> None:
+    """What the install's Job runs (`certs`): the serving Secret, then the caBundle."""
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    client = kubernetes.client.ApiClient()
+    ca = ensure_serving_secret(kubernetes.client.CoreV1Api(client), namespace)
+    ensure_ca_bundle(kubernetes.client.AdmissionregistrationV1Api(client), ca, timeout)
+
+
+def render_configuration() -> str:
+    """manifests/base/owner-webhook-configuration.yaml: the configuration without its
+    caBundle (the install's Job sets it)."""
+    header = ("# Generated by `python -m rft_operator.ownerhook configuration`. Do not edit.\n"
+              "# The Job in owner-webhook.yaml sets the caBundle; see ownerhook.py's docstring.\n")
+    return header + yaml.safe_dump(webhook_configuration(None), sort_keys=False, width=100)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rft_operator.ownerhook", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    install = sub.add_parser("install", help="print the serving Secret (a new self-signed CA) and the "
-                                             "ValidatingWebhookConfiguration that trusts it")
-    install.add_argument("--namespace", default=OPERATOR_NAMESPACE, help="the operator's namespace")
+    certs = sub.add_parser("certs", help="the install's Job: keep or make the serving Secret (a self-signed CA), "
+                                         "then put its CA into the webhook configuration")
+    certs.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE") or OPERATOR_NAMESPACE,
+                       help="the operator's namespace (default: $POD_NAMESPACE, else %(default)s)")
+    certs.add_argument("--timeout", type=float, default=300,
+                       help="seconds to wait for the webhook configuration to exist")
+    sub.add_parser("configuration", help="print the ValidatingWebhookConfiguration without a caBundle "
+                                         "(manifests/base/owner-webhook-configuration.yaml)")
     args = ap.parse_args(argv)
-    if args.command == "install":
-        sys.stdout.write(install_manifests(args.namespace))
+    if args.command == "certs":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        ensure_certificates(args.namespace, args.timeout)
+    else:
+        sys.stdout.write(render_configuration())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,14 @@ or "only objects this operator manages". Two policies (built into the API server
   external IPs, Roles that reach no further than the job itself, and nothing in the
   kube-* namespaces.
 
+What no policy can do cheaply is look the RFTJob up by the name an object claims: a
+policy with parameters (`paramRef.selector`) is evaluated once per RFTJob of the
+namespace, for every request, which made each wave of jobs quadratic (issue 38), and still
+cannot see that *no* RFTJob has a made-up name. The owner webhook (ownerhook.py, in every
+install) does that with one lookup: the RFTJob exists with the uid the object's one
+controller reference carries, and a pod is one its spec renders (Secrets, model cache,
+host path, capabilities, seccomp profile), in a privileged namespace too.
+
 The field lists come from the status model (`rft_contract.status`), so a new status field
 is covered without editing CEL by hand; the test suite fails when the committed file
 differs from this output.
@@ -50,7 +58,6 @@ PSA_LEVELS = ("baseline", "restricted")
 STATUS_POLICY = "rftjob-status-writers"
 OPERATOR_POLICY = "rftjob-operator-scope"
 OPERATOR_STATUS_POLICY = "rftjob-operator-status"
-OWNER_POLICY = "rftjob-operator-owner"
 OPERATOR_IDENTITY = {"name": "operator-identity", "expression":
                      f"request.userInfo.username.startsWith('{SA_PREFIX}') && "
                      f"request.userInfo.username.endsWith(':{OPERATOR_SA}')"}
@@ -126,66 +133,6 @@ def status_policy() -> dict[str, Any]:
             _rule(f"variables.role != '{names.ROLE_INFERENCE}' || (variables.operatorKept && variables.trainerKept "
                   "&& variables.syncTargetKept && variables.replicasKeptBut)",
                   "a sync agent may change only its own pod's entry, status.weightSync.replicas[<pod>]"),
-        ],
-    })
-
-
-def owner_policy() -> dict[str, Any]:
-    """The RFTJob a new child or Event names must exist in the namespace, with the uid its
-    owner reference (an Event's object) carries; a pod reads only the Secrets and mounts
-    only the model-cache claim that job's spec names. Evaluated once per RFTJob of the namespace (the binding's paramRef),
-    so a namespace without one refuses them all. Only on CREATE of objects labelled as
-    ours (the binding's objectSelector): the garbage collector, which updates and deletes
-    children after their job is gone, must never meet it, and rftjob-operator-scope
-    refuses the operator's identity anything unlabelled. What it cannot do: see that
-    no RFTJob of the namespace carries a made-up name (each evaluation sees one); the
-    owner webhook (ownerhook.py, manifests/webhook) refuses that."""
-    obj = "object"
-    owners = f"{obj}.metadata.?ownerReferences.orValue([])"
-    about = (f"(has({obj}.involvedObject) ? {obj}.involvedObject : {obj}.?regarding.orValue({{}}))")
-    return _policy(OWNER_POLICY, [
-        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-         "resources": ["pods", "services", "configmaps", "serviceaccounts"]},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
-         "resources": ["roles", "rolebindings"]},
-        {"apiGroups": ["", "events.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE"],
-         "resources": ["events"]},
-        {"apiGroups": [KUEUE_GROUP], "apiVersions": [KUEUE_VERSION], "operations": ["CREATE"],
-         "resources": ["workloads"]},
-    ], {
-        "paramKind": {"apiVersion": f"{names.GROUP}/{names.VERSION}", "kind": names.KIND},
-        "matchConditions": [OPERATOR_IDENTITY],
-        "variables": [
-            {"name": "job", "expression": f"{obj}.metadata.?labels[?'{names.LABEL_JOB}'].orValue('')"},
-            {"name": "event", "expression": "request.resource.resource == 'events'"},
-            # The Secrets this parameter's spec names (what its pods may read, key by key).
-            {"name": "secrets", "expression":
-             "[params.spec.?checkpoint.?credentialsSecret.orValue(''), "
-             "params.spec.?tracking.?mlflow.?credentialsSecret.orValue(''), "
-             "params.spec.?tracking.?wandb.?apiKeySecret.orValue('')] + "
-             "params.spec.?trainer.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name) + "
-             "params.spec.?inference.?env.orValue([]).filter(e, has(e.valueFrom)).map(e, e.valueFrom.secretKeyRef.name)"},
-            # The uids the object claims for its job.
-            {"name": "uids", "expression": f"variables.event ? [{about}.?uid.orValue('')] : "
-                                           f"{owners}.map(r, r.uid)"},
-        ],
-        "validations": [
-            _rule("params.metadata.name != variables.job || variables.uids.all(u, u == params.metadata.uid)",
-                  "the rftjob-operator's objects belong to an RFTJob that exists: the owner reference's (an "
-                  "Event's object's) uid must be that RFTJob's"),
-            _rule("request.resource.resource != 'pods' || params.metadata.name != variables.job || "
-                  f"({obj}.spec.containers + {obj}.spec.?initContainers.orValue([])).all(x, "
-                  "x.?env.orValue([]).all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || "
-                  "e.valueFrom.secretKeyRef.name in variables.secrets))",
-                  "the rftjob-operator's pods read only the Secrets their RFTJob's spec names "
-                  "(checkpoint.credentialsSecret, tracking.mlflow.credentialsSecret, "
-                  "tracking.wandb.apiKeySecret, trainer.env and inference.env secretKeyRefs)"),
-            _rule("request.resource.resource != 'pods' || params.metadata.name != variables.job || "
-                  f"{obj}.spec.?volumes.orValue([]).all(v, !has(v.persistentVolumeClaim) || "
-                  "v.persistentVolumeClaim.claimName == "
-                  "params.spec.model.?cache.?persistentVolumeClaim.orValue(''))",
-                  "the rftjob-operator mounts only what the job's spec renders: a PersistentVolumeClaim only "
-                  "as the model cache spec.model.cache.persistentVolumeClaim names"),
         ],
     })
 
@@ -274,7 +221,7 @@ def operator_policy() -> dict[str, Any]:
             _rule(f"{events} || request.operation == 'DELETE' || variables.owners.size() == 1",
                   "the rftjob-operator's objects have exactly one owner reference, their RFTJob's "
                   "(another owner would outlive the job for the garbage collector)"),
-            # Labelled like its children, so that rftjob-operator-owner checks them too.
+            # Labelled like its children, so that the owner webhook checks them too.
             _rule(f"!{events} || (variables.about.?kind.orValue('') == '{names.KIND}' && "
                   f"variables.about.?apiVersion.orValue('').startsWith('{names.GROUP}/') && "
                   "variables.about.?namespace.orValue(request.namespace) == request.namespace && "
@@ -354,7 +301,8 @@ def _volumes_rendered() -> str:
     validation, so that projection is allowed too."""
     projected = ("v.projected.sources.all(s, has(s.serviceAccountToken) || has(s.downwardAPI) || "
                  "(has(s.configMap) && s.configMap.name == 'kube-root-ca.crt'))")
-    # The claim's name is checked against the job's spec by rftjob-operator-owner.
+    # The claim's name, and a host path's, are checked against the job's spec by the owner
+    # webhook (ownerhook.check_pod).
     return ("variables.volumes.all(v, has(v.emptyDir) || has(v.hostPath) || has(v.downwardAPI) || "
             "(has(v.configMap) && v.configMap.name == variables.job + '-config') || "
             f"(has(v.projected) && {projected}) || "
@@ -366,20 +314,12 @@ def _unconfined(owner: str) -> str:
     return f"{owner}.?securityContext.?seccompProfile.?type.orValue('') != 'Unconfined'"
 
 
-def _binding(policy: str, params: bool = False) -> dict[str, Any]:
-    spec: dict[str, Any] = {"policyName": policy, "validationActions": ["Deny"]}
-    if params:
-        # Every RFTJob of the request's namespace, each a separate evaluation that must
-        # pass; none there: refused. The API server looks the parameters up before it
-        # evaluates matchConditions, so the binding itself must narrow what it matches:
-        # objects labelled as ours (nobody else's), see owner_policy.
-        spec["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Deny"}
-        spec["matchResources"] = {"objectSelector": {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}}
+def _binding(policy: str) -> dict[str, Any]:
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
         "metadata": {"name": policy},
-        "spec": spec,
+        "spec": {"policyName": policy, "validationActions": ["Deny"]},
     }
 
 
@@ -387,7 +327,7 @@ def render() -> str:
     header = ("# Generated by `python -m rft_operator.policygen` from rft_contract/status.py. Do not edit.\n"
               "# See the module's docstring and README's Security section.\n")
     docs = [status_policy(), _binding(STATUS_POLICY), operator_policy(), _binding(OPERATOR_POLICY),
-            owner_policy(), _binding(OWNER_POLICY, params=True), operator_status_policy(),
+            operator_status_policy(),
             _binding(OPERATOR_STATUS_POLICY)]
     return header + yaml.safe_dump_all(docs, sort_keys=False, width=100)
 

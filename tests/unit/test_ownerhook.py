@@ -3,12 +3,14 @@ server calling it is tests/integration/test_owner_webhook.py."""
 
 from __future__ import annotations
 
+import datetime as dt
 import http.client
 import json
 import os
 import ssl
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,9 @@ from rft_contract import names
 from rft_operator import ownerhook
 
 UID = "0b5c1f3e-real"
-JOBS = {("ns", "real"): {"metadata": {"name": "real", "uid": UID}}}
+SPEC = {"checkpoint": {"uri": "s3://c", "credentialsSecret": "s3-creds"},
+        "trainer": {"env": [{"name": "HF", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}]}}
+JOBS = {("ns", "real"): {"metadata": {"name": "real", "uid": UID}, "spec": SPEC}}
 
 
 def get_job(namespace: str, name: str):
@@ -28,9 +32,16 @@ def request(obj: dict, resource: str = "pods", operation: str = "CREATE") -> dic
                         "resource": {"resource": resource}, "object": obj}}
 
 
-def child(job: str, *uids: str) -> dict:
-    return {"metadata": {"labels": {names.LABEL_JOB: job, names.LABEL_MANAGED_BY: names.MANAGED_BY},
-                         "ownerReferences": [{"kind": names.KIND, "name": job, "uid": u} for u in uids]}}
+def ref(job: str, uid: str, **changes) -> dict:
+    """The controller reference the operator writes (objects.owner_reference)."""
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": job, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True, **changes}
+
+
+def child(job: str, *uids: str, refs: list | None = None) -> dict:
+    return {"metadata": {"labels": {names.LABEL_JOB: job, names.LABEL_MANAGED_BY: names.MANAGED_BY,
+                                    names.LABEL_ROLE: names.ROLE_TRAINER},
+                         "ownerReferences": refs if refs is not None else [ref(job, u) for u in uids]}}
 
 
 def answer(body: dict, lookup=get_job) -> dict:
@@ -39,36 +50,51 @@ def answer(body: dict, lookup=get_job) -> dict:
     return out["response"]
 
 
+def refusal(obj: dict, **kw) -> str:
+    got = answer(request(obj, **kw))
+    assert not got["allowed"] and got["status"]["code"] == 403, got
+    return got["status"]["message"]
+
+
 def test_a_real_jobs_child_is_admitted():
     assert answer(request(child("real", UID))) == {"uid": "r1", "allowed": True}
 
 
 def test_a_made_up_job_is_refused_by_name():
-    got = answer(request(child("ghost", "some-uid")))
-    assert not got["allowed"] and got["status"]["code"] == 403
-    assert "there is no RFTJob ns/ghost" in got["status"]["message"]
+    assert "there is no RFTJob ns/ghost" in refusal(child("ghost", "some-uid"))
 
 
-def test_another_uid_or_a_second_owner_is_refused():
-    for obj in (child("real", "forged"), child("real", UID, "forged"), child("real")):
-        got = answer(request(obj))
-        assert not got["allowed"] and "is not RFTJob ns/real's" in got["status"]["message"], obj
+def test_exactly_one_owner_the_controller_reference_with_the_jobs_uid_on_every_write():
+    wrong = [child("real", "forged"), child("real", UID, "forged"), child("real", UID, UID), child("real"),
+             child("real", refs=[ref("real", UID, controller=False)]),
+             child("real", refs=[ref("real", UID, kind="Deployment")]),
+             child("real", refs=[ref("real", UID, apiVersion="apps/v1")]),
+             child("real", refs=[ref("other", UID)]),
+             child("real", refs=[ref("real", UID), {"apiVersion": "v1", "kind": "ConfigMap", "name": "x",
+                                                    "uid": "u2"}])]
+    for operation in ("CREATE", "UPDATE"):  # a PATCH reaches admission as an UPDATE
+        for obj in wrong:
+            assert "exactly one owner reference" in refusal(obj, operation=operation), obj
+        assert answer(request(child("real", UID), operation=operation))["allowed"]
     # Only what the caller sent comes back: nothing about the real job to whoever asks.
-    assert UID not in answer(request(child("real", "forged")))["status"]["message"]
+    assert UID not in refusal(child("real", "forged"))
 
 
 def test_events_are_checked_by_their_object():
-    event = {"metadata": {"labels": {names.LABEL_JOB: "real"}}, "involvedObject": {"name": "real", "uid": UID}}
+    event = {"metadata": {"labels": {names.LABEL_JOB: "real"}},
+             "involvedObject": {"kind": names.KIND, "name": "real", "uid": UID}}
     assert answer(request(event, "events"))["allowed"]
-    event["involvedObject"]["uid"] = "forged"
-    assert not answer(request(event, "events"))["allowed"]
-    regarding = {"metadata": {"labels": {names.LABEL_JOB: "real"}}, "regarding": {"name": "real", "uid": UID}}
+    assert answer(request(event, "events", "UPDATE"))["allowed"]
+    for change in ({"uid": "forged"}, {"name": "other"}, {"kind": "Pod"}):
+        forged = {**event, "involvedObject": {**event["involvedObject"], **change}}
+        assert "is not RFTJob ns/real" in refusal(forged, resource="events"), change
+    regarding = {"metadata": {"labels": {names.LABEL_JOB: "real"}},
+                 "regarding": {"kind": names.KIND, "name": "real", "uid": UID}}
     assert answer(request(regarding, "events"))["allowed"]
 
 
 def test_no_job_label_is_refused():
-    got = answer(request({"metadata": {"labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}}))
-    assert not got["allowed"] and names.LABEL_JOB in got["status"]["message"]
+    assert names.LABEL_JOB in refusal({"metadata": {"labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}})
 
 
 def test_a_failed_lookup_fails_closed_and_says_why():
@@ -79,8 +105,114 @@ def test_a_failed_lookup_fails_closed_and_says_why():
     assert not got["allowed"] and "TimeoutError: read timed out" in got["status"]["message"]
 
 
-def test_only_creates_are_checked():
-    assert answer(request(child("ghost", "x"), operation="UPDATE"))["allowed"]
+def test_deletes_are_not_its_business():
+    assert answer(request(child("ghost", "x"), operation="DELETE"))["allowed"]
+
+
+def pod(role: str = names.ROLE_TRAINER, volumes=(), env=(), container_sc=None, pod_sc=None) -> dict:
+    obj = child("real", UID)
+    obj["metadata"]["labels"][names.LABEL_ROLE] = role
+    container = {"name": "main", "image": "x", "env": list(env)}
+    if container_sc is not None:
+        container["securityContext"] = container_sc
+    obj["spec"] = {"containers": [container], "volumes": list(volumes)}
+    if pod_sc is not None:
+        obj["spec"]["securityContext"] = pod_sc
+    return obj
+
+
+def secret_env(name: str) -> dict:
+    return {"name": "E", "valueFrom": {"secretKeyRef": {"name": name, "key": "k"}}}
+
+
+def with_spec(spec: dict):
+    jobs = {("ns", "real"): {"metadata": {"name": "real", "uid": UID}, "spec": spec}}
+    return lambda namespace, name: jobs.get((namespace, name))
+
+
+PRIVILEGED = {"model": {"cache": {"hostPath": "/var/cache/models"}},
+              "trainer": {"securityContext": {"allowPrivileged": True, "addCapabilities": ["SYS_PTRACE"],
+                                              "seccompProfile": "Unconfined"}}}
+HOST_CACHE = {"name": "model-cache", "hostPath": {"path": "/var/cache/models", "type": "DirectoryOrCreate"}}
+
+
+@pytest.mark.parametrize("case, forged, twin", [
+    ("a Secret the spec does not name", pod(env=[secret_env("app-db")]), pod(env=[secret_env("s3-creds")])),
+    ("another claim", pod(volumes=[{"name": "model-cache", "persistentVolumeClaim": {"claimName": "db"}}]),
+     pod(volumes=[{"name": "model-cache", "emptyDir": {}}])),
+    ("a host path where the spec sets none", pod(volumes=[HOST_CACHE]), pod()),
+    ("a capability the spec does not add", pod(container_sc={"capabilities": {"add": ["NET_RAW"]}}),
+     pod(container_sc={"capabilities": {"drop": ["ALL"]}})),
+    ("Unconfined seccomp", pod(pod_sc={"seccompProfile": {"type": "Unconfined"}}),
+     pod(pod_sc={"seccompProfile": {"type": "RuntimeDefault"}})),
+    ("a Localhost seccomp profile", pod(container_sc={"seccompProfile": {"type": "Localhost",
+                                                                         "localhostProfile": "x.json"}}), pod()),
+    ("an unmasked /proc", pod(container_sc={"procMount": "Unmasked"}), pod(container_sc={"procMount": "Default"})),
+])
+def test_a_pod_is_one_its_jobs_spec_renders(case, forged, twin):
+    assert not answer(request(forged))["allowed"], case
+    assert answer(request(twin))["allowed"], case
+
+
+@pytest.mark.parametrize("case, forged", [
+    ("the node's root", pod(volumes=[{**HOST_CACHE, "hostPath": {"path": "/"}}])),
+    ("a host path under another name", pod(volumes=[{**HOST_CACHE, "name": "data"}])),
+    ("a host path on an inference pod", pod(names.ROLE_INFERENCE, volumes=[HOST_CACHE])),
+    ("another capability", pod(container_sc={"capabilities": {"add": ["SYS_PTRACE", "SYS_ADMIN"]}})),
+])
+def test_in_a_privileged_job_only_what_its_spec_renders(case, forged):
+    """A namespace labelled rft.dev/pod-security=privileged lets the admission policy pass
+    host paths and capabilities; the webhook narrows them to this job's spec."""
+    lookup = with_spec(PRIVILEGED)
+    assert not answer(request(forged), lookup)["allowed"], case
+    rendered = pod(volumes=[HOST_CACHE], container_sc={"capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]},
+                                                       "seccompProfile": {"type": "Unconfined"}},
+                   pod_sc={"seccompProfile": {"type": "Unconfined"}})
+    assert answer(request(rendered), lookup)["allowed"]
+
+
+def test_the_pod_checks_apply_to_what_the_operator_renders():
+    """The operator's own trainer and rollout pods for a privileged spec pass (the builders,
+    not hand-written pods), and each Secret field of the spec is one its pods may read."""
+    from rft_contract.spec import RFTJobSpec
+    from rft_operator import builders
+
+    raw = {"model": {"path": "s3://models/x", "cache": {"hostPath": "/var/cache/models"}}, "algorithm": {"name": "grpo"},
+           "trainer": {"image": "t", "nodes": 2, "gpusPerNode": 1, "totalSteps": 2, "batchSize": 2,
+                       "securityContext": PRIVILEGED["trainer"]["securityContext"],
+                       "env": [secret_env("hf")]},
+           "inference": {"image": "v", "replicas": 1, "env": [secret_env("hf")]},
+           "checkpoint": {"uri": "s3://ckpt/x", "credentialsSecret": "s3-creds"},
+           "tracking": {"mlflow": {"trackingUri": "http://m", "experiment": "e", "credentialsSecret": "mlf"},
+                        "wandb": {"project": "p", "apiKeySecret": "wb"}}}
+    spec = RFTJobSpec.model_validate(raw)
+    assert ownerhook.spec_secrets(raw) == {"hf", "s3-creds", "mlf", "wb"}
+    ref = builders.JobRef("real", "ns", UID)
+    pods = builders.build_trainer_pods(ref, spec, attempt=1) + builders.build_rollout_pods(ref, spec)
+    assert {p["metadata"]["labels"][names.LABEL_ROLE] for p in pods} == {names.ROLE_TRAINER, names.ROLE_INFERENCE}
+    for p in pods:
+        assert ownerhook.check_pod(p, raw) is None, p["metadata"]["name"]
+
+
+def test_committed_configuration_matches_the_generator():
+    committed = (Path(__file__).resolve().parents[2] / "manifests" / "base" / "owner-webhook-configuration.yaml")
+    assert committed.read_text() == ownerhook.render_configuration(), "run `make crd`"
+    assert "caBundle:" not in committed.read_text()  # the install's Job sets it
+
+
+def test_a_serving_pair_is_kept_only_while_current():
+    hosts = ownerhook.service_hosts("rftjob-system")
+    ca, cert, key = ownerhook.serving_pair(hosts)
+    data = {"ca.crt": ca, "tls.crt": cert, "tls.key": key}
+    assert ownerhook.is_pair_current(data, hosts)
+    other_ca, other_cert, other_key = ownerhook.serving_pair(hosts)
+    assert not ownerhook.is_pair_current({**data, "tls.key": other_key}, hosts)  # not the certificate's key
+    assert not ownerhook.is_pair_current({**data, "ca.crt": other_ca}, hosts)  # not signed by that CA
+    assert not ownerhook.is_pair_current(data, ownerhook.service_hosts("ml-ops"))  # another namespace's names
+    assert not ownerhook.is_pair_current({k: v for k, v in data.items() if k != "ca.crt"}, hosts)
+    assert not ownerhook.is_pair_current({**data, "tls.crt": b"junk"}, hosts)
+    late = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=3650) - ownerhook.RENEW_BEFORE
+    assert not ownerhook.is_pair_current(data, hosts, now=late)  # renewed well before it ends
 
 
 def test_the_configuration_fails_closed_for_the_operators_labelled_objects_only():
@@ -90,7 +222,7 @@ def test_the_configuration_fails_closed_for_the_operators_labelled_objects_only(
     assert hook["objectSelector"] == {"matchLabels": {names.LABEL_MANAGED_BY: names.MANAGED_BY}}
     assert [m["name"] for m in hook["matchConditions"]] == ["operator-identity"]
     assert {p for r in hook["rules"] for p in r["resources"]} == {*ownerhook.RESOURCES, "workloads"}  # + Kueue's
-    assert all(r["operations"] == ["CREATE"] for r in hook["rules"])
+    assert all(r["operations"] == ["CREATE", "UPDATE"] for r in hook["rules"])
 
 
 def _post(port: int, ca: bytes, body: bytes, path: str = ownerhook.PATH) -> tuple[int, bytes]:
@@ -132,3 +264,34 @@ def test_the_server_answers_refuses_junk_and_presents_a_rotated_pair(tmp_path):
             _post(server.port, ca, b"{}")
     finally:
         server.stop()
+
+
+def _secret_fields(model, path=()):
+    """Every `...Secret` field of the spec, as its path of aliases."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        nested = [t for t in typing.get_args(field.annotation) or (field.annotation,)
+                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        if alias.endswith("Secret"):
+            yield (*path, alias)
+        for t in nested:
+            yield from _secret_fields(t, (*path, alias))
+
+
+def test_pods_may_read_every_secret_the_spec_names():
+    """A Secret field the webhook does not know would make the operator's own pods refused."""
+    from rft_contract.spec import RFTJobSpec
+
+    fields = list(_secret_fields(RFTJobSpec))
+    assert len(fields) >= 3
+    spec: dict = {}
+    for path in fields:
+        node = spec
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = "-".join(path)
+    assert ownerhook.spec_secrets(spec) == {"-".join(p) for p in fields}
