@@ -110,17 +110,13 @@ def install_api(cluster: Cluster) -> None:
 
 
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
-            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, webhook: bool = True,
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
             replicas: int | None = None) -> None:
-    """manifests/ as a user installs it (CRD, RBAC, admission policies, the Deployment),
-    with the operator image from the local registry and the pod placed on the real node;
-    `extra_args` and `env` go to the operator container (the tests log at debug level);
-    `replicas` overrides the Deployment's two (the tests that kill "the" operator run one).
-    With `webhook`, the owner webhook too, as README says to install it: the
-    manifests/webhook component, and the Secret and configuration from
-    `python -m rft_operator.ownerhook install`."""
-    from rft_operator import ownerhook
-
+    """manifests/ as a user installs it (CRD, RBAC, admission policies, the owner webhook
+    and the Job that makes its serving pair, the Deployment), with the operator image from
+    the local registry and its pods placed on the real node; `extra_args` and `env` go to
+    the operator container (the tests log at debug level); `replicas` overrides the
+    Deployment's two (the tests that kill "the" operator run one)."""
     name, digest = operator_ref.split("@")
     pod_spec = _on_local_node()
     if env:
@@ -130,22 +126,17 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
                 "spec": {"template": {"spec": pod_spec}}}
     if replicas is not None:
         template["spec"]["replicas"] = replicas
-    patches = [{"patch": yaml.safe_dump(template)}]
-    if extra_args:  # appended, so that the component's arguments stay
+    certs_job = {"apiVersion": "batch/v1", "kind": "Job",
+                 "metadata": {"name": "rftjob-operator-webhook-certs", "namespace": "rftjob-system"},
+                 "spec": {"template": {"spec": _on_local_node()}}}
+    patches = [{"patch": yaml.safe_dump(template)}, {"patch": yaml.safe_dump(certs_job)}]
+    if extra_args:  # appended, so that the install's arguments stay
         patches.append({"target": {"kind": "Deployment", "name": "rftjob-operator"}, "patch": json.dumps(
             [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in extra_args])})
     overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
-                            images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}],
-                            patches=patches, components=[REPO_ROOT / "manifests" / "webhook"] if webhook else [])
-    if webhook:  # its Secret before the pod that mounts it; a new pair unless both are there
-        kubectl(cluster, "apply", "-f", str(REPO_ROOT / "manifests/base/namespace.yaml"))
-        secret = kubectl(cluster, "get", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE,
-                         "--ignore-not-found", "-o", "name")
-        config = kubectl(cluster, "get", "validatingwebhookconfiguration", ownerhook.WEBHOOK_NAME,
-                         "--ignore-not-found", "-o", "name")
-        if not (secret and config):
-            kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-",
-                    input=ownerhook.install_manifests())
+                            images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}], patches=patches)
+    # A Job's template cannot change: one left from an install with another image goes first.
+    kubectl(cluster, "delete", "job", "rftjob-operator-webhook-certs", "-n", "rftjob-system", "--ignore-not-found")
     kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-k", str(overlay))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
     kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",

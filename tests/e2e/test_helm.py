@@ -40,7 +40,7 @@ def helm(cluster, node, images, tmp_path_factory):
     paused = [o for o in OperatorProcess.started if o.running()]  # one operator at a time
     for other in paused:
         other.stop()
-    demo.uninstall_webhook(cluster)  # the chart has no webhook; one left would refuse creates
+    demo.uninstall_webhook(cluster)  # the kustomize install's (the chart's Job makes a new pair)
     name, digest = images["operator"].split("@")
     values = tmp_path_factory.mktemp("helm") / "values.yaml"
     # The operator's pod on the real node (KWOK's nodes run nothing), its image by digest.
@@ -74,14 +74,14 @@ def operator_pods(api) -> list[kubernetes.client.V1Pod]:
 
 
 @pytest.mark.timeout(900)
-def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images):
+def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images, tmp_path):
     run, values = helm
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
     custom = kubernetes.client.CustomObjectsApi(api)
     # The integration tests applied the kustomize install's objects to this cluster before:
     # --take-ownership adopts them (--force-conflicts: kubectl owns their fields by
     # server-side apply), as for a team moving from kustomize to Helm. The Deployment goes
-    # first: fields only kubectl set (the webhook component's volume) would stay in it.
+    # first: fields only kubectl set (a test's patch) would stay in it.
     kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
     run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace", "--take-ownership",
         "--force-conflicts", "-f", str(values), "--wait", "--timeout", "240s")
@@ -112,6 +112,18 @@ def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images
 
     wait_for(lambda: ((status().get("trainer") or {}).get("step") or 0) >= 2, 400, "the job training")
     before = trainer_pods()
+
+    # The chart's defaults hold the owner webhook (its Job made the pair, the replicas
+    # serve it): the operator's own token gets nothing for a made-up job beside this one.
+    token = cluster.service_account_kubeconfig(NAMESPACE, "rftjob-operator", tmp_path / "op.kubeconfig")
+    operator = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(str(token)))
+    ghost = {"metadata": {"name": "ghost-rft-trainer", "labels": {names.LABEL_JOB: "ghost",
+                                                                  names.LABEL_MANAGED_BY: names.MANAGED_BY},
+                          "ownerReferences": [{"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ghost",
+                                               "uid": str(uuid.uuid4()), "controller": True}]}}
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        operator.create_namespaced_service_account(ns, ghost, dry_run="All")
+    assert refused.value.status == 403 and f"there is no RFTJob {ns}/ghost" in str(refused.value.body)
 
     # An upgrade with changed values while the job trains: new replicas roll in (the leader
     # hands the Lease over as it stops), the metrics Service is added; the job carries on

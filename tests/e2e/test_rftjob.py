@@ -32,7 +32,7 @@ from e2e.screenshot import curve_drawn, screenshot_tensorboard
 from rft_contract import names
 from rft_trainer.checkpoint import latest_verified, list_steps, verify_step
 from rft_contract.s3 import S3Storage
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import IN_CLUSTER_ONLY, wait_for
 from tests.e2e.incluster import InClusterOperator, pod_processes
 from tests.e2e.conftest import s3_for_pods
 from tests.integration.operator_fixtures import (
@@ -464,15 +464,22 @@ def test_deleting_a_kwok_node_restarts_the_simulated_gang(stack, kubectl):
 
 
 def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, cluster, kubectl, tmp_path):
-    """The audit's escalation on the real node, with the policies as a user installs them:
-    the operator's own token, in a namespace without an RFTJob, asks for a pod of a job
+    """The audit's escalation on the real node, with the default install as a user applies it
+    (`kubectl apply -k manifests/`: the policies and the owner webhook, nothing added by
+    the harness): the operator's own token, in a namespace without an RFTJob, asks for a pod of a job
     `ghost` (a second owner the garbage collector cannot delete, a Secret of another
     application by secretKeyRef). Refused; no pod is ever created, so nothing runs."""
     ns = f"e2e-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline")
+    # (The second label keeps the integration tests' host-served webhook out of it: only the
+    # install's own answers here.)
+    kubectl("label", "namespace", ns, f"{names.PSA_ENFORCE_LABEL}=baseline", f"{IN_CLUSTER_ONLY}=true")
     kubectl("create", "secret", "generic", "app-db", "-n", ns, "--from-literal=password=hunter2")
     kubectl("create", "serviceaccount", "ghost-rft-trainer", "-n", ns)
+    # The install's Job put its CA into the configuration the operator's Service answers.
+    config = json.loads(kubectl("get", "validatingwebhookconfiguration", "rftjob-operator-owner", "-o", "json").stdout)
+    assert [(h["clientConfig"].get("caBundle", "") != "", h["clientConfig"].get("service", {}).get("name"))
+            for h in config["webhooks"]] == [(True, "rftjob-operator-webhook")]
     token = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp_path / "op.kubeconfig")
     op = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(str(token)))
     admin = kubernetes.client.CoreV1Api(stack["api"])
@@ -502,9 +509,8 @@ def test_a_leaked_operator_token_cannot_start_a_pod_for_a_made_up_job(stack, clu
                                                                    "ownerReferences": owners[:1]}})
         assert admin.list_namespaced_pod(ns).items == []
 
-        # Beside a real RFTJob the policies, which evaluate one RFTJob at a time, cannot see
-        # that none is called `ghost`; the owner webhook installed with the operator (through
-        # its Service, as on any cluster) refuses it by name.
+        # Beside a real RFTJob: the owner webhook of the default install (called through the
+        # operator's Service, as on any cluster) refuses it by name.
         kubernetes.client.CustomObjectsApi(stack["api"]).create_namespaced_custom_object(
             names.GROUP, names.VERSION, ns, names.PLURAL, job_manifest("real", suspend=True))
 

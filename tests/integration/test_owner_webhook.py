@@ -1,9 +1,11 @@
 """The owner webhook (rft_operator.ownerhook) against the real API server, with the
-operator's real token (TokenRequest): the made-up job beside a real one, which the
-admission policies alone admit, is refused; the real job's children still pass.
+operator's real token (TokenRequest), as the default install has it (the session's
+webhook, served on the host by tests/integration/conftest.py's `installed`): the made-up
+job beside a real one is refused; so are a PATCH that re-points an owner reference and, in
+a privileged namespace, a pod its job's spec does not render; each has an accepted twin.
 
-The API server calls the webhook served here on the host (a URL clientConfig with this
-test's own CA); the configuration is limited to the test's namespace, so no other test
+The failure and rotation tests register a second configuration served by the test itself
+(a URL clientConfig with its own CA), limited to the test's namespace, so no other test
 waits on it. The webhook looks jobs up with the operator's token too: its RBAC suffices.
 """
 
@@ -71,10 +73,10 @@ def ghost_account(ghost: dict) -> dict:
     return {"metadata": managed_meta(ghost, f"{ghost['metadata']['name']}-rft-x")}
 
 
-def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl, namespace, certs):
-    """The gap the policies leave (each evaluates one RFTJob of the namespace), shown
-    without the webhook, then closed with it: no ServiceAccount, no pod reading another
-    application's Secret, no Event for `ghost`; `real`'s own children pass."""
+def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl, namespace):
+    """The ghost job, in the default install (the session's webhook, `installed`): beside a
+    real job, no ServiceAccount, no pod reading another application's Secret, no Event for
+    `ghost`, and nothing created; `real`'s own children pass."""
     # Suspended: the session's host operator, which watches every namespace, starts nothing.
     job = create_job(api, namespace, job_manifest("real", suspend=True))
     accounts(kubectl, namespace, "real")
@@ -84,38 +86,95 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
     reader = {**BOX, "env": [{"name": "P", "valueFrom": {"secretKeyRef": {"name": "app-db", "key": "password"}}}]}
     ghost_pod = {"metadata": {**managed_meta(ghost, "ghost-trainer-1-0", "trainer"), "namespace": namespace},
                  "spec": {"serviceAccountName": "ghost-rft-trainer", "containers": [reader]}}
-    # Without the webhook: the policies admit it (dry run), once they see `real`.
-    wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, ghost_pod, **DRY)) == (200, ""), 30,
-             "the policies to admit the ghost's pod (the gap)")
+    words = ("rftjob-operator-owner", f"there is no RFTJob {namespace}/ghost")
+    refused(lambda: core.create_namespaced_pod(namespace, ghost_pod), *words)  # for real, not a dry run
+    refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(ghost)), *words)
+    event = {"metadata": {"generateName": "ghost.", "labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY,
+                                                                names.LABEL_JOB: "ghost"}},
+             "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ghost",
+                                "namespace": namespace, "uid": ghost["metadata"]["uid"]},
+             "reason": "X", "message": "m", "type": "Normal"}
+    refused(lambda: core.create_namespaced_event(namespace, event), *words)
+    admin = kubernetes.client.CoreV1Api(api)
+    assert not [p.metadata.name for p in admin.list_namespaced_pod(namespace).items
+                if p.metadata.name.startswith("ghost")]
 
-    with registered(api, operator_api, namespace, certs):
-        words = ("rftjob-operator-owner", f"there is no RFTJob {namespace}/ghost")
-        wait_for(lambda: refusal(lambda: core.create_namespaced_pod(namespace, ghost_pod, **DRY))[0] == 403, 30,
-                 "the webhook to be called")
-        refused(lambda: core.create_namespaced_pod(namespace, ghost_pod), *words)  # for real, not a dry run
-        refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(ghost)), *words)
-        event = {"metadata": {"generateName": "ghost.", "labels": {names.LABEL_MANAGED_BY: names.MANAGED_BY,
-                                                                    names.LABEL_JOB: "ghost"}},
-                 "involvedObject": {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": "ghost",
-                                    "namespace": namespace, "uid": ghost["metadata"]["uid"]},
-                 "reason": "X", "message": "m", "type": "Normal"}
-        refused(lambda: core.create_namespaced_event(namespace, event), *words)
-        admin = kubernetes.client.CoreV1Api(api)
-        assert not [p.metadata.name for p in admin.list_namespaced_pod(namespace).items
-                    if p.metadata.name.startswith("ghost")]
+    # The real job's children pass; its name with another uid does not.
+    assert refusal(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY)) == (200, "")
+    assert refusal(lambda: core.create_namespaced_service_account(
+        namespace, {"metadata": managed_meta(job, "real-rft-x")}, **DRY)) == (200, "")
+    forged = {"metadata": {"name": "real", "uid": str(uuid.uuid4())}}
+    refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(forged), **DRY),
+            "rftjob-operator-owner")
+    # What the operator itself writes, as it writes it (kube.post_event's labels).
+    real_event = {**event, "metadata": {"generateName": "real.", "labels": {
+        names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_JOB: "real"}}, "involvedObject": {
+        **event["involvedObject"], "name": "real", "uid": job["metadata"]["uid"]}}
+    assert refusal(lambda: core.create_namespaced_event(namespace, real_event, **DRY)) == (200, "")
 
-        # The real job's children pass; its name with another uid does not.
-        assert refusal(lambda: core.create_namespaced_pod(namespace, trainer_pod(job, namespace), **DRY)) == (200, "")
-        assert refusal(lambda: core.create_namespaced_service_account(
-            namespace, {"metadata": managed_meta(job, "real-rft-x")}, **DRY)) == (200, "")
-        forged = {"metadata": {"name": "real", "uid": str(uuid.uuid4())}}
-        refused(lambda: core.create_namespaced_service_account(namespace, ghost_account(forged), **DRY),
-                "rftjob-operator-owner")
-        # What the operator itself writes, as it writes it (kube.post_event's labels).
-        real_event = {**event, "metadata": {"generateName": "real.", "labels": {
-            names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_JOB: "real"}}, "involvedObject": {
-            **event["involvedObject"], "name": "real", "uid": job["metadata"]["uid"]}}
-        assert refusal(lambda: core.create_namespaced_event(namespace, real_event, **DRY)) == (200, "")
+
+def test_a_patch_keeps_one_owner_the_jobs_uid(operator_api, api, kubectl, namespace):
+    """The uid on every write: a child the operator made (for real) cannot be re-pointed by
+    a PATCH to another uid, given a second owner, or lose its controller flag; a PATCH that
+    keeps the reference passes."""
+    job = create_job(api, namespace, job_manifest("real", suspend=True))
+    other = create_job(api, namespace, job_manifest("other", suspend=True))
+    core = kubernetes.client.CoreV1Api(operator_api)
+    core.create_namespaced_service_account(namespace, {"metadata": managed_meta(job, "real-rft-x")})
+    ref = managed_meta(job, "x")["ownerReferences"][0]
+
+    def patch(refs: list, **kw):
+        body = {"metadata": {"ownerReferences": refs, "annotations": {"touched": "yes"}}}
+        # A merge patch replaces the list (a strategic one merges it by uid).
+        return lambda: core.patch_namespaced_service_account("real-rft-x", namespace, body, **DRY,
+                                                             _content_type="application/merge-patch+json", **kw)
+
+    assert refusal(patch([ref])) == (200, "")  # the twin: same reference, another annotation
+    for refs in ([{**ref, "uid": str(uuid.uuid4())}],  # a forged uid
+                 [{**ref, "name": "other", "uid": other["metadata"]["uid"]}],  # another job's (label says real)
+                 [ref, {**ref, "name": "other", "uid": other["metadata"]["uid"], "controller": False}],  # a second owner
+                 [{**ref, "controller": False}]):  # no controller
+        got, message = refusal(patch(refs))
+        assert got == 403 and ("rftjob-operator-owner" in message or "rftjob-operator-scope" in message), (
+            refs, got, message)
+        # The webhook's own answer, whatever the API server names first.
+        assert ownerhook.check(namespace, {"metadata": {**managed_meta(job, "x"), "ownerReferences": refs}},
+                               "serviceaccounts", ownerhook.api_get_job(operator_api), "UPDATE") is not None
+    # A JSON patch that swaps only the uid, as an attacker would send it: refused by the webhook.
+    swap = [{"op": "replace", "path": "/metadata/ownerReferences/0/uid", "value": str(uuid.uuid4())}]
+    refused(lambda: core.patch_namespaced_service_account("real-rft-x", namespace, swap, **DRY),
+            "rftjob-operator-owner", "exactly one owner reference")
+    got = kubernetes.client.CoreV1Api(api).read_namespaced_service_account("real-rft-x", namespace)
+    assert [r.uid for r in got.metadata.owner_references] == [job["metadata"]["uid"]]
+
+
+def test_in_a_privileged_namespace_a_pod_gets_only_what_its_own_spec_renders(operator_api, api, kubectl, namespace):
+    """A cluster admin allowed privileged jobs in this namespace (rft.dev/pod-security and
+    Pod Security's own level). The job `cached` renders a host path and SYS_PTRACE; a pod
+    for it mounting the node's / or adding SYS_ADMIN, or a pod for `plain` (which renders
+    neither) using them, is refused; what `cached` renders passes."""
+    kubectl("label", "namespace", namespace, "rft.dev/pod-security=privileged",
+            f"{names.PSA_ENFORCE_LABEL}=privileged", "--overwrite")
+    privileged = {"securityContext": {"allowPrivileged": True, "addCapabilities": ["SYS_PTRACE"]}}
+    cached = create_job(api, namespace, job_manifest(
+        "cached", suspend=True, trainer=privileged,
+        model={"path": "s3://models/tiny", "cache": {"hostPath": "/var/cache/rft-models"}}))
+    plain = create_job(api, namespace, job_manifest("plain", suspend=True))
+    accounts(kubectl, namespace, "cached")
+    accounts(kubectl, namespace, "plain")
+    core = kubernetes.client.CoreV1Api(operator_api)
+
+    def pod(job, path="/var/cache/rft-models", add=("SYS_PTRACE",)):
+        return trainer_pod(job, namespace, containers=[{**BOX, "securityContext": {"capabilities": {
+            "drop": ["ALL"], "add": list(add)}}}], volumes=[{"name": "model-cache", "hostPath": {"path": path}}])
+
+    assert refusal(lambda: core.create_namespaced_pod(namespace, pod(cached), **DRY)) == (200, "")
+    refused(lambda: core.create_namespaced_pod(namespace, pod(cached, path="/"), **DRY),
+            "rftjob-operator-owner", "spec.model.cache.hostPath")
+    refused(lambda: core.create_namespaced_pod(namespace, pod(cached, add=("SYS_PTRACE", "SYS_ADMIN")), **DRY),
+            "rftjob-operator-owner", "not SYS_ADMIN")
+    refused(lambda: core.create_namespaced_pod(namespace, pod(plain), **DRY), "rftjob-operator-owner")
+    refused(lambda: core.create_namespaced_pod(namespace, pod(plain, add=()), **DRY), "spec.model.cache.hostPath")
 
 
 def ghost_refused(operator_api, api, namespace: str) -> None:
@@ -162,7 +221,7 @@ def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api,
     (certs / "tls.crt").write_bytes(cert)
     context = ssl.create_default_context(cadata=ca.decode())
     request = urllib.request.Request(f"https://127.0.0.1:{webhook.port}{ownerhook.PATH}", method="POST",
-                                     data=json.dumps({"request": {"uid": "u", "operation": "UPDATE"}}).encode())
+                                     data=json.dumps({"request": {"uid": "u", "operation": "DELETE"}}).encode())
     with urllib.request.urlopen(request, context=context, timeout=10) as r:
         assert json.load(r)["response"] == {"uid": "u", "allowed": True}
     # The API server still trusts only the old CA: the call fails, and so does the create.

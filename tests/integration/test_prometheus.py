@@ -87,7 +87,8 @@ def test_the_charts_monitoring_objects_are_accepted(prometheus_crds, installed, 
                         "--set", "monitoring.grafanaDashboard.enabled=true",
                         "--set-string", "monitoring.grafanaDashboard.annotations.grafana_folder=RFT jobs")
     kinds = ("Service", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap")
-    objects = [o for (kind, _, _), o in rendered.items() if kind in kinds]
+    objects = [o for (kind, _, name), o in rendered.items()
+               if kind in kinds and name != "rftjob-operator-webhook"]  # (in every install)
     assert len(objects) == 5, sorted(rendered)
     proc = dry_run(kubectl, objects)
     assert proc.returncode == 0 and proc.stdout.count("created (server dry run)") == 5, proc.stderr
