@@ -109,6 +109,9 @@ def install_api(cluster: Cluster) -> None:
     uninstall_webhook(cluster)  # one left by an in-cluster install would refuse a host operator's creates
 
 
+CERTS_JOB = "rftjob-operator-webhook-certs"  # manifests/base/owner-webhook.yaml
+
+
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
             extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
             replicas: int | None = None) -> None:
@@ -127,7 +130,7 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
     if replicas is not None:
         template["spec"]["replicas"] = replicas
     certs_job = {"apiVersion": "batch/v1", "kind": "Job",
-                 "metadata": {"name": "rftjob-operator-webhook-certs", "namespace": "rftjob-system"},
+                 "metadata": {"name": CERTS_JOB, "namespace": "rftjob-system"},
                  "spec": {"template": {"spec": _on_local_node()}}}
     patches = [{"patch": yaml.safe_dump(template)}, {"patch": yaml.safe_dump(certs_job)}]
     if extra_args:  # appended, so that the install's arguments stay
@@ -136,21 +139,29 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
     overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
                             images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}], patches=patches)
     # A Job's template cannot change: one left from an install with another image goes first.
-    kubectl(cluster, "delete", "job", "rftjob-operator-webhook-certs", "-n", "rftjob-system", "--ignore-not-found")
+    kubectl(cluster, "delete", "job", CERTS_JOB, "-n", "rftjob-system", "--ignore-not-found")
     kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-k", str(overlay))
     kubectl(cluster, "wait", "--for=condition=Established", "crd/rftjobs.rft.dev", "--timeout=60s")
-    kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",
-            f"--timeout={int(timeout)}s")
+    try:
+        kubectl(cluster, "rollout", "status", "deployment/rftjob-operator", "-n", "rftjob-system",
+                f"--timeout={int(timeout)}s")
+    except ClusterError as e:  # the pods wait for the Secret the Job writes: say what the Job did
+        job_log = kubectl(cluster, "logs", "-n", "rftjob-system", f"job/{CERTS_JOB}", "--tail=20",
+                          check=False)
+        raise ClusterError(f"{e}\nthe webhook certificate Job's log:\n{job_log}") from e
 
 
 def uninstall_webhook(cluster: Cluster) -> None:
-    """The owner webhook's configuration and Secret removed (the next `install` makes new
-    ones): for tests that stop the in-cluster operator and hand its identity to host
+    """The owner webhook's configuration, Secret and certificate Job removed (the next
+    install makes new ones): for tests that stop the in-cluster operator and hand its identity to host
     processes, whose creates would otherwise wait on a webhook nobody serves."""
     from rft_operator import ownerhook
 
     kubectl(cluster, "delete", "validatingwebhookconfiguration", ownerhook.WEBHOOK_NAME, "--ignore-not-found")
     kubectl(cluster, "delete", "secret", ownerhook.TLS_SECRET, "-n", ownerhook.OPERATOR_NAMESPACE, "--ignore-not-found")
+    # And the Job that made them, so that the next install's runs (a finished one is kept for
+    # ten minutes, and an install that finds it does not run it again).
+    kubectl(cluster, "delete", "job", CERTS_JOB, "-n", ownerhook.OPERATOR_NAMESPACE, "--ignore-not-found")
 
 
 def sample_overlay(cluster: Cluster, trainer_ref: str, endpoint: str) -> Path:

@@ -149,4 +149,30 @@ def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images
     assert status()["phase"] == "Succeeded"
     listed = json.loads(run("list", "-A", "-o", "json").stdout)
     assert not [r for r in listed if r["name"] == RELEASE], listed
+
+    # Helm -> kustomize, as README says (`helm uninstall`, then `kubectl apply -k manifests/`):
+    # the Secret the chart's Job wrote stays and is kept; the owner check is in force again.
+    secret = kubectl("get", "secret", "rftjob-operator-webhook-tls", "-n", NAMESPACE, "-o",
+                     "jsonpath={.metadata.resourceVersion}").stdout
+    try:
+        demo.install(cluster, images["operator"])
+        # A new token: the one above was bound to the release's ServiceAccount, now gone.
+        token = cluster.service_account_kubeconfig(NAMESPACE, "rftjob-operator", tmp_path / "op2.kubeconfig")
+        operator = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(str(token)))
+
+
+        def ghost_refusal() -> str:
+            try:
+                operator.create_namespaced_service_account(ns, ghost, dry_run="All")
+            except kubernetes.client.ApiException as e:
+                return f"{e.status} {e.body}"
+            return "created"
+
+        # (Until the Job has set the caBundle the API server cannot call it: failing closed.)
+        wait_for(lambda: ghost_refusal().startswith("403") and f"there is no RFTJob {ns}/ghost" in ghost_refusal(),
+                 120, "the owner webhook of the kustomize install to refuse the made-up job")
+        assert kubectl("get", "secret", "rftjob-operator-webhook-tls", "-n", NAMESPACE, "-o",
+                       "jsonpath={.metadata.resourceVersion}").stdout == secret  # the pair was current: kept
+    finally:
+        kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
     kubectl("delete", "namespace", ns, "--wait=false", check=False)

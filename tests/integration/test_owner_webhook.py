@@ -11,6 +11,7 @@ waits on it. The webhook looks jobs up with the operator's token too: its RBAC s
 
 from __future__ import annotations
 
+import base64
 import json
 import ssl
 import urllib.request
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
+import yaml
 
 from rft_contract import names
 from rft_operator import ownerhook
@@ -227,3 +229,62 @@ def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api,
     # The API server still trusts only the old CA: the call fails, and so does the create.
     got, message = refusal(lambda: core.create_namespaced_service_account(namespace, account, **DRY))
     assert got >= 500 and "failed calling webhook" in message, (got, message)
+
+
+def test_the_certificate_jobs_identity_makes_the_pair_and_the_operators_cannot_touch_it(
+        api, operator_api, cluster, kubectl, tmp_path):
+    """`ownerhook certs` as the install's Job runs it: with that Job's own ServiceAccount and
+    RBAC from manifests/base/owner-webhook.yaml, against the install's configuration (here
+    limited to namespaces no test has, so nothing waits on a webhook nobody serves). It
+    writes the pair and sets the caBundle; run again, it keeps both. The operator's token
+    can neither read that Secret nor change or delete the configuration (a leaked token that
+    could set failurePolicy: Ignore would have escalated), and the Job's identity can touch
+    nothing else."""
+    root = Path(__file__).resolve().parents[2] / "manifests" / "base"
+    identity = [d for d in yaml.safe_load_all((root / "owner-webhook.yaml").read_text())
+                if d and d["kind"] in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
+    config = yaml.safe_load((root / "owner-webhook-configuration.yaml").read_text())
+    config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {"rft.dev/no-such-namespace": "true"}}
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(identity + [config]))
+    admission = kubernetes.client.AdmissionregistrationV1Api(api)
+    core = kubernetes.client.CoreV1Api(api)
+    try:
+        certs = kubernetes.config.new_client_from_config(str(cluster.service_account_kubeconfig(
+            OPERATOR_NS, "rftjob-operator-webhook-certs", tmp_path / "certs.kubeconfig")))
+        certs_core = kubernetes.client.CoreV1Api(certs)
+        certs_admission = kubernetes.client.AdmissionregistrationV1Api(certs)
+        kubectl("delete", "secret", ownerhook.TLS_SECRET, "-n", OPERATOR_NS, "--ignore-not-found")
+
+        ca = wait_for(lambda: ownerhook.ensure_serving_secret(certs_core, OPERATOR_NS), 30,
+                      "the Job's RBAC in force")
+        ownerhook.ensure_ca_bundle(certs_admission, ca, timeout=30)
+        secret = core.read_namespaced_secret(ownerhook.TLS_SECRET, OPERATOR_NS)
+        got = admission.read_validating_webhook_configuration(ownerhook.WEBHOOK_NAME)
+        assert [h.client_config.ca_bundle for h in got.webhooks] == [base64.b64encode(ca).decode()]
+        assert got.webhooks[0].failure_policy == "Fail" and got.webhooks[0].client_config.service.name == \
+            ownerhook.SERVICE_NAME
+        data = {k: base64.b64decode(v) for k, v in secret.data.items()}
+        assert ownerhook.is_pair_current(data, ownerhook.service_hosts(OPERATOR_NS))
+        # Run again: the current pair is kept, nothing is written.
+        assert ownerhook.ensure_serving_secret(certs_core, OPERATOR_NS) == ca
+        ownerhook.ensure_ca_bundle(certs_admission, ca, timeout=30)
+        assert core.read_namespaced_secret(ownerhook.TLS_SECRET, OPERATOR_NS).metadata.resource_version == \
+            secret.metadata.resource_version
+
+        # The operator's token: no read of the key, no change to the configuration.
+        op_core = kubernetes.client.CoreV1Api(operator_api)
+        op_admission = kubernetes.client.AdmissionregistrationV1Api(operator_api)
+        assert refusal(lambda: op_core.read_namespaced_secret(ownerhook.TLS_SECRET, OPERATOR_NS))[0] == 403
+        ignore = {"webhooks": [{"name": config["webhooks"][0]["name"], "failurePolicy": "Ignore"}]}
+        assert refusal(lambda: op_admission.patch_validating_webhook_configuration(
+            ownerhook.WEBHOOK_NAME, ignore))[0] == 403
+        assert refusal(lambda: op_admission.delete_validating_webhook_configuration(ownerhook.WEBHOOK_NAME))[0] == 403
+        # The Job's identity: that one configuration and Secret, nothing else (its twin above).
+        assert refusal(lambda: certs_core.read_namespaced_secret("default-token-none", OPERATOR_NS))[0] == 403
+        assert refusal(lambda: certs_admission.delete_validating_webhook_configuration(
+            ownerhook.WEBHOOK_NAME))[0] == 403
+        assert refusal(lambda: certs_admission.read_validating_webhook_configuration(
+            "rftjob-operator-owner-host"))[0] == 403
+    finally:
+        kubectl("delete", "validatingwebhookconfiguration", ownerhook.WEBHOOK_NAME, "--ignore-not-found")
+        kubectl("delete", "secret", ownerhook.TLS_SECRET, "-n", OPERATOR_NS, "--ignore-not-found")
