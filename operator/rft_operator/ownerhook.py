@@ -445,7 +445,8 @@ def is_pair_current(data: dict[str, bytes], hosts: list[str], now: dt.datetime |
 
 def ensure_serving_secret(core: Any, namespace: str) -> bytes:
     """The serving Secret in `namespace` kept if current (`is_pair_current`), else a new
-    self-signed CA and pair written over it; returns the CA certificate (PEM)."""
+    self-signed CA and pair written over it; returns the CA bundle to trust (PEM): its CA,
+    and while a replaced pair may still be served, the old CA too."""
     import kubernetes
 
     hosts = service_hosts(namespace)
@@ -468,15 +469,32 @@ def ensure_serving_secret(core: Any, namespace: str) -> bytes:
                      (("ca.crt", ca), ("tls.crt", cert), ("tls.key", key))}}
     if secret is None:
         core.create_namespaced_secret(namespace, body)
-    else:  # with its resourceVersion: a concurrent writer makes this fail, and the Job retry
-        body["metadata"]["resourceVersion"] = secret.metadata.resource_version
-        core.replace_namespaced_secret(TLS_SECRET, namespace, body)
-    log.info("owner webhook: wrote a new serving pair (a new CA) to %s/%s", namespace, TLS_SECRET)
-    return ca
+        log.info("owner webhook: wrote a new serving pair (a new CA) to %s/%s", namespace, TLS_SECRET)
+        return ca
+    # With its resourceVersion: a concurrent writer makes this fail, and the Job retries.
+    body["metadata"]["resourceVersion"] = secret.metadata.resource_version
+    core.replace_namespaced_secret(TLS_SECRET, namespace, body)
+    log.info("owner webhook: wrote a new serving pair (a new CA) over the old one in %s/%s", namespace, TLS_SECRET)
+    # The replicas present the old pair until the kubelet updates their volume (a minute or
+    # so): the configuration trusts both CAs until the next run, which finds this pair
+    # current and trusts its CA alone.
+    return ca + _valid_certificate(data.get("ca.crt", b""))
+
+
+def _valid_certificate(pem: bytes) -> bytes:
+    """`pem` if it is a certificate that has not ended, else nothing."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return b""
+    return pem if cert.not_valid_after_utc > dt.datetime.now(dt.timezone.utc) else b""
 
 
 def ensure_ca_bundle(admission: Any, ca: bytes, timeout: float = 300, clock=None, sleep=None) -> None:
-    """Every webhook of the configuration trusts `ca` (its caBundle), waiting up to
+    """Every webhook of the configuration trusts `ca` (its caBundle: one or more PEM
+    certificates), waiting up to
     `timeout` for the configuration to exist (applied with this Job, in any order)."""
     import time
 

@@ -271,6 +271,20 @@ def test_the_certificate_jobs_identity_makes_the_pair_and_the_operators_cannot_t
         assert core.read_namespaced_secret(ownerhook.TLS_SECRET, OPERATOR_NS).metadata.resource_version == \
             secret.metadata.resource_version
 
+        # A pair that is no longer current (here: a certificate that is not its key's) is
+        # replaced; until the replicas present the new one the configuration trusts both
+        # CAs, and the next run, finding the new pair current, the new CA alone.
+        core.patch_namespaced_secret(ownerhook.TLS_SECRET, OPERATOR_NS, {"data": {
+            "tls.key": base64.b64encode(ownerhook.serving_pair(["x"])[2]).decode()}})
+        both = ownerhook.ensure_serving_secret(certs_core, OPERATOR_NS)
+        assert both.endswith(ca) and len(both) > len(ca)
+        ownerhook.ensure_ca_bundle(certs_admission, both, timeout=30)
+        new = ownerhook.ensure_serving_secret(certs_core, OPERATOR_NS)
+        assert new != ca and both.startswith(new)
+        ownerhook.ensure_ca_bundle(certs_admission, new, timeout=30)
+        assert [h.client_config.ca_bundle for h in admission.read_validating_webhook_configuration(
+            ownerhook.WEBHOOK_NAME).webhooks] == [base64.b64encode(new).decode()]
+
         # The operator's token: no read of the key, no change to the configuration.
         op_core = kubernetes.client.CoreV1Api(operator_api)
         op_admission = kubernetes.client.AdmissionregistrationV1Api(operator_api)
