@@ -39,6 +39,7 @@ import datetime as dt
 import json
 import logging
 import os
+import socket
 import ssl
 import sys
 import threading
@@ -62,7 +63,12 @@ DEFAULT_PORT = 9443
 # An AdmissionReview of the biggest pod the operator renders is a few KiB; anything this
 # large is not one (the port is reachable from the pod network, unauthenticated).
 MAX_BODY = 2 << 20
-MAX_CONCURRENT = 16  # requests answered at once; the API server retries a refused connection
+# Connections served at once, each on a thread of its own; past this a new one is closed.
+# The API server opens one per request in flight (a wave of jobs: dozens) and keeps them
+# alive between requests, so each is one TLS handshake for many reviews; one left idle
+# is closed after IDLE_SECONDS.
+MAX_CONNECTIONS = 128
+IDLE_SECONDS = 30
 CERT_DIR = "/etc/rftjob-operator/webhook"
 # The install's Job makes a new pair when the one in the Secret ends within this.
 RENEW_BEFORE = dt.timedelta(days=90)
@@ -92,6 +98,10 @@ def claims(obj: dict[str, Any], resource: str) -> tuple[str, list[dict[str, Any]
 def _is_controller_ref(ref: dict[str, Any], name: str, uid: str) -> bool:
     return (ref.get("kind") == names.KIND and str(ref.get("apiVersion") or "").startswith(names.GROUP + "/")
             and ref.get("name") == name and ref.get("uid") == uid and ref.get("controller") is True)
+
+
+def _claims_uid(resource: str, refs: list[dict[str, Any]], uid: str | None) -> bool:
+    return bool(refs) and all(r.get("uid") == uid for r in refs[:1 if resource == "events" else None])
 
 
 def spec_secrets(spec: dict[str, Any]) -> set[str]:
@@ -165,6 +175,9 @@ def check(namespace: str, obj: dict[str, Any], resource: str, get_job: GetJob, o
     if not job:
         return f"the rftjob-operator's objects carry the label {names.LABEL_JOB}"
     found = get_job(namespace, job)
+    fresh = getattr(get_job, "fresh", None)
+    if fresh is not None and (found is None or not _claims_uid(resource, refs, (found.get("metadata") or {}).get("uid"))):
+        found = fresh(namespace, job)  # a cached read may be behind: refuse only on a fresh one
     if found is None:
         return (f"the rftjob-operator's objects belong to an RFTJob that exists: there is no RFTJob "
                 f"{namespace}/{job}")
@@ -203,22 +216,53 @@ def review(body: dict[str, Any], get_job: GetJob) -> dict[str, Any]:
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
-def api_get_job(api_client: Any) -> GetJob:
-    """`GetJob` over the API server, with the operator's own credentials."""
-    import kubernetes
+class ApiJobs:
+    """`GetJob` over the API server with the operator's own credentials: read from the API
+    server's watch cache (`resourceVersion=0`: no etcd round trip, which at hundreds of
+    writes a second is most of a lookup's cost); `fresh` reads through to etcd. A job the
+    operator writes children for is one it has seen through that same cache, so the cached
+    read finds it; `check` asks `fresh` before it refuses, so a stale cache never refuses a
+    real job (a cached job that was just deleted may admit a child, which the garbage
+    collector then removes)."""
 
-    custom = kubernetes.client.CustomObjectsApi(api_client)
+    def __init__(self, api_client: Any):
+        self.api_client = api_client
 
-    def get(namespace: str, name: str) -> dict[str, Any] | None:
+    def _get(self, namespace: str, name: str, query: list[tuple[str, str]]) -> dict[str, Any] | None:
+        import kubernetes
+
+        path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{namespace}/{names.PLURAL}/{name}"
+        headers = {"Accept": "application/json"}
+        client = self.api_client
         try:
-            return custom.get_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.PLURAL, name,
-                                                       _request_timeout=(3, 5))
+            if hasattr(client, "param_serialize"):  # kubernetes >= 35 (the newer generator)
+                method, url, headers, _, _ = client.param_serialize("GET", path, query_params=query,
+                                                                    header_params=headers, auth_settings=["BearerToken"])
+                r = client.call_api(method, url, header_params=headers, _request_timeout=(3, 5))
+                r.read()
+            else:
+                r = client.call_api(path, "GET", query_params=query, header_params=headers, auth_settings=["BearerToken"],
+                                    _preload_content=False, _request_timeout=(3, 5))
         except kubernetes.client.ApiException as e:
             if e.status == 404:
                 return None
             raise
+        if r.status == 404:
+            return None
+        if not 200 <= r.status < 300:
+            raise kubernetes.client.ApiException(status=r.status, reason=r.reason)
+        return json.loads(r.data)
 
-    return get
+    def __call__(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(namespace, name, [("resourceVersion", "0")])
+
+    def fresh(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(namespace, name, [])
+
+
+def api_get_job(api_client: Any) -> GetJob:
+    """`GetJob` over the API server (`ApiJobs`)."""
+    return ApiJobs(api_client)
 
 
 class _Certificates:
@@ -242,6 +286,17 @@ class _Certificates:
         self._stamp = stamp
         return context
 
+    def stamp(self) -> tuple[float, float] | None:
+        """The loaded pair's files' stamp."""
+        return self._stamp
+
+    def changed_since(self, stamp: tuple[float, float] | None) -> bool:
+        """Whether the files are no longer those of `stamp` (a new pair to present)."""
+        try:
+            return self._stamp_now() != stamp
+        except OSError:
+            return False
+
     def _fresh(self, sock: ssl.SSLSocket, _server_name: str | None, _context: ssl.SSLContext) -> None:
         try:
             stamp = self._stamp_now()
@@ -261,6 +316,9 @@ class OwnerWebhook:
         certificates = _Certificates(Path(cert_dir))
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: every answer carries its Content-Length
+            timeout = IDLE_SECONDS
+
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?", 1)[0] != PATH:
                     self.send_error(404)
@@ -284,13 +342,22 @@ class OwnerWebhook:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
+                if certificates.changed_since(getattr(self.connection, "rft_stamp", None)):
+                    # A new pair on disk: the client's next request comes on a new
+                    # connection, whose handshake presents it.
+                    self.close_connection = True
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(out)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("owner webhook: " + fmt, *args)
 
-        slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # Open connections (kept alive between requests), closed by stop().
+        live: set[Any] = set()
+        live_lock = threading.Lock()
+        self._live, self._live_lock = live, live_lock
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
@@ -303,6 +370,8 @@ class OwnerWebhook:
                 if not slots.acquire(blocking=False):  # busy: close rather than queue threads
                     self.shutdown_request(request)
                     return
+                with live_lock:
+                    live.add(request)
                 try:
                     super().process_request(request, client_address)
                 except BaseException:
@@ -313,12 +382,15 @@ class OwnerWebhook:
                 try:
                     super().process_request_thread(request, client_address)
                 finally:
+                    with live_lock:
+                        live.discard(request)
                     slots.release()
 
             def finish_request(self, request, client_address) -> None:
                 try:
                     request.settimeout(10)
                     request.do_handshake()
+                    request.rft_stamp = certificates.stamp()  # the pair this connection presents
                 except (OSError, ssl.SSLError) as e:
                     log.debug("owner webhook: handshake with %s failed: %s", client_address, e)
                     return
@@ -330,8 +402,15 @@ class OwnerWebhook:
         log.info("serving the owner webhook on %s:%d%s", addr, self.port, PATH)
 
     def stop(self) -> None:
+        """No new connections, and the open ones closed: nothing is answered after this."""
         self.server.shutdown()
         self.server.server_close()
+        with self._live_lock:
+            for sock in list(self._live):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 # ---------------------------------------------------------------- what an installer applies

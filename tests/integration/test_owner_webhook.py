@@ -226,7 +226,10 @@ def test_it_fails_closed_and_serves_a_rotated_certificate(webhook, operator_api,
                                      data=json.dumps({"request": {"uid": "u", "operation": "DELETE"}}).encode())
     with urllib.request.urlopen(request, context=context, timeout=10) as r:
         assert json.load(r)["response"] == {"uid": "u", "allowed": True}
-    # The API server still trusts only the old CA: the call fails, and so does the create.
+    # The API server still trusts only the old CA: once its kept-alive connection (which the
+    # server closes after its next answer) is gone, the call fails, and so does the create.
+    wait_for(lambda: refusal(lambda: core.create_namespaced_service_account(namespace, account, **DRY))[0] >= 500,
+             30, "a new connection, with the new pair the API server does not trust")
     got, message = refusal(lambda: core.create_namespaced_service_account(namespace, account, **DRY))
     assert got >= 500 and "failed calling webhook" in message, (got, message)
 
