@@ -69,6 +69,9 @@ MAX_BODY = 2 << 20
 # is closed after IDLE_SECONDS.
 MAX_CONNECTIONS = 128
 IDLE_SECONDS = 30
+# Reviews worked on at once (the others wait, without taking the GIL): a wave's hundred
+# runnable threads starved the operator's own (its lease renewal among them) in one process.
+MAX_REVIEWS = 4
 CERT_DIR = "/etc/rftjob-operator/webhook"
 # The install's Job makes a new pair when the one in the Secret ends within this.
 RENEW_BEFORE = dt.timedelta(days=90)
@@ -338,7 +341,8 @@ class OwnerWebhook:
                 if not isinstance(body, dict):
                     self.send_error(400, "not an AdmissionReview")
                     return
-                out = json.dumps(review(body, get_job)).encode()
+                with reviewing:  # a few at once: the operator's own threads keep their share of the GIL
+                    out = json.dumps(review(body, get_job)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
@@ -354,6 +358,7 @@ class OwnerWebhook:
                 log.debug("owner webhook: " + fmt, *args)
 
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        reviewing = threading.BoundedSemaphore(MAX_REVIEWS)
         # Open connections (kept alive between requests), closed by stop().
         live: set[Any] = set()
         live_lock = threading.Lock()
@@ -361,6 +366,7 @@ class OwnerWebhook:
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = MAX_CONNECTIONS  # the listen backlog (socketserver's default is 5)
 
             def get_request(self):
                 sock, address = super().get_request()
