@@ -2,6 +2,7 @@
 training-operator (the peer) and against bare pods (the floor).
 
     python bench/reconcile.py [--jobs 100] [--pods 4] [--waves 3] [--peer] [--profile FILE]
+                              [--without PART,...] [--json FILE]
 
 Starts its own local control plane (real kube-apiserver, etcd, scheduler,
 controller-manager, KWOK nodes with room for one wave). Each wave of each side gets a
@@ -20,7 +21,22 @@ Running. Per side it prints:
   * operator CPU per pod over the wave (from the first create until the operator is idle
     again; start-up, imports and the baseline job are printed apart), peak RSS, error lines
     in its log;
-and the ratios of ours to the peer, with the goals of issue 15. No thresholds fail the run.
+and the ratios of ours to the peer, with the goals of issue 15. No thresholds fail the run
+(tests/integration/test_reconcile_guard.py runs a small one and fails on a gross regression
+against bare pods).
+
+Ours runs what the default install runs (bench/reconcile_sides.py, `OURS_PARTS`): the
+admission policies, the owner webhook served by the operator process (by the leader),
+leader election with two replicas, Kueue running (no queues, the jobs not queued); the first
+line of the report says so. `--without policies,webhook,leader,kueue-manager,kueue` turns
+parts off, for diagnosis (`kueue-manager`: Kueue's CRDs only, not its manager). The table's
+admission rows read the API server's own metrics over the wave: the time its admission
+policies took per job (all of them, whoever wrote), the owner webhook's calls per job (and
+those that got no answer: with failurePolicy Fail the write fails and is retried), and
+its mean call.
+
+`--json FILE`: the figures, machine-readable (per side p50/p99 of both latencies, jobs,
+jobs not Running, writes, CPU, errors; the ratios of ours to bare pods and to the peer).
 
 The peer is built from the Go module proxy on first use (`bash e2e/build-binaries.sh
 training_operator`, cached under $RFT_CACHE) and run with 16 threads and no client QPS cap
@@ -59,7 +75,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from e2e.cluster import Cluster  # noqa: E402
 from e2e.demo import kubectl  # noqa: E402
 from rft_contract import names  # noqa: E402
-from reconcile_sides import Bare, Ours, Peer, Side  # noqa: E402
+from reconcile_sides import OURS_PARTS, Bare, Ours, Peer, Side  # noqa: E402
 
 # ------------------------------------------------------------------ watching
 
@@ -135,6 +151,7 @@ class Totals:
     rss: int = 0
     errors: int = 0
     reconciles: int = 0
+    admission: collections.Counter = field(default_factory=collections.Counter)  # API server's, over the waves
 
 
 def run_jobs(side: Side, api, namespace: str, jobs: list[str], pods: int, timeout: float):
@@ -212,6 +229,27 @@ def sample_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
         return
 
 
+OURS_HOOK = 'name="rftjob-operator-owner[^}]*'
+ADMISSION_METRICS = {  # the API server's /metrics: what is summed (regular expressions, one value each)
+    # Every evaluation of every admission policy (the ValidatingAdmissionPolicy plugin's time).
+    "policy_seconds": r"^apiserver_admission_controller_admission_duration_seconds_sum"
+                      r'\{name="ValidatingAdmissionPolicy",[^}]*\} (\S+)$',
+    "webhook_calls": r"^apiserver_admission_webhook_admission_duration_seconds_count\{" + OURS_HOOK + r"\} (\S+)$",
+    "webhook_seconds": r"^apiserver_admission_webhook_admission_duration_seconds_sum\{" + OURS_HOOK + r"\} (\S+)$",
+    # Calls that got no answer (refused connection, EOF, timeout): the write fails (failurePolicy Fail).
+    "webhook_failures":
+        r'^apiserver_admission_webhook_rejection_count\{error_type="(?!no_error)[^"]*",' + OURS_HOOK + r"\} (\S+)$",
+}
+
+
+def admission(cluster: Cluster) -> collections.Counter:
+    """Seconds in admission policies, owner-webhook calls (their seconds, those that got no
+    answer) so far, from the API server's metrics."""
+    text = kubectl(cluster, "get", "--raw", "/metrics", check=False)
+    return collections.Counter({k: sum(float(x) for x in re.findall(rx, text, re.M))
+                                for k, rx in ADMISSION_METRICS.items()})
+
+
 def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: Totals, profile: str | None,
              cleanup: bool = True) -> None:
     namespace = f"{side.name}-{wave}"
@@ -230,6 +268,7 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
         if base:
             totals.baseline.append(base[0][1] if base[0][1] is not None else base[0][0])
         cpu0, writes0 = (cpu_seconds(proc), side.writes()) if proc else (0.0, 0)
+        adm0 = admission(cluster)
         if profile and proc:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
                                     "--output", profile, "--nonblocking"],
@@ -241,6 +280,7 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
             totals.cpu += cpu_seconds(proc) - cpu0
             totals.cpu_start.append(cpu0)
             totals.writes += side.writes() - writes0
+        totals.admission.update(admission(cluster) - adm0)
         if spy:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
@@ -281,11 +321,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def report(args, totals: dict[str, Totals], nodes: int) -> None:
+def report(args, totals: dict[str, Totals], nodes: int, ours_install: str = "") -> None:
     sides = list(totals)
     print(f"\n{args.jobs} jobs x {args.pods} pods, {args.waves} wave(s) per side, sides interleaved; "
           f"{nodes} KWOK nodes x {args.gpus_per_node} GPUs; {os.cpu_count()} cores, load average at the end "
           f"{os.getloadavg()[0]:.1f} (other work on the machine shows here)")
+    if ours_install:
+        print(f"  ours: {ours_install}")
 
     def ms(x: float) -> str:
         return f"{1000 * x:.1f} ms"
@@ -302,6 +344,14 @@ def report(args, totals: dict[str, Totals], nodes: int) -> None:
         ("operator CPU at start + baseline", lambda t: f"{statistics.median(t.cpu_start):.2f} s" if t.cpu_start else "-"),
         ("operator peak RSS", lambda t: f"{t.rss / 2**20:.0f} MiB" if t.rss else "-"),
         ("error lines in its log", lambda t: str(t.errors) if t.cpu else "-"),
+        # (per job created: a job that never ran made its writes too)
+        ("admission policies: time per job", lambda t: ms(t.admission["policy_seconds"] / (t.jobs + t.missing))),
+        ("owner webhook: calls / unanswered per job",
+         lambda t: f"{t.admission['webhook_calls'] / (t.jobs + t.missing):.1f} / "
+                   f"{t.admission['webhook_failures'] / (t.jobs + t.missing):.1f}"
+         if t.admission["webhook_calls"] else "-"),
+        ("owner webhook: mean call", lambda t: ms(t.admission["webhook_seconds"] / t.admission["webhook_calls"])
+         if t.admission["webhook_calls"] else "-"),
         ("jobs not Running in time", lambda t: str(t.missing)),
     ]
     print(f"  {'':40s}" + "".join(f"{s:>18s}" for s in sides))
@@ -331,6 +381,32 @@ def report(args, totals: dict[str, Totals], nodes: int) -> None:
             print(f"  ours / bare pods: create -> all pods Running p50 "
                   f"{pct(ours.pods_lat, .5) / pct(bare.pods_lat, .5):.2f}x  "
                   f"p99 {pct(ours.pods_lat, .99) / pct(bare.pods_lat, .99):.2f}x")
+
+
+def figures(args, totals: dict[str, Totals], nodes: int, ours_install: str) -> dict[str, Any]:
+    """What --json writes: per side and the ratios (None where a side did not run)."""
+    def side(t: Totals) -> dict[str, Any]:
+        return {"jobs": t.jobs, "missing": t.missing,
+                "pods_p50": pct(t.pods_lat, .5), "pods_p99": pct(t.pods_lat, .99),
+                "status_p50": pct(t.status_lat, .5) if t.status_lat else None,
+                "status_p99": pct(t.status_lat, .99) if t.status_lat else None,
+                "baseline": statistics.median(t.baseline) if t.baseline else None,
+                "writes_per_job": t.writes / t.jobs if t.jobs and t.cpu else None,
+                "cpu_per_pod_s": t.cpu / t.pods if t.pods and t.cpu else None,
+                "rss_bytes": t.rss or None, "errors": t.errors,
+                "admission": {k: t.admission[k] for k in ADMISSION_METRICS}}
+
+    def ratios(a: Totals | None, b: Totals | None) -> dict[str, float] | None:
+        if not (a and a.jobs and b and b.jobs):
+            return None
+        return {"pods_p50": pct(a.pods_lat, .5) / pct(b.pods_lat, .5),
+                "pods_p99": pct(a.pods_lat, .99) / pct(b.pods_lat, .99)}
+
+    ours = totals.get("ours")
+    return {"jobs": args.jobs, "pods": args.pods, "waves": args.waves, "nodes": nodes, "cores": os.cpu_count(),
+            "load_average": os.getloadavg()[0], "ours_install": ours_install,
+            "sides": {name: side(t) for name, t in totals.items()},
+            "ours_over_bare": ratios(ours, totals.get("bare")), "ours_over_peer": ratios(ours, totals.get("peer"))}
 
 
 def summarize_profile(path: str, top: int = 25) -> None:
@@ -368,8 +444,16 @@ def main() -> None:
                          "keeps Ready on 2 cores, rather than 551 of 8)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--profile", metavar="FILE", help="py-spy our operator's first wave; raw stacks to FILE")
+    ap.add_argument("--without", default="", metavar="PART,...",
+                    help="diagnosis: ours without these parts of the default install: "
+                         + ", ".join(OURS_PARTS) + " (kueue-manager: Kueue's CRDs only)")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     args = ap.parse_args()
     sides = [s for s in args.sides.split(",") if s] + (["peer"] if args.peer and "peer" not in args.sides else [])
+    without = tuple(p for p in args.without.split(",") if p)
+    if set(without) - set(OURS_PARTS):
+        ap.error(f"--without: unknown {', '.join(sorted(set(without) - set(OURS_PARTS)))}; "
+                 f"the parts are {', '.join(OURS_PARTS)}")
     if args.gpu_nodes <= 0:
         args.gpu_nodes = -(-((args.jobs + 1) * args.pods * 11 // 10) // args.gpus_per_node)
 
@@ -378,14 +462,17 @@ def main() -> None:
     t0 = time.monotonic()
     cluster.up(num_gpu_nodes=args.gpu_nodes, gpus_per_node=args.gpus_per_node)
     print(f"cluster up with {args.gpu_nodes} KWOK nodes in {time.monotonic() - t0:.1f}s (state in {state})")
-    kinds = {"ours": Ours, "peer": Peer, "bare": Bare}
+    kinds = {"ours": lambda c, st: Ours(c, st, without=without), "peer": Peer, "bare": Bare}
     sides = [kinds[n](cluster, state) for n in sides]
     totals = {s.name: Totals() for s in sides}
+    ours = next((s for s in sides if isinstance(s, Ours)), None)
+    ours_install = ours.describe() if ours else ""
+    if ours:
+        print(f"ours: {ours_install}", flush=True)
     try:
         for s in sides:
             s.install()
         api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-        ours = next((s for s in sides if isinstance(s, Ours)), None)
         if args.profile and ours:  # a wave of its own: the sampler slows the machine down
             run_wave(ours, cluster, api, "profiled", args, Totals(), args.profile)
         for wave in range(args.waves):
@@ -395,9 +482,14 @@ def main() -> None:
                 run_wave(s, cluster, api, wave, args, totals[s.name], None, cleanup=not last)
     finally:
         for s in sides:
-            s.stop()
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001 - the cluster goes down regardless
+                print(f"  {s.name}: stopping failed: {e}", file=sys.stderr)
         cluster.down()
-    report(args, totals, args.gpu_nodes)
+    report(args, totals, args.gpu_nodes, ours_install)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures(args, totals, args.gpu_nodes, ours_install), indent=1))
     if args.profile and Path(args.profile).exists():
         summarize_profile(args.profile)
 
