@@ -30,9 +30,8 @@ def installed(cluster, tmp_path_factory):
     """What the default install applies, but for the Deployment: namespace, CRD, operator
     RBAC, the admission policies, and the owner webhook, served here for the session (the
     operator runs here as a host process with the Deployment's identity; in a cluster every
-    replica serves the webhook, here this process does, looking jobs up with the
-    operator's token as the operator does). Its configuration is the install's, but for
-    calling a URL on this host with this session's CA."""
+    replica serves the webhook, here this process does). Its configuration is the
+    install's, but for calling a URL on this host with this session's CA."""
     from e2e.demo import install_api as install
     from rft_operator import ownerhook
 
@@ -42,8 +41,13 @@ def installed(cluster, tmp_path_factory):
     (d / "tls.crt").write_bytes(cert)
     (d / "tls.key").write_bytes(key)
     kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", d / "operator.kubeconfig")
-    server = ownerhook.OwnerWebhook(0, d, ownerhook.api_get_job(kubernetes.config.new_client_from_config(str(kc))),
-                                    addr="127.0.0.1")
+    # It looks jobs up as admin: the e2e tests delete and re-create the operator's
+    # ServiceAccount (the Helm test's uninstall), which would void a token of the operator's
+    # for the rest of the session. (test_owner_webhook.py's own webhook looks them up with
+    # the operator's token: its RBAC suffices.)
+    server = ownerhook.OwnerWebhook(
+        0, d, ownerhook.api_get_job(kubernetes.config.new_client_from_config(str(cluster.kubeconfig))),
+        addr="127.0.0.1")
     admin = kubernetes.client.AdmissionregistrationV1Api(kubernetes.config.new_client_from_config(str(cluster.kubeconfig)))
     config = ownerhook.webhook_configuration(ca, url=f"https://127.0.0.1:{server.port}", namespace_selector={
         "matchExpressions": [{"key": IN_CLUSTER_ONLY, "operator": "DoesNotExist"}]})
