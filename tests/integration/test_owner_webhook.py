@@ -122,13 +122,19 @@ def test_a_patch_keeps_one_owner_the_jobs_uid(operator_api, api, kubectl, namesp
     job = create_job(api, namespace, job_manifest("real", suspend=True))
     other = create_job(api, namespace, job_manifest("other", suspend=True))
     core = kubernetes.client.CoreV1Api(operator_api)
-    core.create_namespaced_service_account(namespace, {"metadata": managed_meta(job, "real-rft-x")})
+    # A child the operator renders (its ServiceAccount for the trainers): a session operator,
+    # if one runs, keeps it rather than deleting it as a leftover.
+    try:
+        core.create_namespaced_service_account(namespace, {"metadata": managed_meta(job, "real-rft-trainer")})
+    except kubernetes.client.ApiException as e:
+        if e.status != 409:  # the session's operator made it first
+            raise
     ref = managed_meta(job, "x")["ownerReferences"][0]
 
     def patch(refs: list, **kw):
         body = {"metadata": {"ownerReferences": refs, "annotations": {"touched": "yes"}}}
         # A merge patch replaces the list (a strategic one merges it by uid).
-        return lambda: core.patch_namespaced_service_account("real-rft-x", namespace, body, **DRY,
+        return lambda: core.patch_namespaced_service_account("real-rft-trainer", namespace, body, **DRY,
                                                              _content_type="application/merge-patch+json", **kw)
 
     assert refusal(patch([ref])) == (200, "")  # the twin: same reference, another annotation
@@ -144,9 +150,9 @@ def test_a_patch_keeps_one_owner_the_jobs_uid(operator_api, api, kubectl, namesp
                                "serviceaccounts", ownerhook.api_get_job(operator_api), "UPDATE") is not None
     # A JSON patch that swaps only the uid, as an attacker would send it: refused by the webhook.
     swap = [{"op": "replace", "path": "/metadata/ownerReferences/0/uid", "value": str(uuid.uuid4())}]
-    refused(lambda: core.patch_namespaced_service_account("real-rft-x", namespace, swap, **DRY),
+    refused(lambda: core.patch_namespaced_service_account("real-rft-trainer", namespace, swap, **DRY),
             "rftjob-operator-owner", "exactly one owner reference")
-    got = kubernetes.client.CoreV1Api(api).read_namespaced_service_account("real-rft-x", namespace)
+    got = kubernetes.client.CoreV1Api(api).read_namespaced_service_account("real-rft-trainer", namespace)
     assert [r.uid for r in got.metadata.owner_references] == [job["metadata"]["uid"]]
 
 
