@@ -114,12 +114,14 @@ CERTS_JOB = "rftjob-operator-webhook-certs"  # manifests/base/owner-webhook.yaml
 
 def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
             extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            replicas: int | None = None) -> None:
+            replicas: int | None = None, manifests: Path = REPO_ROOT / "manifests") -> None:
     """manifests/ as a user installs it (CRD, RBAC, admission policies, the owner webhook
     and the Job that makes its serving pair, the Deployment), with the operator image from
     the local registry and its pods placed on the real node; `extra_args` and `env` go to
     the operator container (the tests log at debug level); `replicas` overrides the
-    Deployment's two (the tests that kill "the" operator run one)."""
+    Deployment's two (the tests that kill "the" operator run one). `manifests` is another
+    install to apply the same way: a previous release's (`e2e.releases.manifests()`), which
+    has no certificate Job."""
     name, digest = operator_ref.split("@")
     pod_spec = _on_local_node()
     if env:
@@ -132,11 +134,13 @@ def install(cluster: Cluster, operator_ref: str, timeout: float = 180,
     certs_job = {"apiVersion": "batch/v1", "kind": "Job",
                  "metadata": {"name": CERTS_JOB, "namespace": "rftjob-system"},
                  "spec": {"template": {"spec": _on_local_node()}}}
-    patches = [{"patch": yaml.safe_dump(template)}, {"patch": yaml.safe_dump(certs_job)}]
+    patches = [{"patch": yaml.safe_dump(template)}]
+    if manifests == REPO_ROOT / "manifests":
+        patches.append({"patch": yaml.safe_dump(certs_job)})
     if extra_args:  # appended, so that the install's arguments stay
         patches.append({"target": {"kind": "Deployment", "name": "rftjob-operator"}, "patch": json.dumps(
             [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a} for a in extra_args])})
-    overlay = write_overlay(cluster.state_dir / "overlays" / "operator", REPO_ROOT / "manifests",
+    overlay = write_overlay(cluster.state_dir / "overlays" / "operator", manifests,
                             images=[{"name": OPERATOR_IMAGE, "newName": name, "digest": digest}], patches=patches)
     # A Job's template cannot change: one left from an install with another image goes first.
     kubectl(cluster, "delete", "job", CERTS_JOB, "-n", "rftjob-system", "--ignore-not-found")
