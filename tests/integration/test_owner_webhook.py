@@ -115,6 +115,38 @@ def test_a_made_up_job_beside_a_real_one_gets_nothing(operator_api, api, kubectl
     assert refusal(lambda: core.create_namespaced_event(namespace, real_event, **DRY)) == (200, "")
 
 
+def test_lookups_come_from_a_watch_of_the_namespace_that_follows_its_jobs(operator_api, api, namespace):
+    """`WatchedJobs` (what every replica serves from) with the operator's own identity: the
+    namespace's first lookup goes to the API server and starts its watch; once that has
+    listed, lookups send no request and follow each job created, deleted and re-created
+    under the same name, keeping only its uid and spec."""
+    jobs = ownerhook.WatchedJobs(operator_api)
+    custom = kubernetes.client.CustomObjectsApi(api)
+
+    def uid(name: str) -> str | None:
+        return ((jobs(namespace, name) or {}).get("metadata") or {}).get("uid")
+
+    def no_request(*_args):
+        raise AssertionError("a lookup went to the API server")
+
+    try:
+        first = create_job(api, namespace, job_manifest("w1", suspend=True))
+        assert uid("w1") == first["metadata"]["uid"]  # the API server's answer; the watch starts
+        wait_for(lambda: jobs.watching(namespace), 30, "the namespace's watch to list its jobs")
+        jobs.api = type("NoRequests", (), {"__call__": staticmethod(no_request), "fresh": staticmethod(no_request)})()
+        assert uid("w1") == first["metadata"]["uid"]
+        second = create_job(api, namespace, job_manifest("w2", suspend=True))
+        wait_for(lambda: uid("w2") == second["metadata"]["uid"], 30, "the watch to see w2 created")
+        assert set(jobs(namespace, "w2")) == {"metadata", "spec"}
+        custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.PLURAL, "w1")
+        wait_for(lambda: uid("w1") is None, 60, "the watch to see w1 deleted")
+        again = create_job(api, namespace, job_manifest("w1", suspend=True))
+        wait_for(lambda: uid("w1") == again["metadata"]["uid"] != first["metadata"]["uid"], 30,
+                 "the watch to see w1 re-created")
+    finally:
+        jobs.close()
+
+
 def test_a_patch_keeps_one_owner_the_jobs_uid(operator_api, api, kubectl, namespace):
     """The uid on every write: a child the operator made (for real) cannot be re-pointed by
     a PATCH to another uid, given a second owner, or lose its controller flag; a PATCH that

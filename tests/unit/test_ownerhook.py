@@ -105,6 +105,46 @@ def test_a_failed_lookup_fails_closed_and_says_why():
     assert not got["allowed"] and "TimeoutError: read timed out" in got["status"]["message"]
 
 
+class Cached:
+    """A `GetJob` whose cached read is behind (what a watch gives before it has seen the
+    latest write) and whose `fresh` read is current; counts the fresh reads."""
+
+    def __init__(self, cached: dict | None, current: dict | None):
+        self.cached, self.current, self.fresh_reads = cached, current, 0
+
+    def __call__(self, namespace: str, name: str):
+        return self.cached
+
+    def fresh(self, namespace: str, name: str):
+        self.fresh_reads += 1
+        return self.current
+
+
+def test_a_cached_read_that_is_behind_never_refuses_but_a_fresh_one_does():
+    real = JOBS[("ns", "real")]
+    recreated = {"metadata": {"name": "real", "uid": "new-uid"}, "spec": SPEC}
+    with_secret = {**real, "spec": {**SPEC, "inference": {"env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "added", "key": "k"}}}]}}}
+    pod = child("real", UID)
+    pod["spec"] = {"containers": [{"name": "c", "env": [
+        {"name": "K", "valueFrom": {"secretKeyRef": {"name": "added", "key": "k"}}}]}]}
+    behind = [(None, real, child("real", UID)),               # a job the cache has not seen yet
+              (real, recreated, child("real", "new-uid")),     # re-created under the same name
+              (real, with_secret, pod)]                        # a spec just changed: a new Secret
+    for cached, current, obj in behind:
+        lookup = Cached(cached, current)
+        assert answer(request(obj), lookup)["allowed"], obj
+        assert lookup.fresh_reads == 1
+    hit = Cached(real, real)
+    assert answer(request(child("real", UID)), hit)["allowed"] and hit.fresh_reads == 0  # no request
+    # Refused only when the fresh read agrees.
+    for cached, obj in ((real, child("ghost", "x")), (None, child("real", UID))):
+        lookup = Cached(cached, None)
+        assert not answer(request(obj), lookup)["allowed"] and lookup.fresh_reads == 1
+    lookup = Cached(real, real)
+    assert "not 'added'" in answer(request(pod), lookup)["status"]["message"] and lookup.fresh_reads == 1
+
+
 def test_deletes_are_not_its_business():
     assert answer(request(child("ghost", "x"), operation="DELETE"))["allowed"]
 
