@@ -40,12 +40,14 @@ import base64
 import datetime as dt
 import json
 import logging
+import math
 import os
 import socket
 import ssl
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -271,53 +273,74 @@ class ApiJobs:
 
 
 class WatchedJobs:
-    """`GetJob` from a watch of each namespace's RFTJobs, started by the namespace's first
-    lookup: a lookup is a dict read, no request to the API server. Until that watch has
-    listed the namespace (or while it cannot: an identity without `list` there), lookups go
-    to the API server as `ApiJobs` does. `fresh` always reads through to etcd, and `check`
-    asks it before refusing, so a watch that is behind (a job just created, re-created or
-    changed) never refuses a real job's child; one that has not yet seen a deletion may admit
-    a child of a job just deleted, which the garbage collector removes, as with `ApiJobs`.
+    """`GetJob` from a watch of each namespace's RFTJobs: a lookup is a dict read, no request
+    to the API server. A namespace is watched once a lookup there has found an RFTJob on the
+    API server (so what a request names starts nothing by itself: this port answers anyone
+    on the pod network), at most MAX_NAMESPACES at once, and no longer once it holds no
+    RFTJob. Lookups go to the API server as `ApiJobs` does until the watch has listed the
+    namespace, and again whenever it has heard nothing for STALE_SECONDS (each watch ends
+    after WATCH_SECONDS and is resumed, so a live one is heard from) or has failed until it
+    lists again.
+
+    `fresh` always reads through to etcd, and `check` asks it before refusing, so a watch
+    that is behind (a job just created or re-created, a spec just changed) never refuses a
+    real job's child. One that is behind may admit what a fresh read would refuse, for as
+    long as it is behind (normally well under a second; at most STALE_SECONDS): a child of a
+    job just deleted, which the garbage collector removes, or a new pod reading a Secret
+    that an edit of the spec has just dropped, which the spec named a moment before.
 
     Why: each lookup held one of the server's few review slots for an API round trip, and at
     a wave's hundred writes a second the reviews queued (448 ms a call at 100 jobs, on a path
-    of nine writes per job; issue 38). Only what `check` reads is kept (uid, spec)."""
+    of about nine writes per job; issue 38). Only what `check` reads is kept (uid, spec)."""
 
+    MAX_NAMESPACES = 512
+    WATCH_SECONDS = 60
+    STALE_SECONDS = 150.0
     RETRY_MAX = 30.0
-    WATCH_SECONDS = 300
 
-    def __init__(self, api_client: Any):
+    def __init__(self, api_client: Any, clock: Callable[[], float] = time.monotonic):
         self.api = ApiJobs(api_client)
         self.api_client = api_client
+        self.clock = clock
         self._jobs: dict[tuple[str, str], dict[str, Any]] = {}
-        self._listed: set[str] = set()  # namespaces whose watch has its list in
+        self._heard: dict[str, float] = {}  # namespace -> when its watch last listed or heard
         self._watched: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
     def __call__(self, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
-            if namespace in self._listed:
+            if self.clock() - self._heard.get(namespace, -math.inf) < self.STALE_SECONDS:
                 return self._jobs.get((namespace, name))
-            start = namespace not in self._watched and not self._stop.is_set()
-            if start:
-                self._watched.add(namespace)
-        if start:
-            threading.Thread(target=self._watch, args=(namespace,), name=f"owner-webhook-jobs-{namespace}",
-                             daemon=True).start()
-        return self.api(namespace, name)
+        found = self.api(namespace, name)
+        if found is not None:
+            self._start(namespace)
+        return found
 
     def fresh(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.api.fresh(namespace, name)
 
     def watching(self, namespace: str) -> bool:
-        """Whether lookups in the namespace come from its watch (it has listed it)."""
+        """Whether lookups in the namespace come from its watch."""
         with self._lock:
-            return namespace in self._listed
+            return self.clock() - self._heard.get(namespace, -math.inf) < self.STALE_SECONDS
 
     def close(self) -> None:
-        """Ends the watches (at their next event or timeout)."""
+        """Ends the watches (at their next event, or within WATCH_SECONDS)."""
         self._stop.set()
+
+    def _start(self, namespace: str) -> None:
+        with self._lock:
+            if namespace in self._watched or len(self._watched) >= self.MAX_NAMESPACES or self._stop.is_set():
+                return
+            self._watched.add(namespace)
+        try:
+            threading.Thread(target=self._watch, args=(namespace,), name=f"owner-webhook-jobs-{namespace}",
+                             daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._watched.discard(namespace)
+            raise
 
     @staticmethod
     def _kept(job: dict[str, Any]) -> dict[str, Any]:
@@ -326,52 +349,98 @@ class WatchedJobs:
                 "spec": job.get("spec") or {}}
 
     def _watch(self, namespace: str) -> None:
+        """List, then watch from the list's version, resumed every WATCH_SECONDS; list again
+        after a failure (at once on 410 Gone, else after a back-off); stop once the
+        namespace holds no RFTJob."""
         import kubernetes
 
-        custom = kubernetes.client.CustomObjectsApi(self.api_client)
-        args = (names.GROUP, names.VERSION, namespace, names.PLURAL)
-        delay = 1.0
-        while not self._stop.is_set():
-            try:
-                listed = custom.list_namespaced_custom_object(*args, _request_timeout=30)
-                version = (listed.get("metadata") or {}).get("resourceVersion")
-                with self._lock:
-                    for key in [k for k in self._jobs if k[0] == namespace]:
-                        del self._jobs[key]
-                    for job in listed.get("items") or []:
-                        self._jobs[(namespace, job["metadata"]["name"])] = self._kept(job)
-                    self._listed.add(namespace)
-                delay = 1.0
-                while version and not self._stop.is_set():  # each watch ends after WATCH_SECONDS: resumed
-                    version = self._follow(custom, args, namespace, version)
-            except Exception as e:  # noqa: BLE001 - lookups go on (cached, or to the API server); retried
-                log.debug("owner webhook: the watch of RFTJobs in %s: %s: %s", namespace, type(e).__name__, e)
-                self._stop.wait(delay)
-                delay = min(delay * 2, self.RETRY_MAX)
+        delay, warned = 1.0, False
+        try:
+            while not self._stop.is_set():
+                try:
+                    listed = self._list(namespace)
+                    version = (listed.get("metadata") or {}).get("resourceVersion")
+                    with self._lock:
+                        for key in [k for k in self._jobs if k[0] == namespace]:
+                            del self._jobs[key]
+                        for job in listed.get("items") or []:
+                            self._jobs[(namespace, job["metadata"]["name"])] = self._kept(job)
+                        self._heard[namespace] = self.clock()
+                    delay, warned = 1.0, False
+                    while version and not self._stop.is_set():
+                        version = self._follow(namespace, version)
+                        with self._lock:
+                            if not any(k[0] == namespace for k in self._jobs):
+                                return  # no RFTJob left here: a lookup that finds one starts a new watch
+                except kubernetes.client.ApiException as e:
+                    self._forget(namespace)
+                    if e.status == 410:
+                        continue  # too old a version: list again at once
+                    warned = self._failed(namespace, e, warned)
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, self.RETRY_MAX)
+                except Exception as e:  # noqa: BLE001 - lookups go to the API server meanwhile; retried
+                    self._forget(namespace)
+                    warned = self._failed(namespace, e, warned)
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, self.RETRY_MAX)
+        finally:
+            self._forget(namespace, watched=False)
 
-    def _follow(self, custom: Any, args: tuple[str, ...], namespace: str, version: str) -> str | None:
-        """One watch from `version`: the version to resume from, None to list again (the
-        API server no longer has that version: 410 Gone)."""
+    def _forget(self, namespace: str, watched: bool = True) -> None:
+        """Lookups in the namespace go to the API server again (and, with `watched` False,
+        its watch has ended)."""
+        with self._lock:
+            self._heard.pop(namespace, None)
+            for key in [k for k in self._jobs if k[0] == namespace]:
+                del self._jobs[key]
+            if not watched:
+                self._watched.discard(namespace)
+
+    @staticmethod
+    def _failed(namespace: str, e: Exception, warned: bool) -> bool:
+        (log.debug if warned else log.warning)(
+            "owner webhook: the watch of RFTJobs in %s failed (%s: %s); looking them up on the API server "
+            "until it lists again", namespace, type(e).__name__, e)
+        return True
+
+    def _list(self, namespace: str) -> dict[str, Any]:
+        import kubernetes
+
+        return kubernetes.client.CustomObjectsApi(self.api_client).list_namespaced_custom_object(
+            names.GROUP, names.VERSION, namespace, names.PLURAL, _request_timeout=(5, 30))
+
+    def _events(self, namespace: str, version: str) -> Iterator[dict[str, Any]]:
+        """The watch's events from `version` until the API server ends it (the client
+        raises ApiException for an ERROR event: 410 when `version` is too old)."""
         import kubernetes
 
         watch = kubernetes.watch.Watch()
-        for event in watch.stream(custom.list_namespaced_custom_object, *args, resource_version=version,
-                                  allow_watch_bookmarks=True, timeout_seconds=self.WATCH_SECONDS):
+        custom = kubernetes.client.CustomObjectsApi(self.api_client)
+        try:
+            yield from watch.stream(custom.list_namespaced_custom_object, names.GROUP, names.VERSION, namespace,
+                                    names.PLURAL, resource_version=version, allow_watch_bookmarks=True,
+                                    timeout_seconds=self.WATCH_SECONDS, _request_timeout=(5, self.WATCH_SECONDS + 30))
+        finally:
+            watch.stop()
+
+    def _follow(self, namespace: str, version: str) -> str:
+        """One watch from `version`, applied to the cache: the version to resume from."""
+        for event in self._events(namespace, version):
             if self._stop.is_set():
-                watch.stop()
-                return None
+                break
             kind, job = event.get("type"), event.get("object") or {}
-            if kind == "ERROR":
-                return None
             meta = job.get("metadata") or {}
             version = meta.get("resourceVersion") or version
-            if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                continue  # a bookmark: only its version
             with self._lock:
+                self._heard[namespace] = self.clock()
                 if kind == "DELETED":
                     self._jobs.pop((namespace, meta.get("name")), None)
-                else:
+                elif kind in ("ADDED", "MODIFIED"):
                     self._jobs[(namespace, meta.get("name"))] = self._kept(job)
+        with self._lock:  # ended by the API server after WATCH_SECONDS: it was live until now
+            if namespace in self._heard:
+                self._heard[namespace] = self.clock()
         return version
 
 

@@ -141,7 +141,7 @@ class TrainingJob:
 
     def goes_on(self, before: dict[str, str], what: str) -> None:
         """After a move: the job's pods are the same ones, the trainer steps on and the
-        operator of the new install promotes its weights; no restart was counted."""
+        operator running after the move promotes its weights; no restart was counted. (The job never ends within a test: its totalSteps is large.)"""
         step, target = self.step(), self.target()
         wait_for(lambda: self.step() > step and self.target() > target, 300,
                  f"the job to train on and its weights to be promoted after {what}")
@@ -232,6 +232,8 @@ def test_the_previous_releases_chart_upgraded_with_a_job_running(helm, cluster, 
     force, and a job training across the upgrade goes on with the same pods."""
     run, values = helm
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+    # (A release a failed test before this one left behind goes first.)
+    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
     kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
     remove_owner_webhook(cluster, kubectl)
     job = None
@@ -243,7 +245,7 @@ def test_the_previous_releases_chart_upgraded_with_a_job_running(helm, cluster, 
             "--force-conflicts", "-f", str(values), "--wait", "--timeout", "240s")
         wait_for(lambda: len(operator_pods(api)) == 2, 120, "both replicas of the previous release ready")
         assert owner_policy(kubectl), "the previous release's chart installs its owner policy"
-        job = TrainingJob(api, kubectl, s3, images, "helm-prev", total_steps=1000, interval=5)
+        job = TrainingJob(api, kubectl, s3, images, "helm-prev", total_steps=100_000, interval=5)
         wait_for(lambda: job.step() >= 1 and job.target() >= 1, 400, "the job training under the previous release")
         before = job.pods()
 
@@ -253,8 +255,8 @@ def test_the_previous_releases_chart_upgraded_with_a_job_running(helm, cluster, 
         job.goes_on(before, "the upgrade from the previous release's chart")
     finally:
         run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
-        if job:
-            kubectl("delete", "namespace", job.ns, "--wait=false", check=False)
+        if job:  # its pods gone before the next test: they would share the node's two cores with it
+            kubectl("delete", "namespace", job.ns, "--timeout=180s", check=False)
 
 
 @pytest.mark.timeout(1200)
@@ -263,16 +265,18 @@ def test_the_previous_kustomize_install_upgraded_moved_to_helm_and_back_with_a_j
     """README's moves, in its words, each with the same job training across it: the previous
     release's `kubectl apply -k manifests/` upgraded to this one's, kustomize -> Helm, and
     Helm -> kustomize. After each the owner webhook refuses a made-up job, no pod of the job
-    was replaced, and the new install's operator promotes the trainer's next weights."""
+    was replaced, and the operator running after the move promotes the trainer's next weights."""
     run, values = helm
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
+    # (A release a failed test before this one left behind goes first.)
+    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
     kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
     remove_owner_webhook(cluster, kubectl)
     job = None
     try:
         demo.install(cluster, images["operator"], manifests=releases.manifests())
         assert owner_policy(kubectl), "the previous release's kustomize install has its owner policy"
-        job = TrainingJob(api, kubectl, s3, images, "kust-prev", total_steps=1000, interval=5)
+        job = TrainingJob(api, kubectl, s3, images, "kust-prev", total_steps=100_000, interval=5)
         wait_for(lambda: job.step() >= 1 and job.target() >= 1, 400, "the job training under the previous release")
         before = job.pods()
 
@@ -300,5 +304,5 @@ def test_the_previous_kustomize_install_upgraded_moved_to_helm_and_back_with_a_j
     finally:
         run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
         kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
-        if job:
-            kubectl("delete", "namespace", job.ns, "--wait=false", check=False)
+        if job:  # its pods gone before the next test: they would share the node's two cores with it
+            kubectl("delete", "namespace", job.ns, "--timeout=180s", check=False)

@@ -7,15 +7,19 @@ import datetime as dt
 import http.client
 import json
 import os
+import queue
 import ssl
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import kubernetes
 import pytest
 
 from rft_contract import names
 from rft_operator import ownerhook
+from tests.conftest import wait_for
 
 UID = "0b5c1f3e-real"
 SPEC = {"checkpoint": {"uri": "s3://c", "credentialsSecret": "s3-creds"},
@@ -143,6 +147,116 @@ def test_a_cached_read_that_is_behind_never_refuses_but_a_fresh_one_does():
         assert not answer(request(obj), lookup)["allowed"] and lookup.fresh_reads == 1
     lookup = Cached(real, real)
     assert "not 'added'" in answer(request(pod), lookup)["status"]["message"] and lookup.fresh_reads == 1
+
+
+class FakeApi:
+    """`ApiJobs`' stand-in: the API server's answers, counted."""
+
+    def __init__(self, jobs: dict):
+        self.jobs, self.calls = jobs, 0
+
+    def __call__(self, namespace: str, name: str):
+        self.calls += 1
+        return self.jobs.get((namespace, name))
+
+    fresh = __call__
+
+
+class Scripted(ownerhook.WatchedJobs):
+    """`WatchedJobs` whose lists and watch streams the test hands over one by one (an
+    exception is raised where the API server would fail; None ends a stream)."""
+
+    MAX_NAMESPACES = 2
+
+    def __init__(self, api: FakeApi):
+        self.now = 0.0
+        super().__init__(None, clock=lambda: self.now)
+        self.api = api
+        self.lists, self.streams = queue.Queue(), queue.Queue()
+
+    def _list(self, namespace: str):
+        item = self.lists.get(timeout=30)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _events(self, namespace: str, version: str):
+        while (item := self.streams.get(timeout=30)) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def listing(version: str, *jobs: dict) -> dict:
+    return {"metadata": {"resourceVersion": version}, "items": list(jobs)}
+
+
+def rftjob(name: str, uid: str, version: str = "1") -> dict:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid, "resourceVersion": version},
+            "spec": SPEC, "status": {"phase": "Running"}}
+
+
+def uid_of(found) -> str | None:
+    return (found or {}).get("metadata", {}).get("uid")
+
+
+def watchers(namespace: str = "ns") -> list:
+    return [t for t in threading.enumerate() if t.name == f"owner-webhook-jobs-{namespace}"]
+
+
+def test_the_watch_serves_lookups_follows_the_jobs_and_falls_back_to_the_api_server():
+    api = FakeApi({("ns", "a"): rftjob("a", "ua")})
+    jobs = Scripted(api)
+    try:
+        # What a request names starts nothing: only a job found on the API server does.
+        assert jobs("ns", "ghost") is None and not watchers()
+        assert uid_of(jobs("ns", "a")) == "ua" and api.calls == 2
+        jobs.lists.put(listing("5", rftjob("a", "ua")))
+        wait_for(lambda: jobs.watching("ns"), 10, "the list")
+        assert uid_of(jobs("ns", "a")) == "ua" and jobs("ns", "b") is None and api.calls == 2  # no request
+        assert set(jobs("ns", "a")) == {"metadata", "spec"}  # only what check reads
+
+        jobs.streams.put({"type": "ADDED", "object": rftjob("b", "ub", "6")})
+        wait_for(lambda: uid_of(jobs("ns", "b")) == "ub", 10, "b added")
+        jobs.streams.put({"type": "DELETED", "object": rftjob("a", "ua", "7")})
+        wait_for(lambda: jobs("ns", "a") is None, 10, "a deleted")
+        jobs.streams.put({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "8"}}})
+
+        # 410 Gone (the version too old): listed again at once.
+        jobs.streams.put(kubernetes.client.ApiException(status=410))
+        jobs.lists.put(listing("9", rftjob("c", "uc")))
+        wait_for(lambda: uid_of(jobs("ns", "c")) == "uc", 10, "the list after 410")
+        assert jobs("ns", "b") is None and api.calls == 2
+
+        # Heard nothing for too long: the API server answers until the watch is heard again.
+        jobs.now += jobs.STALE_SECONDS
+        assert not jobs.watching("ns") and jobs("ns", "c") is None and api.calls == 3
+        jobs.streams.put({"type": "MODIFIED", "object": rftjob("c", "uc", "10")})
+        wait_for(lambda: jobs.watching("ns"), 10, "the watch heard again")
+
+        # A failed list (here forbidden): forgotten, the API server answers, then listed again.
+        jobs.streams.put(kubernetes.client.ApiException(status=410))
+        jobs.lists.put(kubernetes.client.ApiException(status=403))
+        wait_for(lambda: not jobs.watching("ns"), 10, "the namespace forgotten")
+        assert uid_of(jobs("ns", "a")) == "ua" and api.calls == 4
+        jobs.lists.put(listing("11", rftjob("c", "uc")))
+        wait_for(lambda: jobs.watching("ns"), 10, "listed again after the back-off")
+
+        # No RFTJob left when a watch ends: the watch stops, until a lookup finds one again.
+        jobs.streams.put({"type": "DELETED", "object": rftjob("c", "uc", "12")})
+        jobs.streams.put(None)
+        wait_for(lambda: not watchers() and not jobs.watching("ns"), 10, "the watch ended")
+        assert uid_of(jobs("ns", "a")) == "ua" and len(watchers()) == 1  # found again: watched again
+
+        # At most MAX_NAMESPACES watches.
+        api.jobs.update({("n2", "a"): rftjob("a", "u2"), ("n3", "a"): rftjob("a", "u3")})
+        jobs("n2", "a"), jobs("n3", "a")
+        assert len(watchers("n2")) == 1 and not watchers("n3")
+    finally:
+        jobs.close()
+        for _ in range(3):
+            jobs.streams.put(None)
+            jobs.lists.put(listing("99"))
 
 
 def test_deletes_are_not_its_business():
