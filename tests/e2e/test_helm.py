@@ -218,9 +218,12 @@ def test_helm_install_train_upgrade_uninstall(helm, cluster, kubectl, s3, images
     kubectl("delete", "namespace", job.ns, "--wait=false", check=False)
 
 
-def remove_owner_webhook(cluster, kubectl) -> None:
-    """The cluster as a previous release left it: none of the owner webhook's objects (its
-    configuration, Secret and Job, and the Service and identity of manifests/base/owner-webhook.yaml)."""
+def as_before_the_previous_release(run, cluster, kubectl) -> None:
+    """No operator and none of the owner webhook's objects (its configuration, Secret and Job,
+    and the Service and identity of manifests/base/owner-webhook.yaml), as on a cluster that
+    ran the previous release; a release a failed test before left behind goes too."""
+    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
+    kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
     demo.uninstall_webhook(cluster)
     kubectl("delete", "-f", str(CHART.parents[1] / "manifests/base/owner-webhook.yaml"), "--ignore-not-found")
 
@@ -232,10 +235,7 @@ def test_the_previous_releases_chart_upgraded_with_a_job_running(helm, cluster, 
     force, and a job training across the upgrade goes on with the same pods."""
     run, values = helm
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-    # (A release a failed test before this one left behind goes first.)
-    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
-    kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
-    remove_owner_webhook(cluster, kubectl)
+    as_before_the_previous_release(run, cluster, kubectl)
     job = None
     try:
         # The release's CRD first, as its chart's crds/ installed it (the snapshot leaves them out).
@@ -268,10 +268,7 @@ def test_the_previous_kustomize_install_upgraded_moved_to_helm_and_back_with_a_j
     was replaced, and the operator running after the move promotes the trainer's next weights."""
     run, values = helm
     api = kubernetes.config.new_client_from_config(str(cluster.kubeconfig))
-    # (A release a failed test before this one left behind goes first.)
-    run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found", check=False)
-    kubectl("delete", "deployment", "rftjob-operator", "-n", NAMESPACE, "--ignore-not-found")
-    remove_owner_webhook(cluster, kubectl)
+    as_before_the_previous_release(run, cluster, kubectl)
     job = None
     try:
         demo.install(cluster, images["operator"], manifests=releases.manifests())
