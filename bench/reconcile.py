@@ -21,7 +21,9 @@ Running. Per side it prints:
   * operator CPU per pod over the wave (from the first create until the operator is idle
     again; start-up, imports and the baseline job are printed apart), peak RSS, error lines
     in its log;
-and the ratios of ours to the peer, with the goals of issue 15. No thresholds fail the run
+and the ratios of ours to the peer and to bare pods, with the goals of issue 38 (pods p99 <=
+1.0x the peer and <= 2x bare pods, status lag p99 <= 1 s, CPU per pod <= 1.5x the peer,
+writes per job <= 13). No thresholds fail the run
 (tests/integration/test_reconcile_guard.py runs a small one and fails on a gross regression
 against bare pods).
 
@@ -44,6 +46,8 @@ training_operator`, cached under $RFT_CACHE) and run with 16 threads and no clie
 
 `--profile FILE`: py-spy samples our operator during an extra wave, left out of the figures
 (raw collapsed stacks to FILE), and the top functions by own and inclusive samples are printed.
+Only the thread holding the GIL is sampled (`--gil`): the samples are where the Python CPU
+goes, not where threads wait.
 """
 
 from __future__ import annotations
@@ -270,8 +274,9 @@ def run_wave(side: Side, cluster: Cluster, api, wave: int | str, args, totals: T
         cpu0, writes0 = (cpu_seconds(proc), side.writes()) if proc else (0.0, 0)
         adm0 = admission(cluster)
         if profile and proc:
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", "raw",
-                                    "--output", profile, "--nonblocking"],
+            # --gil: only the thread holding the GIL, i.e. where the Python CPU goes.
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--rate", "200", "--gil",
+                                    "--format", "raw", "--output", profile, "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         jobs = [f"job-{i:04d}" for i in range(args.jobs)]
         results, missing = run_jobs(side, api, namespace, jobs, args.pods, args.timeout)
@@ -369,7 +374,7 @@ def report(args, totals: dict[str, Totals], nodes: int, ours_install: str = "") 
               f"p99 {p99:.2f}x   (goal p99 <= 1.0x: {'met' if p99 <= 1.0 else 'NOT met'})")
         print(f"    create -> status Running    p50 {pct(ours.status_lat, .5) / pct(peer.status_lat, .5):.2f}x  "
               f"p99 {pct(ours.status_lat, .99) / pct(peer.status_lat, .99):.2f}x")
-        print(f"    operator CPU per pod        {cpu:.2f}x   (goal <= 2x: {'met' if cpu <= 2 else 'NOT met'})")
+        print(f"    operator CPU per pod        {cpu:.2f}x   (goal <= 1.5x: {'met' if cpu <= 1.5 else 'NOT met'})")
         print(f"    API writes per job          {(ours.writes / ours.jobs) / (peer.writes / peer.jobs):.2f}x")
         print(f"    peak RSS                    {ours.rss / peer.rss:.2f}x")
     if ours and ours.jobs:
@@ -378,9 +383,10 @@ def report(args, totals: dict[str, Totals], nodes: int, ours_install: str = "") 
               f"({'met' if lag99 <= 1.0 else 'NOT met'}); writes per job {writes:.1f} "
               f"(goal <= 13: {'met' if writes <= 13 else 'NOT met'})")
         if bare and bare.jobs:
+            p99 = pct(ours.pods_lat, .99) / pct(bare.pods_lat, .99)
             print(f"  ours / bare pods: create -> all pods Running p50 "
                   f"{pct(ours.pods_lat, .5) / pct(bare.pods_lat, .5):.2f}x  "
-                  f"p99 {pct(ours.pods_lat, .99) / pct(bare.pods_lat, .99):.2f}x")
+                  f"p99 {p99:.2f}x   (goal p99 <= 2x: {'met' if p99 <= 2 else 'NOT met'})")
 
 
 def figures(args, totals: dict[str, Totals], nodes: int, ours_install: str) -> dict[str, Any]:
