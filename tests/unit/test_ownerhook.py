@@ -392,11 +392,16 @@ def _post(port: int, ca: bytes, body: bytes, path: str = ownerhook.PATH) -> tupl
         return e.code, e.read()
 
 
-def test_the_server_answers_refuses_junk_and_presents_a_rotated_pair(tmp_path):
+def _serve(cert_dir: Path) -> tuple[bytes, ownerhook.OwnerWebhook]:
+    """A webhook on loopback with a new pair in `cert_dir`: (its CA, the server)."""
     ca, cert, key = ownerhook.serving_pair(["127.0.0.1"])
-    (tmp_path / "tls.crt").write_bytes(cert)
-    (tmp_path / "tls.key").write_bytes(key)
-    server = ownerhook.OwnerWebhook(0, tmp_path, get_job, addr="127.0.0.1")
+    (cert_dir / "tls.crt").write_bytes(cert)
+    (cert_dir / "tls.key").write_bytes(key)
+    return ca, ownerhook.OwnerWebhook(0, cert_dir, get_job, addr="127.0.0.1")
+
+
+def test_the_server_answers_refuses_junk_and_presents_a_rotated_pair(tmp_path):
+    ca, server = _serve(tmp_path)
     try:
         code, body = _post(server.port, ca, json.dumps(request(child("ghost", "x"))).encode())
         assert code == 200 and not json.loads(body)["response"]["allowed"]
@@ -425,12 +430,9 @@ def test_the_server_answers_refuses_junk_and_presents_a_rotated_pair(tmp_path):
 def test_a_kept_alive_connection_is_answered_without_waiting_for_a_delayed_ack(tmp_path):
     """The API server sends its reviews over kept-alive connections. An answer written as
     two segments (head, then body) with Nagle's algorithm on held the body until the
-    client's delayed ACK of the head: 40 ms a review on Linux, ~0.5 s of every job's
-    start in a wave (issue 38). Reviews on one connection are answered in well under that."""
-    ca, cert, key = ownerhook.serving_pair(["127.0.0.1"])
-    (tmp_path / "tls.crt").write_bytes(cert)
-    (tmp_path / "tls.key").write_bytes(key)
-    server = ownerhook.OwnerWebhook(0, tmp_path, get_job, addr="127.0.0.1")
+    client's delayed ACK of the head: 40 ms a review on Linux (issue 38). Reviews on one
+    connection are answered in well under that."""
+    ca, server = _serve(tmp_path)
     context = ssl.create_default_context(cadata=ca.decode())
     conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=context, timeout=10)
     body = json.dumps(request(pod())).encode()
