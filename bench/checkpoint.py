@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     mgr.save(2, {"buffer": {}}, block=False)
     async_stall = time.perf_counter() - t
-    mgr.wait()
+    mgr.wait_on_save_thread()
     nbytes = mgr.last_commit_bytes
     print(f"(a) stall per checkpoint: sync {sync_stall:.2f} s, async {async_stall:.2f} s "
           f"-> ratio {async_stall / sync_stall:.3f} (goal <= 0.05)")

@@ -72,7 +72,7 @@ def export_round_trip(engine: FSDPTrainEngine, rt, trained: dict) -> dict | None
     from transformers import AutoModelForCausalLM
 
     dest = weights_uri(engine.config.checkpoint.uri, engine.train_step_num)
-    engine.save_state_dict(S3Storage(), dest, "fp32")
+    engine.export_policy(S3Storage(), dest, "fp32")
     if not rt.is_main:
         return None
     try:  # rank 0 alone: an error here must not skip a collective the other ranks enter

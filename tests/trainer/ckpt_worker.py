@@ -114,7 +114,7 @@ def main() -> None:
         ckpt.maybe_save(engine.step, buffer_position(engine.step), block=args.block)
         result["metrics"][engine.step] = metrics
         result["snapshots"][engine.step] = snapshot(engine)
-    ckpt.wait()
+    ckpt.wait_on_save_thread()
     if rt.is_main:
         torch.save(result, args.out)
     dist.barrier()

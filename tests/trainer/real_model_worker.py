@@ -71,7 +71,7 @@ def main() -> None:
                   engine.train_step_num, dtype="fp32")
     if dist.get_rank() == 0:
         torch.save(out, args.out)
-    ckpt.wait()
+    ckpt.wait_on_save_thread()
     dist.barrier()
     dist.destroy_process_group()
 

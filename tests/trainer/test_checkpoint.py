@@ -242,13 +242,13 @@ def test_async_save_then_resume_in_one_process(tmp_path):
     mgr.on_commit = lambda step, prefix: commits.append((step, prefix))
     assert not mgr.maybe_save(1, {"buffer": {"offset": 1}})
     assert mgr.maybe_save(2, {"buffer": {"offset": 2}}, block=False)
-    mgr.wait()
+    mgr.wait_on_save_thread()
     assert mgr.last_committed == 2 and mgr.last_saved == 2
     assert mgr.last_commit_bytes > 0 and mgr.last_commit_seconds > 0  # what status reports
     role.train()  # diverge after the save
     mgr.save(4, {"buffer": {"offset": 4}}, block=False)
     mgr.save(6, {"buffer": {"offset": 6}}, block=False)  # waits for step 4 first
-    mgr.wait()
+    mgr.wait_on_save_thread()
     assert sorted(list_steps(LocalStorage(), uri)) == [6]  # keep=1
     assert commits == [(s, step_uri(uri, s)) for s in (2, 4, 6)]
     assert not list((tmp_path / "staging").iterdir()), "staging dirs are removed after upload"
@@ -280,7 +280,7 @@ def test_async_save_returns_before_the_write_and_saves_the_state_of_the_call(tmp
     mgr.save(1, {"buffer": {"offset": 1}}, block=False)
     role.train()  # the loop goes on while the save is in flight
     gate.set()
-    mgr.wait()
+    mgr.wait_on_save_thread()
     fresh = TinyRole(seed=1)
     assert one_rank_manager(LocalStorage(), uri, tmp_path, fresh).resume() == 1
     assert_same(saved[0], fresh.model.state_dict())
@@ -295,10 +295,10 @@ def test_failed_upload_commits_nothing_and_surfaces_on_wait(tmp_path):
     mgr = one_rank_manager(FailingStorage(), uri, tmp_path, TinyRole())
     mgr.save(1, block=False)  # the local write succeeded; the upload fails in the background
     with pytest.raises(CheckpointError, match="disk quota exceeded"):
-        mgr.wait()
+        mgr.wait_on_save_thread()
     assert latest_verified(LocalStorage(), uri) is None
     assert not LocalStorage().exists(join(step_uri(uri, 1), MANIFEST))
-    mgr.wait()  # the error is reported once
+    mgr.wait_on_save_thread()  # the error is reported once
     assert one_rank_manager(LocalStorage(), uri, tmp_path, TinyRole()).resume() is None
 
 
@@ -348,7 +348,7 @@ def test_save_during_an_s3_outage_commits_after_recovery_without_blocking_traini
             steps_during_outage += 1
         assert returned_after < outage / 2, f"save blocked the loop for {returned_after:.1f}s"
         assert steps_during_outage > 0
-        mgr.wait()  # commits after recovery; raises if the upload gave up
+        mgr.wait_on_save_thread()  # commits after recovery; raises if the upload gave up
         assert time.monotonic() - start >= outage * 0.9, "the outage was not in the way"
         assert proxy.injected > 0
         assert latest_verified(S3Storage(), uri) == 1

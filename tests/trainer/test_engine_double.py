@@ -61,7 +61,7 @@ class LinearEngine(TrainEngineWrapper):
     def checkpoint_roles(self) -> dict:
         return {"policy": self.policy}
 
-    def save_state_dict(self, storage, dest: str, dtype: str) -> dict:
+    def export_policy(self, storage, dest: str, dtype: str) -> dict:
         blob = json.dumps({k: v.tolist() for k, v in self.policy.model.state_dict().items()}).encode()
         storage.write_bytes(join(dest, "weights.json"), blob)
         manifest = {"step": self.step, "id": f"linear-{self.step}", "dtype": dtype,
@@ -115,7 +115,7 @@ def run(config, monkeypatch) -> tuple[Trainer, Recorder, str]:
     trainer.prepare()
     recorder.prepared = (trainer.train_step_num, state(trainer.engine))
     outcome = asyncio.run(trainer.train())
-    trainer.checkpointer.wait()
+    trainer.checkpointer.wait_on_save_thread()
     return trainer, recorder, outcome
 
 
@@ -166,6 +166,6 @@ def test_an_engine_written_against_the_abc_alone_saves_and_resumes_through_the_t
     assert outcome == "finished" and again.train_step_num == 4
     assert reported.checkpoints == [3, 4] and sorted(list_steps(storage, root)) == [2, 3, 4]
     assert_same(state(again.engine), state(straight.engine))
-    # Exported through the double's save_state_dict; the Trainer applied sync.keep.
+    # Exported through the double's export_policy; the exporter applied sync.keep.
     assert reported.weights[-1] == (4, "linear-4", [3, 4])
     assert storage.exists(join(weights_uri(root, 4), "weights.json"))

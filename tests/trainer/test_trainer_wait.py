@@ -53,7 +53,7 @@ def trainer(tmp_path, world_of_one):
     t.engine.set_train_step_num(5)  # the policy moved on: version-0 samples are stale (5 - 1 > 0)
     t.reporter = Recorder()
     yield t
-    t.checkpointer.wait()
+    t.checkpointer.wait_on_save_thread()
 
 
 def test_waiting_on_stale_experiences_is_reported_with_true_counts_and_a_stop_ends_it(trainer, monkeypatch):
@@ -103,7 +103,7 @@ def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_
     first = Trainer(config)
     first.prepare()
     assert asyncio.run(first.train()) == "finished" and first.train_step_num == 2  # the buffer ran dry
-    first.checkpointer.wait()
+    first.checkpointer.wait_on_save_thread()
     step_dir = tmp_path / "ckpt" / "ckpt" / "step-00000002"
     before = {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir()}
 
@@ -113,5 +113,5 @@ def test_a_stop_right_after_a_resume_does_not_upload_the_resumed_step_again(tmp_
     assert resumed == [(0, None), (2, str(step_dir))]
     again.request_stop()
     assert asyncio.run(again.train()) == "stopped"
-    again.checkpointer.wait()
+    again.checkpointer.wait_on_save_thread()
     assert {p.name: p.stat().st_mtime_ns for p in step_dir.iterdir()} == before

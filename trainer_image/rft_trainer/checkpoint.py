@@ -19,8 +19,13 @@ manifest.json}`: the files torch.distributed.checkpoint (DCP) writes, plus our m
   collectives. The commit stays ours, after the DCP write: every rank's files uploaded
   (each streamed from disk and sha256-hashed in the same pass, `storage.upload_file`),
   then the manifest. The copy doubles the host memory of the state while a save is in
-  flight. Rule: **at most one save in flight**; `save`, `load`, `resume` and `wait`
-  first wait for the previous one, and re-raise its error.
+  flight. Rule: **at most one save in flight**; `save`, `load`, `resume` and
+  `wait_on_save_thread` first wait for the previous one, and re-raise its error.
+- **The seed's names** (Trinity-RFT's checkpoint manager): `save_checkpoint(step,
+  block_until_saved, model_state_dict_only)`, `upload_state_dict(step)` (the policy to the
+  synchronizer: the Trainer's `WeightExporter`, export.py) and `wait_on_save_thread()`. The
+  engine's seed methods (`TrainEngineWrapper.save_checkpoint`, `save_state_dict`,
+  `upload_state_dict`, `sync_weight`) call these.
 - **Read.** A step counts only if `manifest.json` exists and every file it lists exists
   with the listed size and sha256 (`verify_step`, `latest_verified`, which logs one
   warning line per skipped step with the reason: a full remote check, streamed, for tools
@@ -53,7 +58,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -70,6 +75,9 @@ from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 
 from .parallelize import Runtime
+
+if TYPE_CHECKING:
+    from .export import WeightExporter
 
 log = logging.getLogger("rft_trainer.checkpoint")
 
@@ -276,6 +284,11 @@ class CheckpointManager:
         # Called on rank 0 as on_commit(step, prefix_uri) once a manifest is written,
         # from the upload thread when block=False (e.g. to report status.checkpoint).
         self.on_commit = None
+        # What the Trainer saves beside the roles (the buffer position) when a save is
+        # asked for by step alone (`save_checkpoint`), and where the policy goes for the
+        # synchronizer (`upload_state_dict`): both set by the Trainer.
+        self.extra_state: Callable[[], dict] | None = None
+        self.weights: WeightExporter | None = None
         self.last_committed: int | None = None  # manifest written
         self.last_commit_at: float | None = None  # time.monotonic() of that commit
         self.last_commit_seconds: float | None = None  # its stage + upload time
@@ -284,6 +297,30 @@ class CheckpointManager:
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------ save
+
+    def save_checkpoint(self, step: int, block_until_saved: bool = False,
+                        model_state_dict_only: bool = False) -> None:
+        """The seed's save: step `step` with the Trainer's `extra_state()`, returning once the
+        state is copied (committed, with `block_until_saved`). A step saved already (or
+        resumed from) is not saved again: that would rewrite its files under its own
+        manifest. `model_state_dict_only`: only the policy, for the synchronizer
+        (`upload_state_dict`). Collective."""
+        if model_state_dict_only:
+            self.upload_state_dict(step)
+        elif step == self.last_saved:
+            if block_until_saved:
+                self.wait_on_save_thread()
+        else:
+            self.save(step, self.extra_state() if self.extra_state is not None else None, block=block_until_saved)
+
+    def upload_state_dict(self, trainer_step: int) -> dict | None:
+        """Hand the policy at `trainer_step` to the synchronizer. Weights reach the inference
+        pods through storage, so this exports the version and reports it
+        (`WeightExporter.publish`; once per step). Collective; the manifest on rank 0."""
+        if self.weights is None:
+            raise CheckpointError("upload_state_dict: no weight exporter; the Trainer sets "
+                                  "`checkpointer.weights` in prepare()")
+        return self.weights.publish(trainer_step)
 
     def maybe_save(self, step: int, extra: dict | None = None, *, block: bool = False) -> bool:
         """Save when `step` is a multiple of `interval`; the loop calls this every step."""
@@ -296,7 +333,7 @@ class CheckpointManager:
         """Write step `step`. With block=False, return once the state is copied in memory;
         the local write and the upload run in the background (at most one save in
         flight: this first waits for the previous)."""
-        self.wait()
+        self.wait_on_save_thread()
         self.app.step, self.app.extra = step, dict(extra or {})
         self.staging.mkdir(parents=True, exist_ok=True)
         local = Path(tempfile.mkdtemp(prefix=f"step-{step:08d}-rank{self.rt.rank}-", dir=self.staging))
@@ -326,7 +363,7 @@ class CheckpointManager:
                                             name=f"ckpt-commit-{step}", daemon=True)
             self._thread.start()
 
-    def wait(self) -> None:
+    def wait_on_save_thread(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its error."""
         if self._thread is not None:
             self._thread.join()
@@ -335,12 +372,12 @@ class CheckpointManager:
             err, self._error = self._error, None
             raise CheckpointError(str(err)) from err
 
-    close = wait
+    close = wait_on_save_thread
 
     def _commit_in_background(self, step: int, local: Path, written) -> None:
         try:
             self._commit(step, local, written)
-        except BaseException as e:  # surfaced by wait()
+        except BaseException as e:  # surfaced by wait_on_save_thread()
             self._error = e
 
     def _commit(self, step: int, local: Path, written=None) -> None:
@@ -414,7 +451,7 @@ class CheckpointManager:
     def resume(self) -> int | None:
         """Load the newest committed step that downloads intact into the roles; returns it
         (and sets `self.app.step`/`.extra`), or None when there is none (a fresh start)."""
-        self.wait()
+        self.wait_on_save_thread()
         below = None
         while True:
             picked = self._from_main(lambda: self._pick_step(below))
@@ -474,7 +511,7 @@ class CheckpointManager:
 
     def load(self, step: int) -> AppState:
         """Load step `step` (see `_load`); CorruptCheckpoint names a missing or damaged file."""
-        self.wait()
+        self.wait_on_save_thread()
 
         def read() -> dict | str:
             try:

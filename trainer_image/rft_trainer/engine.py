@@ -1,15 +1,15 @@
 """Owns the model state of training: `TrainEngineWrapper` (the seed's interface, all the
 Trainer may reach) and `FSDPTrainEngine`, the actor (+ reference, + critic) on FSDP2.
 The roles themselves (log-probs, policy and value updates) are in roles.py; the runtime,
-storage and checkpointer belong to the Trainer (trainer.py), which hands the engine its
-`Runtime` and saves and resumes what `checkpoint_roles()` returns.
+storage and checkpoint manager belong to the Trainer (trainer.py), which hands the engine
+its `Runtime` and its manager, and saves and resumes what `checkpoint_roles()` returns.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,18 +24,30 @@ from .experience import Experiences
 from .export import export_hf
 from .parallelize import Runtime, build_model, fetch_model, init_distributed
 
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointManager
+
 
 class TrainEngineWrapper(abc.ABC):
     """A training engine behind the Trainer (the seed's interface): everything the Trainer
     reaches, so a second engine is written against this class alone.
 
-    The Trainer owns the runtime, the storage and the checkpointer (as torchtitan's does);
-    an engine trains, exposes the state a checkpoint holds, and exports its policy. The
-    seed's other engine methods live with their owner here: `save_checkpoint` is
-    `Trainer.save_checkpoint` (through the Trainer's CheckpointManager), and `sync_weight`
-    is `Trainer.sync_weight` (export with `save_state_dict`, then report the version the
-    sync agents load); there is no in-memory synchronizer, so no `upload_state_dict`.
+    The Trainer owns the runtime, the storage and the checkpoint manager (as torchtitan's
+    does) and hands the engine the manager once built (`attach`); the manager holds the
+    Trainer's weight exporter. An engine trains, exposes what a checkpoint holds
+    (`checkpoint_roles`) and writes its policy (`export_policy`). The seed's save and sync
+    methods keep the seed's signatures and go through the manager, so an engine need not
+    write them and a caller written for Trinity-RFT's Trainer finds them:
+
+    - `save_checkpoint(block_until_saved=False)`: the current step, with the Trainer's
+      buffer position (`CheckpointManager.save_checkpoint`);
+    - `save_state_dict()`, `upload_state_dict()`, `sync_weight()`: Trinity's three sync
+      methods (checkpoint, memory, NCCL). Weights reach the inference pods through storage
+      only, so all three export the current step to `weights/step-N/` and report it, once
+      per step (`CheckpointManager.upload_state_dict` -> `WeightExporter.publish`).
     """
+
+    checkpointer: CheckpointManager | None = None
 
     @abc.abstractmethod
     def prepare(self) -> None:
@@ -62,11 +74,40 @@ class TrainEngineWrapper(abc.ABC):
         in the checkpoint (`app.<name>.*`): keep them stable across versions."""
 
     @abc.abstractmethod
-    def save_state_dict(self, storage: Storage, dest: str, dtype: str) -> dict | None:
-        """Only save the model state dict, for the synchronizer: the policy as an HF model
-        directory in `dtype` under `dest` (export.py's layout, `manifest.json` last, with the
-        probe the sync agents check each engine against). Collective: every rank calls it.
-        Returns the manifest on rank 0, None on the other ranks."""
+    def export_policy(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+        """Write the policy as an HF model directory in `dtype` under `dest` (export.py's
+        layout, `manifest.json` last, with the probe the sync agents check each engine
+        against). Collective: every rank calls it. Returns the manifest on rank 0, None on
+        the other ranks. The weight exporter calls it; callers use the seed's methods."""
+
+    # ------------------------------------------------------------ the seed's, through the owners
+
+    def attach(self, checkpointer: CheckpointManager) -> None:
+        """The Trainer hands over its checkpoint manager (after `prepare`, which the
+        manager's roles need); the seed's methods below go through it."""
+        self.checkpointer = checkpointer
+
+    def save_checkpoint(self, block_until_saved: bool = False) -> None:
+        """Save the checkpoint (the current step; a step saved already is kept as it is)."""
+        self._manager("save_checkpoint").save_checkpoint(self.train_step_num, block_until_saved=block_until_saved)
+
+    def sync_weight(self) -> None:
+        """Sync the model weight: no NCCL group reaches the inference pods, so through storage."""
+        self.upload_state_dict()
+
+    def upload_state_dict(self) -> None:
+        """Upload the state dict to the synchronizer (storage, then the report the sync agents follow)."""
+        self._manager("upload_state_dict").upload_state_dict(self.train_step_num)
+
+    def save_state_dict(self) -> None:
+        """Only save the model state dict, for the synchronizer."""
+        self._manager("save_state_dict").save_checkpoint(self.train_step_num, model_state_dict_only=True)
+
+    def _manager(self, method: str) -> CheckpointManager:
+        if self.checkpointer is None:
+            raise RuntimeError(f"{type(self).__name__}.{method}(): no checkpoint manager attached; "
+                               "Trainer.prepare() attaches its own (engine.attach(checkpointer))")
+        return self.checkpointer
 
 
 class FSDPTrainEngine(TrainEngineWrapper):
@@ -200,7 +241,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         # The frozen reference is not saved: it is the initial policy, reloaded from model.path.
         return {"actor": self.actor, "critic": self.critic}
 
-    def save_state_dict(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+    def export_policy(self, storage: Storage, dest: str, dtype: str) -> dict | None:
         model = self.actor.model
         tokens = self.probe_tokens or probe.fallback_tokens(model.config.get_text_config().vocab_size)
         check = probe.build_probe(model, self.rt.device, tokens, dtype, self.step)

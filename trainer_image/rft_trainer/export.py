@@ -2,6 +2,10 @@
 `<checkpoint.uri>/weights/step-NNNNNNNN/` with safetensors shards, the HF index, config,
 tokenizer files and a `manifest.json` written last (every file with size and sha256).
 
+`WeightExporter` is the synchronizer's side in the trainer: it writes a version through
+the engine's `export_policy` (`export_hf` for the FSDP engine), keeps `sync.keep` of them
+and hands each on (the Trainer reports it; the operator promotes it; the sync agents load it).
+
 Gathering streams one parameter at a time: every rank takes part in the all-gather of
 each sharded tensor, rank 0 alone keeps the full tensor, cast to the export dtype, in a
 bucket that is written and uploaded once it reaches `max_shard_bytes`. No rank ever holds
@@ -18,12 +22,14 @@ import uuid
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from rft_contract import layout
+from rft_contract.layout import weights_uri
 from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
@@ -48,6 +54,47 @@ def apply_weights_retention(storage: Storage, root: str, keep: int,
     """Keep the newest `keep` committed versions (and `protect`, e.g. a pinned version);
     returns the committed versions that remain, ascending (from the same listing)."""
     return apply_retention(storage, join(root, layout.WEIGHTS), keep, protect, kind="weights", unit="version").kept
+
+
+class WeightExporter:
+    """Writes policy versions under `<root>/weights/step-N/` and hands each on: the checkpoint
+    manager's `upload_state_dict` (and so the engine's seed methods) end here.
+
+    `write(storage, dest, dtype)` is the engine's `export_policy`; it is collective, so every
+    rank calls `publish` at the same step. Then rank 0 keeps the newest `keep` versions (and
+    `pinned`) and calls `on_publish(step, uri, manifest, versions, seconds)`, which reports
+    `status.trainer.latestWeights`. A step is published once: a second call returns the
+    first's manifest (the seed's `save_state_dict`, `upload_state_dict` and `sync_weight` may
+    all be called at one step). Step 0 is the initial policy, `model.path`, which the
+    inference pods start on: nothing to publish."""
+
+    def __init__(self, storage: Storage, root: str, dtype: str, keep: int, pinned: int | None,
+                 write: Callable[[Storage, str, str], dict | None],
+                 on_publish: Callable[[int, str, dict, list[int] | None, float], None] | None = None):
+        self.storage, self.root, self.dtype, self.keep, self.pinned = storage, root, dtype, keep, pinned
+        self.write, self.on_publish = write, on_publish
+        self.last_step: int | None = None  # the last version published
+        self.last_manifest: dict | None = None  # its manifest (rank 0)
+
+    def publish(self, step: int) -> dict | None:
+        """Export step `step` (collective) unless published already; its manifest on rank 0."""
+        if step == self.last_step or step == 0:
+            return self.last_manifest if step else None
+        start = time.perf_counter()
+        uri = weights_uri(self.root, step)
+        manifest = self.write(self.storage, uri, self.dtype)
+        self.last_step, self.last_manifest = step, manifest
+        if manifest is None:  # not rank 0
+            return None
+        protect = {self.pinned} if self.pinned is not None else set()
+        try:
+            versions = apply_weights_retention(self.storage, self.root, self.keep, protect)
+        except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training
+            log.warning("weights retention failed: %s", e)
+            versions = None
+        if self.on_publish is not None:
+            self.on_publish(step, uri, manifest, versions, time.perf_counter() - start)
+        return manifest
 
 
 class _Writer:

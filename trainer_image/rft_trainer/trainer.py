@@ -30,14 +30,13 @@ import torch.distributed as dist
 from rft_contract import names
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
-from rft_contract.layout import weights_uri
 from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
 
 from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
-from .export import apply_weights_retention
+from .export import WeightExporter
 from .metrics import MetricsLog
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
@@ -123,6 +122,12 @@ class Trainer:
         self.storage = get_storage(self.config.checkpoint.uri)  # built once: an S3 client is not free
         self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
         self.checkpointer.on_commit = self._report_commit
+        self.checkpointer.extra_state = self.checkpoint_extra
+        sync = self.config.sync
+        self.checkpointer.weights = WeightExporter(self.storage, self.config.checkpoint.uri, sync.dtype, sync.keep,
+                                                   sync.pinned_version, write=self.engine.export_policy,
+                                                   on_publish=self._report_weights)
+        self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
         extra = self.load_checkpoint()
@@ -282,7 +287,7 @@ class Trainer:
         the workers are killed (`should_save_on_stop`, `stop_budget_seconds`); rank 0
         decides for every rank (a save is collective)."""
         ckpt = self.checkpointer
-        ckpt.wait()  # an upload in flight commits first (it is usually the recent one)
+        ckpt.wait_on_save_thread()  # an upload in flight commits first (it is usually the recent one)
         if ckpt.last_saved == self.train_step_num or self.train_step_num == 0:
             if self.stopping:
                 log.info("stopping at step %d: nothing new to save", self.train_step_num)
@@ -296,32 +301,27 @@ class Trainer:
         self.save_checkpoint(block_until_saved=True)
 
     def save_checkpoint(self, block_until_saved: bool = False) -> None:
-        """Save the current step now (the seed's engine method: the checkpointer is ours)."""
-        self.checkpointer.save(self.train_step_num, self.checkpoint_extra(), block=block_until_saved)
+        """Save the current step now (through the engine's seed method, to our checkpointer)."""
+        self.engine.save_checkpoint(block_until_saved=block_until_saved)
 
     def need_sync(self) -> bool:
         step = self.train_step_num
         return step % self.config.sync.interval == 0 or step >= self.config.trainer.total_steps
 
     def sync_weight(self) -> None:
-        """Export the policy (all ranks), then on rank 0: drop old versions and report
+        """Hand the current policy to the inference pods: the engine's `sync_weight` exports
+        it through the checkpoint manager's weight exporter (all ranks); rank 0 then reports
         `status.trainer.latestWeights`, which the operator promotes to the sync target."""
-        step, root, sync = self.train_step_num, self.config.checkpoint.uri, self.config.sync
-        start = time.perf_counter()
-        manifest = self.engine.save_state_dict(self.storage, weights_uri(root, step), sync.dtype)
-        self.last_synced = step
-        if manifest is None:  # not rank 0
-            return
-        self.pod_metrics.observe_weights(step, manifest.get("bytes"), time.perf_counter() - start)
-        protect = {sync.pinned_version} if sync.pinned_version is not None else set()
-        try:
-            versions = apply_weights_retention(self.storage, root, sync.keep, protect)
-        except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training
-            log.warning("weights retention failed: %s", e)
-            versions = None
-        self.reporter.report_weights(step, weights_uri(root, step), manifest.get("id"), versions)
+        self.engine.sync_weight()
+        self.last_synced = self.train_step_num
+
+    def _report_weights(self, step: int, uri: str, manifest: dict, versions: list[int] | None,
+                        seconds: float) -> None:
+        """Rank 0, once the weight exporter wrote version `step` and applied sync.keep."""
+        self.pod_metrics.observe_weights(step, manifest.get("bytes"), seconds)
+        self.reporter.report_weights(step, uri, manifest.get("id"), versions)
         if self.tracker is not None:
-            self.tracker.log_tags({"rft.weights.uri": weights_uri(root, step), "rft.weights.step": step}, step)
+            self.tracker.log_tags({"rft.weights.uri": uri, "rft.weights.step": step}, step)
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
@@ -344,7 +344,7 @@ class Trainer:
         self._alive = False
         try:
             if self.checkpointer is not None:
-                self.checkpointer.wait()
+                self.checkpointer.wait_on_save_thread()
         finally:
             if self.tracker is not None:  # before the reporter: its last state goes out with it
                 self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
