@@ -34,6 +34,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic.alias_generators import to_camel
 
+from .algorithms import ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
@@ -247,7 +248,8 @@ class AlgorithmSpec(Model):
         "!has(self.miniBatchSize) || !has(self.microBatchSize) || self.miniBatchSize >= self.microBatchSize",
         None, "algorithm.microBatchSize must not exceed algorithm.miniBatchSize"),)  # config.py says it in Python
 
-    name: Literal["grpo", "ppo"]
+    name: Literal[ALGORITHM_NAMES] = Field(  # the catalogue's (algorithms.py)
+        description="; ".join(f"{p.name}: {p.summary}" for p in ALGORITHMS.values()) + ".")
     learning_rate: float = Field(default=1e-6, gt=0, le=1)
     critic_learning_rate: float = Field(default=1e-5, gt=0, le=1)
     kl_coef: float = Field(default=0.001, ge=0)
@@ -272,9 +274,7 @@ class AlgorithmSpec(Model):
     mini_batch_size: int | None = Field(default=None, ge=1, le=1_000_000)
     micro_batch_size: int = Field(default=1, ge=1, le=1_000_000)
     grad_clip: float = Field(default=1.0, gt=0)
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = (
-        "token-mean"
-    )
+    loss_aggregation: Literal[LOSS_AGGREGATIONS] = "token-mean"
     gamma: float = Field(default=1.0, ge=0, le=1)
     lam: float = Field(default=1.0, ge=0, le=1)
     norm_adv_by_std: bool = True
@@ -600,10 +600,11 @@ class RFTJobSpec(Model):
               lambda s: s.explorer is None or s.inference is None or s.explorer.replicas == 0 or s.inference.replicas >= 1,
               "spec.explorer.replicas >= 1 needs spec.inference.replicas >= 1: explorers generate "
               "rollouts against the inference pods", ".inference.replicas"),
-        Check("self.algorithm.name != 'grpo' || !has(self.explorer) || self.explorer.?rolloutsPerTask.orValue(8) >= 2",
-              lambda s: s.algorithm.name != "grpo" or s.explorer is None or s.explorer.rollouts_per_task >= 2,
-              "grpo needs spec.explorer.rolloutsPerTask >= 2: its advantage, reward minus the mean "
-              "of the task's group, is zero for groups of one", ".explorer.rolloutsPerTask"),
+        Check(f"!(self.algorithm.name in {list(GROUP_ALGORITHMS)}) || !has(self.explorer) || "
+              "self.explorer.?rolloutsPerTask.orValue(8) >= 2",
+              lambda s: s.algorithm.name not in GROUP_ALGORITHMS or s.explorer is None or s.explorer.rollouts_per_task >= 2,
+              f"{'/'.join(GROUP_ALGORITHMS)} needs spec.explorer.rolloutsPerTask >= 2: its advantage, reward "
+              "minus the mean of the task's group, is zero for groups of one", ".explorer.rolloutsPerTask"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,

@@ -1,14 +1,15 @@
 """Learning signal on a toy task, CPU, fixed seeds: reward = fraction of response tokens
 equal to a target token; rollouts are sampled from the current policy each step.
 
-A random-initialised tiny model starts near 1/vocab. GRPO must at least double the mean
-reward within 30 steps; PPO (with a critic) must at least double it within 30 steps too
-(documented threshold: 2x, same as GRPO; observed runs reach well above).
+A random-initialised tiny model starts near 1/vocab. Every algorithm of the catalogue
+(GRPO, PPO with a critic, REINFORCE++) must at least double the mean reward within 30 steps
+(documented threshold: 2x; observed runs reach well above).
 """
 
 import pytest
 import torch
 
+from rft_contract.algorithms import ALGORITHMS
 from rft_contract.config import load_config
 from rft_trainer.experience import Experiences
 from tests.fixtures.models import save_tiny_model, tiny_vocab
@@ -58,7 +59,7 @@ def train(tmp_path, algo: str, steps: int = 30) -> list[float]:
     return history
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
 def test_rl_at_least_doubles_reward(tmp_path, algo):
     history = train(tmp_path, algo)
     start, end = sum(history[:3]) / 3, sum(history[-3:]) / 3

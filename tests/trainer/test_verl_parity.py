@@ -28,6 +28,7 @@ from rft_trainer.algorithms import (
     grpo_advantages,
     kl_penalty,
     policy_loss,
+    reinforce_plus_plus_advantages,
 )
 from rft_trainer.engine import FSDPTrainEngine
 from rft_trainer.experience import Experiences
@@ -333,3 +334,38 @@ def test_ppo_folds_kl_into_the_token_rewards():
     # token; values 0 and gamma = lam = 1, so a return is the sum of the rewards from there on.
     # row 0: [-0.05, 1 + 0.1] ; row 1: [0 - 0] ; row 2: [-0.1, -0.05]
     close(returns, [[0.0, 1.05, 1.1], [0.0, 0.0, 0.0], [0.0, -0.15, -0.05]])
+
+
+# ---------------------------------------------------------------- REINFORCE++ (the catalogue's third algorithm)
+
+
+def whiten_by_hand(xs):
+    """verl's masked_whiten over the masked-in values: unbiased variance, 1e-8 inside the rsqrt."""
+    mean, var = statistics.mean(xs), statistics.variance(xs)
+    return [(x - mean) / math.sqrt(var + 1e-8) for x in xs]
+
+
+def test_reinforce_plus_plus_is_verl_s_discounted_return_whitened():
+    # verl's compute_reinforce_plus_plus_outcome_advantage with gamma 0.5: G_t = r_t + 0.5 G_next,
+    # G_next reset to 0 after a masked-out position; advantages = masked_whiten(G) * mask.
+    mask = t([[0, 1, 1], [1, 0, 1], [0, 1, 0]])
+    rewards = t([[9.0, 0.2, 1.0], [0.4, 7.0, 0.6], [0.0, 0.5, NAN]])  # NaN in padding must not leak
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    # row 0: G2 = 1.0, G1 = 0.2 + 0.5 * 1.0 = 0.7 ; row 1: G2 = 0.6, the hole at t=1 resets, G0 = 0.4
+    # row 2: G1 = 0.5 (the return from the NaN position is reset before it reaches t=1)
+    returns = [0.7, 1.0, 0.4, 0.6, 0.5]
+    close(ret, [[0.0, 0.7, 1.0], [0.4, 0.0, 0.6], [0.0, 0.5, 0.0]])
+    w = whiten_by_hand(returns)
+    close(adv, [[0.0, w[0], w[1]], [w[2], 0.0, w[3]], [0.0, w[4], 0.0]])
+
+
+def test_reinforce_plus_plus_folds_kl_into_the_token_rewards_and_builds_no_critic():
+    batch, old, ref = kl_batch()
+    eng = engine("reinforce_plus_plus", use_kl_loss=False, kl_estimator="kl")
+    assert not eng.algorithm.needs_critic and eng.critic is None
+    adv, returns, values = eng._advantages(batch, batch, old, ref)
+    # the same token rewards as PPO's (below), gamma 1, and no values: returns are reward-to-go
+    close(returns, [[0.0, 1.05, 1.1], [0.0, 0.0, 0.0], [0.0, -0.15, -0.05]])
+    w = whiten_by_hand([1.05, 1.1, 0.0, -0.15, -0.05])
+    close(adv, [[0.0, w[0], w[1]], [0.0, w[2], 0.0], [0.0, w[3], w[4]]])
+    assert values is None

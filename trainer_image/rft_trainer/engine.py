@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rft_contract.algorithms import profile as algorithm_profile
 from rft_contract.config import JobConfig
 from rft_contract.probe import PROBE_FILE
 from rft_contract.storage import Storage
@@ -115,6 +116,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
 
     def __init__(self, config: JobConfig, rt: Runtime | None = None):
         self.config = config
+        self.algorithm = algorithm_profile(config.algorithm.name)  # the catalogue's facts
         self.rt = rt  # the Trainer's; None: `prepare` joins (or forms) the group itself
         self.step = 0
         self.actor: roles.Actor | None = None
@@ -127,15 +129,15 @@ class FSDPTrainEngine(TrainEngineWrapper):
     def prepare(self) -> None:
         self.rt = self.rt or init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
         check_batch_layout(self.config, self.rt.world_size)
-        a = self.config.algorithm
-        # Before any build: a PPO job whose model has no backbone for the critic fails now.
+        a, needs_critic = self.config.algorithm, self.algorithm.needs_critic
+        # Before any build: a job with a critic whose model has no backbone for it fails now.
         models.check_supported(models.load_config(fetch_model(self.config.model.path, self.rt)),
-                               critic=a.name == "ppo")
+                               critic=needs_critic)
         torch.manual_seed(self.config.trainer.seed)
         self.actor = self._build_actor()
         if a.kl_coef > 0:
             self.ref = roles.Reference(self._build("causal_lm", trains=False), self.rt, a.micro_batch_size)
-        if a.name == "ppo":
+        if needs_critic:
             self.critic = self._build_critic()
 
     def _build(self, kind: str, trains: bool = True):
@@ -202,32 +204,29 @@ class FSDPTrainEngine(TrainEngineWrapper):
         return batch.select(torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=batch.tokens.device))
 
     def _advantages(self, batch, local, old_lp, ref_lp):
+        """The algorithm's advantage estimator (its profile's `advantage`, looked up in the
+        registry) over the global batch; this rank's slice of (advantages, returns), and
+        the critic's values of the local slice (None without a critic)."""
         a = self.config.algorithm
         mask = local.action_mask.float()
         if local.advantages is not None and local.returns is not None:
             return local.advantages, local.returns, None
+        token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
+        scores = batch.rewards
         # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
-        # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response tokens only.
-        kl_reward = None
+        # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response
+        # tokens only; a sequence's score (GRPO's) by the sum of its token penalties.
         if ref_lp is not None and not a.use_kl_loss:
             kl = losses.kl_penalty(old_lp, ref_lp, a.kl_estimator)
             kl_reward = a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl))
-        if a.name == "grpo":
-            rewards = batch.rewards
-            if kl_reward is not None:
-                # verl's GRPO scores a sequence by the sum of its token rewards.
-                rewards = rewards - gather(kl_reward.sum(-1), self.rt)
-            adv, ret = advs.grpo_advantages(rewards, batch.group_ids, batch.action_mask.float(),
-                                            norm_by_std=a.norm_adv_by_std)
-            idx = self.local_indices(len(batch))
-            return adv[idx], ret[idx], None
-        values = self.critic.compute_values(local)
-        token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
-        if kl_reward is not None:
             token_rewards = token_rewards - kl_reward
-        # GAE whitening uses batch statistics: gather so every rank sees the global batch.
-        g_rewards, g_values, g_mask = (gather(t, self.rt) for t in (token_rewards, values, mask))
-        adv, ret = advs.gae_advantages(g_rewards, g_values, g_mask, a.gamma, a.lam)
+            scores = scores - gather(kl_reward.sum(-1), self.rt)
+        values = self.critic.compute_values(local) if self.critic is not None else None
+        # Whitening and group statistics use the whole batch: gather so every rank sees it.
+        inputs = advs.AdvantageBatch(
+            scores=scores, token_rewards=gather(token_rewards, self.rt), response_mask=gather(mask, self.rt),
+            group_ids=batch.group_ids, values=None if values is None else gather(values, self.rt))
+        adv, ret = advs.get_adv_estimator(self.algorithm.advantage)(inputs, a)
         idx = self.local_indices(len(batch))
         return adv[idx], ret[idx], values
 

@@ -1,12 +1,18 @@
-"""RL numerics for the trainer: advantage estimators and losses, as pure torch functions."""
+"""RL numerics for the trainer: advantage estimators (registered by name) and losses, as pure
+torch functions."""
 
 from rft_trainer.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    AdvantageBatch,
     gae_advantages,
+    get_adv_estimator,
     grpo_advantages,
     masked_mean,
     masked_var,
     masked_whiten,
     outcome_to_token_rewards,
+    register_adv_est,
+    reinforce_plus_plus_advantages,
 )
 from rft_trainer.algorithms.losses import (
     AGG_MODES,
@@ -23,7 +29,9 @@ from rft_trainer.algorithms.losses import (
 )
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "AGG_MODES",
+    "AdvantageBatch",
     "KL_ESTIMATORS",
     "AggMode",
     "KLEstimator",
@@ -32,6 +40,7 @@ __all__ = [
     "check_finite",
     "entropy_from_logits",
     "gae_advantages",
+    "get_adv_estimator",
     "grpo_advantages",
     "kl_penalty",
     "masked_mean",
@@ -39,5 +48,7 @@ __all__ = [
     "masked_whiten",
     "outcome_to_token_rewards",
     "policy_loss",
+    "register_adv_est",
+    "reinforce_plus_plus_advantages",
     "value_loss",
 ]

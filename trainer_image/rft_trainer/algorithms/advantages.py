@@ -1,7 +1,12 @@
-"""Advantage estimators (GRPO, GAE) and the masked statistics they share.
+"""Advantage estimators (GRPO, GAE, REINFORCE++), their registry, and the masked statistics
+they share.
 
-Semantics follow verl's `core_algos.compute_grpo_outcome_advantage` and
-`compute_gae_advantage_return`. Shapes: B sequences, T response tokens.
+Semantics follow verl's `core_algos.compute_grpo_outcome_advantage`,
+`compute_gae_advantage_return` and `compute_reinforce_plus_plus_outcome_advantage`.
+Each is registered by name (`register_adv_est`, as verl's), the name an
+`AlgorithmProfile.advantage` in the contract's catalogue (rft_contract.algorithms) gives;
+the engine looks the estimator up there and calls it with an `AdvantageBatch`.
+Shapes: B sequences, T response tokens.
 Masks are bool or 0/1 tensors of shape (B, T); a position with mask 0 is
 padding (or a non-policy token) and never influences any output.
 
@@ -10,6 +15,9 @@ because padding may hold NaN/inf (e.g. log-probs past EOS) and NaN * 0 is NaN.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -177,3 +185,87 @@ def gae_advantages(
     returns = torch.where(keep, raw + values, zero)
     advantages = torch.where(keep, masked_whiten(raw, keep), zero)
     return advantages, returns
+
+
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (arXiv:2501.03262): no critic, no groups.
+
+    token_rewards (B, T), response_mask (B, T) -> (advantages (B, T), returns (B, T)).
+    Reverse scan as in verl: G_t = r_t + gamma * G_next, and G_next is reset to 0 past a
+    masked-out position (verl's "reset after EOS"); advantages are the returns whitened
+    over the masked batch. Both outputs are 0 outside the mask.
+    """
+    if token_rewards.shape != response_mask.shape or token_rewards.ndim != 2:
+        raise ValueError("token_rewards and response_mask must share one (B, T) shape, got "
+                         f"{tuple(token_rewards.shape)}, {tuple(response_mask.shape)}")
+    keep = response_mask.bool()
+    if not torch.isfinite(token_rewards[keep]).all():
+        raise ValueError("token_rewards must be finite at masked-in positions")
+    running = token_rewards.new_zeros(token_rewards.shape[0])
+    returns_reversed = []
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns_reversed.append(running)
+        # verl multiplies by the mask; where, so NaN in padding cannot leak backwards.
+        running = torch.where(keep[:, t], running, torch.zeros_like(running))
+    zero = token_rewards.new_zeros(())
+    returns = torch.where(keep, torch.stack(returns_reversed[::-1], dim=1), zero)
+    return torch.where(keep, masked_whiten(returns, keep), zero), returns
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """What an estimator may read, over the global batch (the same on every rank)."""
+
+    scores: torch.Tensor  # (B,) the outcome reward, less the sequence's KL penalty when KL is in the reward
+    token_rewards: torch.Tensor  # (B, T) the outcome on the last response token, less each token's KL penalty
+    response_mask: torch.Tensor  # (B, T) float
+    group_ids: torch.Tensor  # (B,) one id per task
+    values: torch.Tensor | None  # (B, T) the critic's, for an algorithm whose profile needs_critic
+
+
+AdvantageEstimator = Callable[[AdvantageBatch, Any], tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register `fn(batch: AdvantageBatch, algorithm_config) -> (advantages, returns)` under
+    `name`, the `advantage` of a profile in rft_contract.algorithms."""
+    def register(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if ADV_ESTIMATORS.get(name, fn) is not fn:
+            raise ValueError(f"advantage estimator {name!r} is registered already")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+    return register
+
+
+def get_adv_estimator(name: str) -> AdvantageEstimator:
+    try:
+        return ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"no advantage estimator {name!r}; registered: {', '.join(sorted(ADV_ESTIMATORS))}") from None
+
+
+@register_adv_est("grpo")
+def _grpo(b: AdvantageBatch, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return grpo_advantages(b.scores, b.group_ids, b.response_mask, norm_by_std=a.norm_adv_by_std)
+
+
+@register_adv_est("gae")
+def _gae(b: AdvantageBatch, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if b.values is None:
+        raise ValueError("the gae advantage needs the critic's values (AlgorithmProfile.needs_critic)")
+    return gae_advantages(b.token_rewards, b.values, b.response_mask, a.gamma, a.lam)
+
+
+@register_adv_est("reinforce_plus_plus")
+def _reinforce_plus_plus(b: AdvantageBatch, a: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return reinforce_plus_plus_advantages(b.token_rewards, b.response_mask, a.gamma)

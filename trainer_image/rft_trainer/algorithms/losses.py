@@ -40,9 +40,10 @@ from typing import Literal, get_args
 
 import torch
 
+from rft_contract.algorithms import LOSS_AGGREGATIONS
 from rft_trainer.algorithms.advantages import masked_mean
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AggMode = Literal[LOSS_AGGREGATIONS]  # the contract's list (rft_contract.algorithms), the spec's enum
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 # verl's names, in the order of the spec's AlgorithmSpec.kl_estimator; aliases share a formula.
