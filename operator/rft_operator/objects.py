@@ -21,6 +21,7 @@ from rft_contract import names
 from rft_contract.checks import parse_quantity
 from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT, METRICS_PORT_NAME
 from rft_contract.spec import EnvVar, RFTJobSpec
+from rft_contract.trackers import TRACKERS
 
 from .model import Obj
 
@@ -229,29 +230,18 @@ def build_metrics_port(taken: Collection[int] = ()) -> tuple[list[Obj], list[Obj
     return [{"name": METRICS_PORT_NAME, "containerPort": port}], env
 
 
-# The keys each tracker's Secret may hold, each given as the variable of its own name, and
-# whether the pod may start without it. MLflow takes a username and password or a token, so
-# each is optional; W&B online mode needs its key.
-MLFLOW_SECRET_KEYS = (("MLFLOW_TRACKING_USERNAME", True), ("MLFLOW_TRACKING_PASSWORD", True),
-                      ("MLFLOW_TRACKING_TOKEN", True))
-WANDB_SECRET_KEYS = (("WANDB_API_KEY", False),)
-
-
 def build_tracking_env(spec: RFTJobSpec) -> list[Obj]:
-    """`tracking.mlflow.credentialsSecret` and `tracking.wandb.apiKeySecret` as secretKeyRefs,
-    for the trainer pods (only rank 0 sends to the trackers, but every rank runs the same pod
-    spec) and the explorers (their runs of rollout figures)."""
-    t = spec.tracking
-    secrets = [(t.mlflow and t.mlflow.credentials_secret, MLFLOW_SECRET_KEYS),
-               (t.wandb and t.wandb.api_key_secret, WANDB_SECRET_KEYS)] if t else []
+    """Each tracker's Secret (`tracking.mlflow.credentialsSecret`, ...: the catalogue's,
+    rft_contract.trackers) as secretKeyRefs, one per key, for the trainer pods (only rank 0
+    sends to the trackers, but every rank runs the same pod spec) and the explorers (their
+    runs of rollout figures)."""
     env: list[Obj] = []
-    for secret, keys in secrets:
-        if not secret:
-            continue
-        for key, optional in keys:
+    for tracker in TRACKERS.values():
+        secret = tracker.secret_in(spec.tracking)
+        for key in tracker.secret_keys if secret else ():
             # Referenced, never copied: the values stay in the Secret.
-            ref: Obj = {"name": secret, "key": key}
-            if optional:
+            ref: Obj = {"name": secret, "key": key.name}
+            if key.optional:
                 ref["optional"] = True
-            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+            env.append({"name": key.name, "valueFrom": {"secretKeyRef": ref}})
     return env

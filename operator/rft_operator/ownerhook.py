@@ -55,6 +55,7 @@ from typing import Any
 import yaml
 
 from rft_contract import names
+from rft_contract.trackers import SECRET_PATHS, TRACKERS
 
 log = logging.getLogger("rft_operator.ownerhook")
 
@@ -109,10 +110,8 @@ def _is_controller_ref(ref: dict[str, Any], name: str, uid: str) -> bool:
 
 def spec_secrets(spec: dict[str, Any]) -> set[str]:
     """The Secrets a job's spec names: what its pods may read, key by key."""
-    tracking = spec.get("tracking") or {}
     named = {(spec.get("checkpoint") or {}).get("credentialsSecret"),
-             (tracking.get("mlflow") or {}).get("credentialsSecret"),
-             (tracking.get("wandb") or {}).get("apiKeySecret")}
+             *(t.secret_in(spec.get("tracking")) for t in TRACKERS.values())}
     for part in ("trainer", "inference"):
         for e in (spec.get(part) or {}).get("env") or []:
             named.add((((e.get("valueFrom") or {}).get("secretKeyRef")) or {}).get("name"))
@@ -136,7 +135,7 @@ def check_pod(pod: dict[str, Any], spec: dict[str, Any]) -> str | None:
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")
             if ref is not None and ref.get("name") not in secrets:
                 return ("the rftjob-operator's pods read only the Secrets their RFTJob's spec names "
-                        "(checkpoint.credentialsSecret, tracking.mlflow.credentialsSecret, tracking.wandb.apiKeySecret, "
+                        f"(checkpoint.credentialsSecret, {', '.join(SECRET_PATHS)}, "
                         f"trainer.env and inference.env secretKeyRefs): not {ref.get('name')!r}")
     cache = (spec.get("model") or {}).get("cache") or {}
     for v in pod_spec.get("volumes") or []:

@@ -12,8 +12,8 @@ A tracker that is down never stops or slows training:
 * How each fares goes to `status.trainer.tracking.<backend>` (`ok`, `error`, `dropped`,
   `lastStep`) through the trainer's status reporter, and to the log on the first failure,
   every minute while it lasts, and on recovery.
-* Credentials (MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, the S3
-  secret) come from the environment, read by the clients themselves; an error message is
+* Credentials (the trackers' Secret keys of rft_contract.trackers, the S3 secret) come
+  from the environment, read by the clients themselves; an error message is
   scrubbed of their values before it is logged or reported.
 
 Where things go, `<root>` being `checkpoint.uri`:
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
 from rft_contract.storage import Storage, get_storage, join, upload_file
+from rft_contract.trackers import REDACTED_ENV, TRACKERS
 
 from .reporting import backoff_delay
 
@@ -52,9 +53,9 @@ log = logging.getLogger("rft_trainer.tracking")
 TENSORBOARD = "tensorboard"
 TRACKING = "tracking"
 MLFLOW_RUN_FILE = "mlflow-run.json"
-# Environment variables whose values never appear in a log line or the status.
-SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY",
-              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# Environment variables whose values never appear in a log line or the status: the
+# trackers' Secret keys (the catalogue's, rft_contract.trackers) and the S3 secret.
+SECRET_ENV = REDACTED_ENV + ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 QUEUE_CAPACITY = 10_000  # reports (one per step) kept per backend while it is down
 FLUSH_SECONDS = 30.0
 FAILING_LOG_EVERY = 60.0
@@ -543,6 +544,47 @@ def explorer_role(index: int, replicas: int) -> str:
     return "explorer" if replicas == 1 else f"explorer-{index}"
 
 
+class RunContext(NamedTuple):
+    """What every backend's run is named and kept by (`build_tracker`)."""
+
+    root: str  # checkpoint.uri
+    job: Any  # config.job
+    role: str | None  # None: the trainer's rank 0; else `explorer_role`
+    local_dir: str
+    params: dict
+    run_name: str | None
+
+
+def _tensorboard(spec, ctx: RunContext):
+    return TensorBoardBackend(spec.uri or join(ctx.root, TENSORBOARD), ctx.job.attempt, ctx.local_dir,
+                              config_text=json.dumps(ctx.params, indent=1, sort_keys=True), run=ctx.role)
+
+
+def _mlflow(spec, ctx: RunContext):
+    job, role = ctx.job, ctx.role
+    tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
+            "rft.checkpoint_uri": ctx.root, "rft.role": role or "trainer",
+            "rft.attempt": None if role else str(job.attempt)}  # an explorer outlives the gang's attempts
+    return MLflowBackend(spec.tracking_uri, spec.experiment, mlflow_state_uri(ctx.root, role),
+                         ctx.params, {k: v for k, v in tags.items() if v}, run_name=ctx.run_name)
+
+
+def _wandb(spec, ctx: RunContext):
+    role = ctx.role
+    run_id = "rft-" + hashlib.sha256(((ctx.job.uid or ctx.root) + (f"/{role}" if role else "")).encode()).hexdigest()[:16]
+    return WandbBackend(spec.project, spec.entity, spec.mode, run_id, str(Path(ctx.local_dir) / "wandb-run"),
+                        ctx.params, join(ctx.root, TRACKING, "wandb" if role is None else f"wandb-{role}"),
+                        run_name=ctx.run_name)
+
+
+# The catalogue's trackers (rft_contract.trackers), by name: spec.tracking.<name> -> its backend.
+BACKENDS: dict[str, Callable[[Any, RunContext], Any]] = {
+    "tensorboard": _tensorboard,
+    "mlflow": _mlflow,
+    "wandb": _wandb,
+}
+
+
 def build_tracker(config, report: Callable[[dict], None] | None = None, local_dir: str | None = None,
                   role: str | None = None, **worker_kw: Any) -> Tracker | None:
     """The trackers `config.tracking` names (None: none), for the trainer's rank 0 (`role`
@@ -554,26 +596,10 @@ def build_tracker(config, report: Callable[[dict], None] | None = None, local_di
     restarts like the trainer's across attempts), and the TensorBoard run `<role>` next to
     the trainer's `attempt-NNN` ones."""
     spec = config.tracking
-    if spec is None or not (spec.tensorboard or spec.mlflow or spec.wandb):
+    sections = {name: getattr(spec, name) for name in TRACKERS if getattr(spec, name, None)} if spec else {}
+    if not sections:
         return None
-    root, job, attempt = config.checkpoint.uri, config.job, config.job.attempt
-    local_dir = local_dir or tempfile.mkdtemp(prefix="rft-tracking-")
-    params = build_params(config)
-    run_name = (f"{job.name}_{role}" if role else job.name) or None
-    backends: list[Any] = []
-    if spec.tensorboard:
-        backends.append(TensorBoardBackend(spec.tensorboard.uri or join(root, TENSORBOARD), attempt, local_dir,
-                                           config_text=json.dumps(params, indent=1, sort_keys=True), run=role))
-    if spec.mlflow:
-        tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
-                "rft.checkpoint_uri": root, "rft.role": role or "trainer",
-                "rft.attempt": None if role else str(attempt)}  # an explorer outlives the gang's attempts
-        backends.append(MLflowBackend(spec.mlflow.tracking_uri, spec.mlflow.experiment, mlflow_state_uri(root, role),
-                                      params, {k: v for k, v in tags.items() if v}, run_name=run_name))
-    if spec.wandb:
-        w = spec.wandb
-        run_id = "rft-" + hashlib.sha256(((job.uid or root) + (f"/{role}" if role else "")).encode()).hexdigest()[:16]
-        backends.append(WandbBackend(w.project, w.entity, w.mode, run_id, str(Path(local_dir) / "wandb-run"),
-                                     params, join(root, TRACKING, "wandb" if role is None else f"wandb-{role}"),
-                                     run_name=run_name))
-    return Tracker(backends, report, **worker_kw)
+    job = config.job
+    ctx = RunContext(config.checkpoint.uri, job, role, local_dir or tempfile.mkdtemp(prefix="rft-tracking-"),
+                     build_params(config), (f"{job.name}_{role}" if role else job.name) or None)
+    return Tracker([BACKENDS[name](section, ctx) for name, section in sections.items()], report, **worker_kw)
