@@ -16,15 +16,16 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from rft_contract import names
+from rft_contract.failures import DISRUPTED, FATAL, RETRYABLE
 from rft_contract.spec import FailurePolicy
 from rft_contract.times import format_time
 
 from .logtail import last_line, log_tail, redact
 from .model import Obj, PodView
 
-FATAL = "fatal"
-RETRYABLE = "retryable"
-DISRUPTED = "disrupted"  # the cluster stopped the pod: restart without using the budget
+# The verdicts are the failure-action catalogue's names (rft_contract.failures); the gang
+# acts on each through its handler (gang.ACTIONS). DISRUPTED: the cluster stopped the pod,
+# restart without using the budget.
 
 # DisruptionTarget reasons say the cluster stopped the pod for reasons of its own:
 # EvictionByEvictionAPI (drain, descheduler), PreemptionByScheduler, DeletionByTaintManager

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from rft_contract import names
+from rft_contract.failures import DISRUPTED, FAILURE_ACTIONS, FATAL, RETRYABLE, FailureAction
 from rft_contract.spec import RFTJobSpec
 from rft_contract.times import format_time, parse_time
 
@@ -242,29 +243,41 @@ def _check_progress(g: Gang, spec: RFTJobSpec, progress: Progress, gang: list[Po
 
 def _handle_failure(g: Gang, spec: RFTJobSpec, failure: Failure, gang: list[PodView],
                     pods: list[PodView], now: datetime, exhausted: str = names.REASON_BACKOFF_LIMIT) -> Gang:
-    """Record the failure, then fail the job (fatal code, budget spent) or restart the gang
-    (a disruption without using the budget). `exhausted` is the Failed reason when the
+    """Record the failure, then act on its verdict through the action's handler (`ACTIONS`,
+    one per entry of rft_contract.failures). `exhausted` is the Failed reason when the
     budget is spent."""
-    fp = spec.failure_policy
-    restarts = g.status["restarts"]
     g = replace(g, status={**g.status, "lastFailure": failure.record(g.attempt, now)})
-    if failure.verdict == failure_policy.FATAL:
-        return _fail(g, pods, now, names.REASON_FATAL_EXIT,
-                     f"{failure.message}; exit code {failure.exit_code} is fatal under "
-                     "spec.failurePolicy (fatalExitCodes/retryableExitCodes); fix the cause and "
-                     "create the job again")
-    if failure.verdict == failure_policy.DISRUPTED:
-        disruptions = g.status["disruptions"] + 1
-        g = replace(g, status={**g.status, "disruptions": disruptions})
-        return _restart(g, spec, gang, f"{failure.message}; disruption {disruptions}, restarting without "
-                        f"using spec.failurePolicy.maxRestarts", names.REASON_POD_DISRUPTED)
-    if not failure_policy.should_restart(restarts, fp):
-        return _fail(g, pods, now, exhausted,
-                     f"{failure.message}; restart budget exhausted after {restarts} "
-                     f"restarts (spec.failurePolicy.maxRestarts={fp.max_restarts})")
-    restarts += 1
-    g = replace(g, status={**g.status, "restarts": restarts})
-    return _restart(g, spec, gang, f"{failure.message}; restart {restarts}/{fp.max_restarts}", names.REASON_RESTARTING)
+    action = FAILURE_ACTIONS[failure.verdict]
+    return ACTIONS[action.name](g, spec, failure, action, gang, pods, now, exhausted)
+
+
+def _say(action: FailureAction, failure: Failure, template: str, spec: RFTJobSpec, g: Gang) -> str:
+    return f"{failure.message}; " + template.format(
+        exit_code=failure.exit_code, restarts=g.status["restarts"], disruptions=g.status["disruptions"],
+        max_restarts=spec.failure_policy.max_restarts)
+
+
+def _fail_now(g, spec, failure, action, gang, pods, now, exhausted) -> Gang:
+    """The job fails, whatever the budget (a fatal exit code)."""
+    return _fail(g, pods, now, action.reason, _say(action, failure, action.message, spec, g))
+
+
+def _restart_within_budget(g, spec, failure, action, gang, pods, now, exhausted) -> Gang:
+    """Restart, counted against spec.failurePolicy.maxRestarts; fail once it is spent."""
+    if not failure_policy.should_restart(g.status["restarts"], spec.failure_policy):
+        return _fail(g, pods, now, exhausted, _say(action, failure, action.exhausted, spec, g))
+    g = replace(g, status={**g.status, "restarts": g.status["restarts"] + 1})
+    return _restart(g, spec, gang, _say(action, failure, action.message, spec, g), action.reason)
+
+
+def _restart_free(g, spec, failure, action, gang, pods, now, exhausted) -> Gang:
+    """Restart without using the budget (a disruption), counted in status.disruptions."""
+    g = replace(g, status={**g.status, "disruptions": g.status["disruptions"] + 1})
+    return _restart(g, spec, gang, _say(action, failure, action.message, spec, g), action.reason)
+
+
+# The failure-action catalogue's names -> their handlers (JobSet's actionFunctionMap).
+ACTIONS = {FATAL: _fail_now, RETRYABLE: _restart_within_budget, DISRUPTED: _restart_free}
 
 
 def _restart(g: Gang, spec: RFTJobSpec, gang: list[PodView], message: str, reason: str) -> Gang:
