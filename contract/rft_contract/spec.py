@@ -39,6 +39,7 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
+from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, TRAINER_IMAGE_ENGINES
 from .errors import describe
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
@@ -403,16 +404,20 @@ class FailurePolicy(Model):
     )
 
 
-# Set by the operator in the engine container (rollout_pods._engine_container).
-ENGINE_ENV = ("PYTHONPATH", "VLLM_SERVER_DEV_MODE")
+_OWN_IMAGE = tuple(n for n in ENGINE_NAMES if n not in TRAINER_IMAGE_ENGINES)
+
+
+def _listed(words: tuple[str, ...]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join(filter(None, (", ".join(words[:-1]), words[-1])))
 
 
 class InferenceSpec(Model):
     rules = (
-        Check("!has(self.engine) || self.engine == 'reference' || has(self.image)",
-              lambda i: i.engine == "reference" or i.image is not None,
-              "spec.inference.image is required for the vllm and sglang engines "
-              "(the reference engine runs in the trainer image)", ".image"),
+        Check(f"!has(self.engine) || self.engine in {list(TRAINER_IMAGE_ENGINES)} || has(self.image)",
+              lambda i: i.engine in TRAINER_IMAGE_ENGINES or i.image is not None,
+              f"spec.inference.image is required for the {_listed(_OWN_IMAGE)} engines "
+              f"(the {_listed(TRAINER_IMAGE_ENGINES)} engine runs in the trainer image)", ".image"),
         Check(f"!has(self.env) || !self.env.exists(e, e.name in {list(ENGINE_ENV)})",
               lambda i: not any(e.name in ENGINE_ENV for e in i.env),
               f"spec.inference.env must not set {', '.join(ENGINE_ENV)}: the operator sets them for the "
@@ -423,7 +428,10 @@ class InferenceSpec(Model):
     replicas: int = Field(default=1, ge=0, le=1024)
     image: Image | None = Field(
         default=None, description="Engine image; default: spec.trainer.image (reference engine only).")
-    engine: Literal["reference", "vllm", "sglang"] = "reference"
+    engine: Literal[ENGINE_NAMES] = Field(  # the catalogue's (engines.py)
+        default="reference", description="; ".join(
+            f"{p.name}: {'its own image' if p.own_image else 'the trainer image'}, readiness {p.readiness_path}"
+            for p in ENGINES.values()) + ".")
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
     port: int = Field(default=8000, ge=1024, le=65535)
     resources: Resources = Field(default_factory=Resources)

@@ -11,6 +11,7 @@ parent replica's agent (port `weights`) rather than S3 where it can (rft_serving
 from __future__ import annotations
 
 from rft_contract import names
+from rft_contract.engines import ENGINES, engine_command
 from rft_contract.podmetrics import ENV_METRICS_PORT, METRICS_PORT_NAME
 from rft_contract.spec import RFTJobSpec
 
@@ -50,56 +51,37 @@ def _identity_env(ref: JobRef) -> list[Obj]:
     ]
 
 
-# sync.dtype as vLLM's and SGLang's --dtype spell it.
-ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 def _engine_command(spec: RFTJobSpec) -> list[str]:
-    """The engine's command line. vLLM and SGLang run under rft_serving.supervise (the sync
-    agent restarts them through it: a reload that broke the engine, or weights that fail
-    the probe) from the helpers the init container copied (`HELPERS_MOUNT`, on PYTHONPATH),
-    so any image with the engine works; they start from `initial`, the weights the init
-    container fetched and the agent re-points at every version it loads.
-
-    vLLM 0.32.0: `python3 -m vllm.entrypoints.openai.api_server` (the CPU wheel's `vllm
-    serve` cannot find its own package name; the module works in every build), dev-mode
-    routes by VLLM_SERVER_DEV_MODE=1, our worker extension for the reload (vllm_worker.py).
-    It starts labelled "default" (no flag sets the label), so the agent reloads it once.
-    SGLang 0.5.23: --host 0.0.0.0, since its default is 127.0.0.1 and the agent and
-    explorers connect to the pod IP; no --weight-version: the default "default" makes the
-    agent reload (and label) it. Both serve in `sync.dtype`, the dtype of the exports and
-    of their probes (vLLM's "auto" would serve an fp32 export in 16 bits, which the fp32
-    probe refuses). `inference.args` come last (a repeated flag wins)."""
+    """The engine's command line: its profile's (rft_contract.engines), then `inference.args`
+    (a repeated flag wins). A supervised engine (vLLM, SGLang) runs under
+    rft_serving.supervise (the sync agent restarts it through it: a reload that broke the
+    engine, or weights that fail the probe) from the helpers the init container copied
+    (`HELPERS_MOUNT`, on PYTHONPATH), so any image with the engine works; it starts from
+    `initial`, the weights the init container fetched and the agent re-points at every
+    version it loads. Engines serve in `sync.dtype`, the dtype of the exports and of their
+    probes."""
     inf = spec.inference
-    port, initial = str(inf.port), f"{names.WEIGHTS_MOUNT}/initial"
-    common = ["--host", "0.0.0.0", "--port", port, "--served-model-name", names.SERVED_MODEL_NAME,
-              "--dtype", ENGINE_DTYPES[spec.sync.dtype]]
-    if inf.engine == "reference":
-        return ["python", "-m", "rft_serving.serve", "--port", port, "--served-model-name",
-                names.SERVED_MODEL_NAME, *inf.args]
-    engine = {
-        "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", initial, *common,
-                 "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"],
-        "sglang": ["python3", "-m", "sglang.launch_server", "--model-path", initial, *common],
-    }[inf.engine]
+    profile = ENGINES[inf.engine]
+    command = engine_command(profile, inf.port, names.SERVED_MODEL_NAME, spec.sync.dtype,
+                             f"{names.WEIGHTS_MOUNT}/initial")
+    if not profile.supervised:
+        return [*command, *inf.args]
     return ["python3", "-m", "rft_serving.supervise", "--control-port", str(supervisor_port(spec)), "--",
-            *engine, *inf.args]
+            *command, *inf.args]
 
 
 def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
-    """The inference engine; readiness is vLLM's /health, SGLang's /ready (200 once up, 503
-    while paused; its /health generates a token and answers after at least 1 s, past the
-    probe's 1 s timeout), the reference server's /health (503 until weights are loaded)."""
+    """The inference engine, ready when its profile's readiness path answers 200."""
     inf = spec.inference
+    profile = ENGINES[inf.engine]
     env = [{"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
     mounts = [{"name": "weights", "mountPath": names.WEIGHTS_MOUNT}]
-    if inf.engine != "reference":
+    if profile.supervised:
         env.append({"name": "PYTHONPATH", "value": HELPERS_MOUNT})
         mounts.append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT, "readOnly": True})
-        mounts += build_shm(inf.shm_size)[1]  # vLLM's shared-memory queues
-    if inf.engine == "vllm":
-        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # weight-update endpoints
+        mounts += build_shm(inf.shm_size)[1]  # the engines' shared-memory queues
+    env += [{"name": k, "value": v} for k, v in profile.env]  # e.g. vLLM's weight-update routes
     env += [build_user_env(e) for e in inf.env]
     command = _engine_command(spec)
     return {
@@ -109,8 +91,7 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
         "args": command[3:],
         "env": env,
         "ports": [{"name": "http", "containerPort": inf.port}],
-        "readinessProbe": {"httpGet": {"path": "/ready" if inf.engine == "sglang" else "/health",
-                                       "port": inf.port},
+        "readinessProbe": {"httpGet": {"path": profile.readiness_path, "port": inf.port},
                            "periodSeconds": 5, "failureThreshold": 2},
         "resources": build_resources(inf.resources, inf.gpus_per_replica),
         "securityContext": build_container_security_context(spec),
@@ -150,7 +131,7 @@ def _agent_container(ref: JobRef, spec: RFTJobSpec, name: str, extra_args: list[
 def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
     port = weights_peer_port(spec)
     extra = ["--peer-port", str(port)]
-    if spec.inference.engine != "reference":
+    if ENGINES[spec.inference.engine].supervised:
         extra += ["--supervisor-port", str(supervisor_port(spec))]
     if spec.sync.probe_tolerance is not None:
         extra += ["--probe-tolerance", str(spec.sync.probe_tolerance)]
@@ -207,7 +188,7 @@ def build_inference_pod(ref: JobRef, spec: RFTJobSpec, index: int) -> Obj:
         "containers": [_engine_container(ref, spec), _sync_agent_container(ref, spec)],
         "volumes": [{"name": "weights", "emptyDir": {}}],
     }
-    if spec.inference.engine != "reference":
+    if ENGINES[spec.inference.engine].supervised:  # it cannot start empty: the init container fetches
         fetch = _agent_container(ref, spec, "fetch-weights", ["--fetch-only", f"{names.WEIGHTS_MOUNT}/initial",
                                                               "--install-helpers", HELPERS_MOUNT])
         fetch["volumeMounts"].append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT})

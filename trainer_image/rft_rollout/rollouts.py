@@ -9,7 +9,7 @@
 - `build_samples`: one server response -> `Sample`s (prompt ids + response ids, logprobs,
   reward, version). Token ids come from the server when it returns them (exact: the prompt
   the engine ran and the tokens the policy actually sampled), else from the tokenizer.
-  Every request asks `"return_token_ids": true`: vLLM (0.33.0) then returns each choice's
+  Every request asks `"return_token_ids": true`: vLLM (0.32.0) then returns each choice's
   `prompt_token_ids` and `token_ids` in its /v1/completions answer, and so does SGLang
   (0.5.23, its OpenAI-compatible completions route); the reference server always
   returns top-level `prompt_token_ids` (one list per prompt) and each choice's `token_ids`
@@ -27,7 +27,7 @@ choice's version is what the engine reports when it reports one:
 
 - reference server (rft_serving.serve): `weights_version` in the body, or the
   `X-RFT-Weights-Version` header; a request runs on one weights snapshot;
-- vLLM 0.33.0: `choices[i].weight_versions`, spans `[{version, start, end}]` of the
+- vLLM 0.32.0: `choices[i].weight_versions`, spans `[{version, start, end}]` of the
   output tokens in the /v1/completions answer; a choice with more than one distinct
   version straddled a reload and is dropped;
 - SGLang 0.5.23: top-level `metadata` `{weight_version, weight_versions}` in the

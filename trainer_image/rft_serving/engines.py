@@ -381,4 +381,5 @@ class VLLMEngine(Engine):
         self._post("/update_weight_version", {"new_version": str(version)})
 
 
-ENGINES = {"reference": ReferenceEngine, "sglang": SGLangEngine, "vllm": VLLMEngine}
+# The catalogue's engines (rft_contract.engines), by name: the sync agent's adapter for each.
+ENGINES = {"reference": ReferenceEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}

@@ -1,0 +1,81 @@
+"""The inference-engine catalogue: one `EngineProfile` per `spec.inference.engine`, the single
+place an engine's facts live (torch-free: the operator, the CRD and the sync agent read it).
+
+Derived from it:
+- the spec's `inference.engine` enum and description, its image rule, and `ENGINE_ENV` (the
+  variables the operator sets that `inference.env` may not) (spec.py, and so the CRD);
+- the inference pod: the engine's command, env, readiness probe, and for a supervised engine
+  the init container that fetches the initial weights and the engine helpers, the shared
+  memory, and the supervisor the sync agent restarts it through (rft_operator.rollout_pods);
+- the sync agent's adapters, registered under the same names (`rft_serving.engines.ENGINES`,
+  whose `restartable` is checked equal to the profile's).
+
+Adding an engine is one line here plus its adapter in `rft_serving/engines.py`
+(docs/design.md, "How to add").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# sync.dtype as vLLM's and SGLang's --dtype spell it.
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# The flags every OpenAI-compatible server of the catalogue takes alike. --host 0.0.0.0:
+# SGLang's default is 127.0.0.1, and the agent and the explorers connect to the pod IP.
+# `{dtype}`: the exports' and their probes' (vLLM's "auto" would serve an fp32 export in
+# 16 bits, which the fp32 probe refuses).
+SERVER_FLAGS = ("--host", "0.0.0.0", "--port", "{port}", "--served-model-name", "{served}", "--dtype", "{dtype}")
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str  # spec.inference.engine, and the sync agent's --engine
+    # The engine's command line before `inference.args`, formatted with port, served (the
+    # served model name), dtype (ENGINE_DTYPES) and initial (the weights the init container
+    # fetched, for an engine that cannot start empty).
+    command: tuple[str, ...]
+    readiness_path: str  # the readiness probe's HTTP GET
+    # Runs under rft_serving.supervise from the helpers the init container copies (on
+    # PYTHONPATH), started from the fetched initial weights, with shared memory; the sync
+    # agent restarts it through the supervisor when a reload broke it.
+    supervised: bool
+    restartable: bool  # a probe mismatch is cured by a restart (else the agent refuses the version)
+    env: tuple[tuple[str, str], ...] = ()  # set by the operator on the engine container
+    own_image: bool = True  # needs spec.inference.image (else it runs in the trainer image)
+    # How its completions carry the weights version (rft_rollout.rollouts reads each shape).
+    weights_version: str = ""
+
+
+ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
+    # Our reference server (rft_serving.serve): starts empty and loads through the agent.
+    EngineProfile("reference", ("python", "-m", "rft_serving.serve", "--port", "{port}", "--served-model-name",
+                                "{served}"),
+                  readiness_path="/health", supervised=False, restartable=False, own_image=False,
+                  weights_version="`weights_version` in the body"),
+    # vLLM 0.32.0: the module (the CPU wheel's `vllm serve` cannot find its own package
+    # name), dev-mode routes for the reload, our worker extension (vllm_worker.py). It
+    # starts labelled "default" (no flag sets the label), so the agent reloads it once.
+    EngineProfile("vllm", ("python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "{initial}",
+                           *SERVER_FLAGS, "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"),
+                  readiness_path="/health", supervised=True, restartable=True, env=(("VLLM_SERVER_DEV_MODE", "1"),),
+                  weights_version="`choices[i].weight_versions` spans of the output tokens"),
+    # SGLang 0.5.23: no --weight-version, so it starts as "default" and the agent reloads
+    # (and labels) it. /ready is 200 once up (its /health generates a token and takes over
+    # the probe's 1 s timeout).
+    EngineProfile("sglang", ("python3", "-m", "sglang.launch_server", "--model-path", "{initial}", *SERVER_FLAGS),
+                  readiness_path="/ready", supervised=True, restartable=True,
+                  weights_version="top-level `metadata.weight_versions`, the first choice's"),
+)}
+
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
+TRAINER_IMAGE_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if not p.own_image)
+# What the operator sets on an engine container and `inference.env` may not set: the
+# helpers' PYTHONPATH of supervised engines and each engine's own variables.
+ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in p.env))
+
+
+def engine_command(profile: EngineProfile, port: int, served: str, dtype: str, initial: str) -> list[str]:
+    """The profile's command line, formatted (`dtype` as sync.dtype spells it)."""
+    values = {"port": str(port), "served": served, "dtype": ENGINE_DTYPES[dtype], "initial": initial}
+    return [part.format(**values) for part in profile.command]
