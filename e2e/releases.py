@@ -10,7 +10,11 @@ history (CI's clone may have none) and read exactly what was shipped:
     (`demo.install(..., manifests=...)`);
   * chart/: charts/rftjob-operator at that commit without crds/ (the same CRD as the
     manifests', which `crd()` gives to apply first, as Helm did from crds/), tests/ and
-    dashboards/ (read only when the Grafana dashboard is switched on).
+    dashboards/ (read only when the Grafana dashboard is switched on);
+  * pod-config/: what that release's pods load, run from its own code: `schema.json`, the
+    JSON schema of its `JobConfig` (a trainer image of that release refuses a config this
+    schema refuses), and `config.json`, the config its operator rendered for
+    `pod-config-spec.yaml` (tests/unit/test_podconfig.py reads each against the other side).
 
 The operator's image is this tree's: the previous release differs from it in its install
 objects (the owner admission policy, no owner webhook) and not in the reconcile code
@@ -21,6 +25,8 @@ help), and the previous objects start the current image as they started theirs.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -79,7 +85,42 @@ def snapshot(commit: str, root: Path = RELEASES) -> Path:
         shutil.copytree(Path(tmp) / "charts/rftjob-operator", out / "chart",
                         ignore=lambda d, names: [n for n in names if Path(d).name == "rftjob-operator"
                                                  and n in CHART_LEFT_OUT])
+        _snapshot_pod_config(commit, out / "pod-config")
     return out
+
+
+POD_CONFIG_SPEC = RELEASES / "pod-config-spec.yaml"
+_RENDER_POD_CONFIG = """
+import json, sys, yaml
+from rft_contract.config import JobConfig
+from rft_contract.spec import parse_spec
+from rft_operator.children import build_trainer_config
+from rft_operator.objects import JobRef
+spec = parse_spec(yaml.safe_load(open(sys.argv[1])))
+print(json.dumps({"schema": JobConfig.model_json_schema(by_alias=False),  # the config is snake_case
+                  "config": build_trainer_config(JobRef("demo", "team-a", "uid-1"), spec)}))
+"""
+
+
+def pod_config(release: str = PREVIOUS) -> tuple[dict, dict]:
+    """The release's pods' config schema and the config it rendered for POD_CONFIG_SPEC."""
+    d = _existing(RELEASES / release / "pod-config")
+    return json.loads((d / "schema.json").read_text()), json.loads((d / "config.json").read_text())
+
+
+def _snapshot_pod_config(commit: str, out: Path) -> None:
+    """Runs the commit's contract and operator (from git history, in a subprocess of their
+    own) on POD_CONFIG_SPEC."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", commit, "contract", "operator"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([f"{tmp}/contract", f"{tmp}/operator"])}
+        got = json.loads(subprocess.run([sys.executable, "-c", _RENDER_POD_CONFIG, str(POD_CONFIG_SPEC)], env=env,
+                                        cwd=tmp, capture_output=True, text=True, check=True).stdout)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("schema", "config"):
+        (out / f"{name}.json").write_text(json.dumps(got[name], indent=1, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """The job config every pod loads: the RFTJob's resolved spec plus who the pod is.
 
-The operator writes `RFTJobSpec.model_dump(mode="json")` (snake_case, defaults applied,
-without `suspend` and `failurePolicy`) into the `<job>-config` ConfigMap, mounted at
-`$RFT_CONFIG` (/etc/rft/config.json). The trainer, the explorers and the tests validate
+The operator writes the spec's fields the pods read (`rft_contract.podconfig.render`:
+snake_case, defaults applied, an explicit list of fields) into the `<job>-config`
+ConfigMap, mounted at `$RFT_CONFIG` (/etc/rft/config.json). The trainer, the explorers and the tests validate
 it with the same models the CRD is generated from, so an unknown or mistyped key gives
 the same message in every pod (`ConfigError`, starting with the dotted key to fix): a
 typo silently falling back to a default (say `lerning_rate`) costs a whole training run.
@@ -17,14 +17,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import yaml
 from pydantic import Field, ValidationError
 
 from .errors import describe
 from .layout import buffer_uri
+from .checks import Check
 from .names import ENV_ATTEMPT, ENV_CONFIG, ENV_JOB_NAME, ENV_JOB_NAMESPACE, ENV_JOB_UID, ENV_POD_NAME
+from .podconfig import reads_operator_only
 from .spec import Model, RFTJobSpec
 
 
@@ -43,7 +45,11 @@ class JobIdentity(Model):
 
 
 class JobConfig(RFTJobSpec):
-    """The resolved spec: `buffer.uri` and `buffer.wait` are set."""
+    """The resolved spec: `buffer.uri` and `buffer.wait` are set. The spec's rules that read
+    a field pods never get (podconfig.OPERATOR_ONLY, e.g. trainer.securityContext) are the
+    API server's alone: here they would judge that field's default, not the job's value."""
+
+    rules: ClassVar[tuple[Check, ...]] = tuple(c for c in RFTJobSpec.rules if not reads_operator_only(c.rule))
 
     job: JobIdentity = Field(default_factory=JobIdentity)
 

@@ -4,31 +4,24 @@ They live as long as the job, across trainer attempts: the ConfigMap with the re
 trainer config, one ServiceAccount per pod role with the Roles and RoleBindings that let
 the trainer and sync agents write the job's status and explorers read it, and the
 headless Services that give trainer and inference pods stable DNS names. The reconcile creates the missing ones and
-replaces a ConfigMap whose spec hash drifted.
+replaces a ConfigMap whose spec hash drifted (the config it carries changed).
 """
 
 from __future__ import annotations
 
 import json
 
-from rft_contract import names
+from rft_contract import names, podconfig
 from rft_contract.spec import RFTJobSpec
 
 from .objects import JobRef, Obj, build_meta, labels, pod_roles, spec_hash
 
 
 def build_trainer_config(ref: JobRef, spec: RFTJobSpec) -> Obj:
-    """The resolved config the trainer reads (defaults applied; no secrets)."""
-    # Pods get env vars and identities from their pod spec, never from here: a value in
-    # trainer.env may be sensitive, and a ConfigMap is readable by more people. The
-    # security context is the pod spec's too: no program reads it, and a trainer image
-    # built before one of its fields would refuse the config for an unknown key.
-    data = spec.model_dump(mode="json", exclude={"suspend": True, "failure_policy": True,
-                                                 "service_account_annotations": True,
-                                                 "trainer": {"env", "security_context"}})
-    data["checkpoint"].pop("credentials_secret", None)
-    data["job"] = {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid}
-    return data
+    """The config the trainer, explorer and sync-agent pods read: the spec's fields in
+    `rft_contract.podconfig.POD_CONFIG` (defaults applied; no secrets, nothing only the pod
+    spec needs), and who the job is."""
+    return podconfig.render(spec, {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid})
 
 
 def build_configmap(ref: JobRef, spec: RFTJobSpec) -> Obj:

@@ -113,10 +113,12 @@ def test_unknown_nested_and_top_level_keys(operator_json):
     assert error(bad) == "algoritm: unknown key (did you mean algorithm?)"
 
 
-def test_operator_only_keys_are_ignored(operator_json):
-    # inference/explorer sections and trainer.image/nodes/... are for the operator.
-    assert operator_json["inference"] and operator_json["trainer"]["image"]
-    load_config(operator_json, env={})
+def test_keys_only_the_pod_spec_needs_stay_out_and_still_load(operator_json):
+    # trainer.image, masterPort, ... are the pod spec's (rft_contract.podconfig): not written ...
+    assert operator_json["inference"] and not {"image", "master_port", "resources"} & set(operator_json["trainer"])
+    # ... and a config that has them (the previous release's, a hand-written one) still loads.
+    load_config({**operator_json, "trainer": {**operator_json["trainer"], "image": "x:1", "master_port": 29500}},
+                env={})
 
 
 @pytest.mark.parametrize("path, value, message", [
@@ -124,7 +126,7 @@ def test_operator_only_keys_are_ignored(operator_json):
     (("trainer", "batch_size"), 4.5, "trainer.batch_size: expected int, got float 4.5"),
     (("trainer", "total_steps"), True, "trainer.total_steps: expected int, got bool True"),
     (("trainer", "fsdp", "cpu_offload"), "yes", "trainer.fsdp.cpu_offload: expected bool, got str 'yes'"),
-    (("algorithm", "name"), "dpo", "algorithm.name: must be one of 'grpo', 'ppo', got 'dpo'"),
+    (("algorithm", "name"), "dpo", "algorithm.name: must be one of 'grpo', 'ppo', 'reinforce_plus_plus', got 'dpo'"),
     (("model",), "x", "model: expected a mapping, got str"),
 ])
 def test_wrong_types(operator_json, path, value, message):

@@ -89,10 +89,14 @@ def test_changed_role_ref_is_recreated():
     assert _edit(RB, lambda o: o["roleRef"].update(name="other")) == ([], [], [RB])
 
 
-def test_a_spec_change_shows_as_hash_drift():
+@pytest.mark.parametrize("trainer, want", [
+    ({"masterPort": 29600}, [SVC]),  # the pods' config does not carry the port (rft_contract.podconfig)
+    ({"totalSteps": 500}, [("ConfigMap", "demo-config")]),
+    ({"masterPort": 29600, "totalSteps": 500}, sorted([SVC, ("ConfigMap", "demo-config")])),
+], ids=["service", "config", "both"])
+def test_a_spec_change_shows_as_hash_drift(trainer, want):
     live = {k: as_served(v) for k, v in rendered().items()}
-    spec = {**SPEC, "trainer": {**SPEC["trainer"], "masterPort": 29600}}
-    want = sorted([SVC, ("ConfigMap", "demo-config")])  # the config carries the port too
+    spec = {**SPEC, "trainer": {**SPEC["trainer"], **trainer}}
     assert sorted(plan(live, spec)[1]) == want
     # The hash alone tells, without the live fields.
     hashes = observe(live).children
