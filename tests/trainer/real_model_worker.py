@@ -20,7 +20,8 @@ from rft_contract.storage import get_storage
 from rft_trainer.checkpoint import build_checkpointer
 from rft_trainer.engine import FSDPTrainEngine
 from rft_trainer.export import export_hf
-from rft_trainer.parallelize import fetch_model, init_distributed
+from rft_trainer.modelcache import fetch_model
+from rft_trainer.parallelize import init_distributed
 from tests.fixtures.batches import synthetic_batch
 
 VOCAB = 49152

@@ -606,18 +606,17 @@ def s3_gets(s3_env, monkeypatch):
 def test_model_cache_reuses_matching_files_across_attempts(bucket, s3_gets, tmp_path, monkeypatch):
     """A kept cache (hostPath/PVC) on a later attempt: unchanged files are not downloaded
     again; a changed object, a damaged local file and a removed object are followed."""
-    from rft_trainer import parallelize
+    from rft_trainer.modelcache import fetch_model
 
     local = save_tiny_model(tmp_path / "model")
     model = f"s3://{bucket}/models/tiny"
     names = upload_model(S3Storage(), local, model)
     monkeypatch.setenv("RFT_MODEL_CACHE", str(tmp_path / "cache"))
-    rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
     def attempt() -> tuple[Path, list[str]]:
-        parallelize._fetched_models.clear()  # a new process
+        rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))  # a new process
         s3_gets.clear()
-        path = Path(parallelize.fetch_model(model, rt))
+        path = Path(fetch_model(model, rt))
         return path, sorted(g.rsplit("/", 1)[1] for g in s3_gets if "/models/tiny/" in g)
 
     path, got = attempt()

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rft_trainer.experience import BufferReader, write_shard
-from rft_trainer.parallelize import Runtime, fetch_model
+from rft_trainer.modelcache import fetch_model
+from rft_trainer.parallelize import Runtime
 from rft_contract.s3 import S3Storage
 from rft_contract import hashing
 from rft_contract.storage import HashingReader, LocalStorage, get_storage, upload_file

@@ -23,7 +23,8 @@ from .algorithms import advantages as advs
 from .algorithms import losses
 from .experience import Experiences
 from .export import export_hf
-from .parallelize import Runtime, build_model, fetch_model, init_distributed
+from .modelcache import fetch_model
+from .parallelize import Runtime, build_model, init_distributed
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointManager

@@ -16,14 +16,15 @@
    family's key conversions) and the shards are scattered from it, so no rank but the
    first ever holds a full copy.
 
-Works with nccl on GPU and gloo on CPU; a single process is a world of size 1.
+Works with nccl on GPU and gloo on CPU; a single process is a world of size 1. Fetching an
+s3:// model to the node is modelcache.py's (`fetch_model`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .modelcache import ModelCache
 from .models import (ValueModel, check_supported, decoder_blocks, init_non_persistent_buffers,
                      load_config)
 
@@ -48,6 +50,9 @@ class Runtime:
     local_rank: int
     device: torch.device
     local_world_size: int = 1
+    # This process's downloads of s3:// models (modelcache.py): asked again by every role's
+    # build and every export, fetched once.
+    models: ModelCache = field(default_factory=lambda: ModelCache(), compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -129,7 +134,7 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
     cannot train is refused first (`models.check_supported`)."""
     from transformers import AutoModelForCausalLM
 
-    path = fetch_model(path, rt)
+    path = rt.models.fetch(path, rt)
     config = load_config(path)
     check_supported(config, critic=(kind == "critic"))
     # Tied embeddings stay tied: the shared Parameter belongs to the root module, which
@@ -155,125 +160,6 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
     if load_weights:
         load_full_state_dict(model, path, rt, critic=(kind == "critic"))
     return model
-
-
-# s3:// model prefix -> its local directory: build_model (per role) and every export ask
-# again; all ranks ask at the same points, so they all skip the collective alike.
-_fetched_models: dict[str, str] = {}
-_download_group = None
-LOCK = ".lock"
-COMPLETE = ".complete"  # the cache's record: {name: {size, etag, sha256}} of the verified files
-
-
-def fetch_model(path: str, rt: Runtime) -> str:
-    """A local directory for `path`: itself, or an s3:// prefix downloaded once per node
-    into $RFT_MODEL_CACHE. Local rank 0 downloads, reusing files whose size and sha256
-    match (a hostPath or PVC cache survives attempts); every rank then waits for all
-    nodes on a gloo group whose timeout is $RFT_MODEL_DOWNLOAD_TIMEOUT (default 3600 s), and
-    a failed download fails every rank at once, naming the node's error."""
-    if not path.startswith("s3://"):
-        return path
-    if path in _fetched_models:
-        return _fetched_models[path]
-    import hashlib
-
-    cache = os.environ.get("RFT_MODEL_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rft-models"))
-    local = os.path.join(cache, hashlib.sha256(path.encode()).hexdigest()[:16])
-    group = _model_download_group(rt)  # before any rank starts a download that others wait for
-    error = None
-    if rt.local_rank == 0:
-        try:
-            sync_model_dir(path, local)
-        except Exception as e:  # reported to every rank below, so none waits for the timeout
-            error = e
-    reports: list = [None] * rt.world_size
-    if group is not None:
-        dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    if error is not None:
-        raise error
-    if failed := [(r, msg) for r, msg in enumerate(reports) if msg]:
-        raise RuntimeError(f"downloading the model {path} failed on the node of rank {failed[0][0]}: {failed[0][1]}")
-    _fetched_models[path] = local
-    return local
-
-
-def _model_download_group(rt: Runtime):
-    """A gloo group for the download wait, with its own timeout (a default-timeout
-    barrier would give up on a large model after 30 min, or wait that long for a
-    failed one)."""
-    global _download_group
-    if not dist.is_initialized() or rt.world_size == 1:
-        return None
-    if _download_group is None:
-        from datetime import timedelta
-
-        seconds = float(os.environ.get("RFT_MODEL_DOWNLOAD_TIMEOUT", "3600"))
-        _download_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-    return _download_group
-
-
-def sync_model_dir(path: str, local: str) -> None:
-    """`_sync_model_dir` under an exclusive lock on the cache directory: two pods of a job
-    on one node may share a hostPath or PVC cache, and a download killed mid-file leaves a
-    partial `.tmp-` file that only a holder of the lock may remove."""
-    import fcntl
-
-    os.makedirs(local, exist_ok=True)
-    with open(os.path.join(local, LOCK), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        _sync_model_dir(path, local)
-
-
-def _sync_model_dir(path: str, local: str) -> None:
-    """Make `local` a verified copy of every object under the s3:// prefix `path`.
-
-    Each file is streamed to disk and hashed in one pass (`download_to`). A file already
-    there is kept when its size and sha256 match the expected ones: the prefix's
-    manifest.json entry (a weights export), else the record in `.complete` of the same
-    object (same size and ETag) downloaded before. Files no longer under the prefix are
-    removed (a stale *.safetensors would be loaded)."""
-    import json
-    import time
-
-    from rft_contract.manifest import MANIFEST
-    from rft_contract.s3 import S3Storage
-    from rft_contract.storage import LocalStorage, download_to
-
-    storage, base, root = S3Storage(), path.rstrip("/") + "/", os.path.abspath(local)
-    objects = {uri[len(base):]: meta for uri, meta in storage.list_objects(base).items() if not uri.endswith("/")}
-    if "config.json" not in objects:
-        raise FileNotFoundError(f"{path}: no config.json under this prefix (is it an HF model directory?)")
-    listed = json.loads(storage.read_bytes(base + MANIFEST)).get("files", {}) if MANIFEST in objects else {}
-    record = _read_record(os.path.join(root, COMPLETE))
-    start, files, nbytes, reused = time.perf_counter(), {}, 0, 0
-    for name, obj in sorted(objects.items()):
-        expected = listed.get(name)
-        old = record.get(name) if isinstance(record.get(name), dict) else {}
-        if expected is None and (old.get("size"), old.get("etag")) == (obj["size"], obj["etag"]):
-            expected = old
-        got = download_to(storage, base + name, os.path.join(root, name), expected or {"size": obj["size"]})
-        files[name] = {"size": got.size, "etag": obj["etag"], "sha256": got.sha256}
-        reused += got.reused
-        nbytes += 0 if got.reused else got.size
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            rel = os.path.relpath(os.path.join(dirpath, n), root)
-            if rel not in files and rel not in (COMPLETE, LOCK):  # incl. partial .tmp- files of a killed attempt
-                os.remove(os.path.join(dirpath, n))
-    LocalStorage().write_bytes(os.path.join(root, COMPLETE), json.dumps(files, indent=1, sort_keys=True).encode())
-    log.info("model %s in %s: %d files downloaded (%.2f GB), %d reused from the cache, in %.1fs", path, root,
-             len(files) - reused, nbytes / 1e9, reused, time.perf_counter() - start)
-
-
-def _read_record(path: str) -> dict:
-    import json
-
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError):  # absent, or an older empty marker: nothing to trust
-        return {}
-    return record if isinstance(record, dict) else {}
 
 
 def tied_parameters(model: nn.Module) -> dict[str, str]:
