@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from urllib.parse import urlsplit
 
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RetryIsAWarning())
-    memo = handlers.Memo(namespaces=list(args.namespace))
+    try:
+        tunables = handlers.settings_from_env(os.environ)  # RFT_RESYNC_SECONDS, RFT_WORKERS: read once
+    except ValueError as e:
+        ap.error(str(e))
+    memo = handlers.Memo(namespaces=list(args.namespace), **tunables)
     if args.metrics_port:
         metrics.serve(args.metrics_port, lambda: getattr(memo.controller, "metrics", None))
     if args.webhook_port or args.leader_elect:

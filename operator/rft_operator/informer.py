@@ -27,11 +27,15 @@ from typing import Any, Callable, Hashable, Iterable
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from rft_contract import names
+
 from .model import Obj
 
 log = logging.getLogger("rft_operator")
 Key = tuple[str, str]  # (namespace, job name)
 
+# Server-side filtering: only our jobs' children (and Workloads) travel over the watch streams.
+CHILD_SELECTOR = f"{names.LABEL_JOB},{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 WATCH_TIMEOUT_SECONDS = 300  # the server ends a watch after this; the loop resumes it
 RETRY_SECONDS = 1.0  # after a failed list or watch (the API server restarting, say)
 

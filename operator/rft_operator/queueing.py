@@ -23,13 +23,15 @@ operator:
 
 A job without the label is untouched by all of this (no Kueue needed). The state lives in
 the Workload and the job's status, so an operator restarted mid-admission or mid-eviction
-picks up where it was.
+picks up where it was. The reconcile's Kueue policy lives here too (`compute_queue`,
+`compute_kueue`, `queue_status`, `place_pods`); reconcile.py only composes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple, Protocol
 
 from rft_contract import names
 from rft_contract.spec import RFTJobSpec
@@ -354,3 +356,89 @@ def compute_workload_status(workload: Obj, phase: str | None, pods_active: bool,
             "metadata": {"name": meta["name"], "namespace": meta["namespace"],
                          "resourceVersion": meta.get("resourceVersion")},
             "status": patch}
+
+
+# ------------------------------------------------------------------ the reconcile's Kueue policy
+
+
+class KueueObserved(Protocol):
+    """What the controller read of Kueue for a job (reconcile.Observed has it): whether its
+    API is installed, the job's Workload (None: not created yet), the ResourceFlavors its
+    admission names, the WorkloadPriorityClass the job names as (name, value), what the
+    operator may not read (a 403, in words), and the job's pods."""
+
+    kueue: bool
+    workload: Obj | None
+    flavors: dict[str, Obj]
+    priority: tuple[str, int] | None
+    kueue_error: str
+    pods: list[PodView]
+
+
+def compute_queue(body: Obj, spec: RFTJobSpec | None, observed: KueueObserved) -> Queue | None:
+    """What Kueue decided for a job that names a LocalQueue; None for one that does not
+    (or whose spec is invalid: it fails without queueing)."""
+    local_queue = queue_name(body)
+    if local_queue is None or spec is None:
+        return None
+    if not observed.kueue:
+        return Queue(local_queue, None, reason="KueueNotInstalled",
+                     message=f"the job names LocalQueue {local_queue} ({LABEL_QUEUE_NAME}) but "
+                             f"Kueue's API ({API_VERSION} workloads) is not installed")
+    if observed.kueue_error:
+        return Queue(local_queue, observed.workload, reason="KueueForbidden", message=observed.kueue_error)
+    wanted = priority_class(body)
+    if observed.workload is None and wanted and observed.priority is None:
+        return Queue(local_queue, None, reason="PriorityClassNotFound",
+                     message=f"WorkloadPriorityClass {wanted} ({LABEL_PRIORITY_CLASS}) not found")
+    return read_queue(local_queue, observed.workload, observed.flavors)
+
+
+class KueueWrites(NamedTuple):
+    create: list[Obj]
+    patch: list[Obj]
+    delete: list[Obj]
+    status: Obj | None
+    suspended: bool  # status.queue.suspended (`compute_workload_patch`)
+
+
+def compute_kueue(ref: JobRef, spec: RFTJobSpec | None, phase: str | None, queue: Queue | None,
+                  observed: KueueObserved, now: datetime, suspended: bool) -> KueueWrites:
+    """The Workload to create (or delete, to make again), its spec patch (suspend, queue)
+    and its status patch. Kueue is owed the status of a Workload the job owns whatever the
+    job's spec or labels say now (an invalid spec, a removed label): Finished, or the
+    admission cleared after an eviction, frees the quota."""
+    workload = observed.workload
+    status = (compute_workload_status(workload, phase, holds_quota(observed.pods, now), now)
+              if workload is not None else None)
+    if queue is None or spec is None or not observed.kueue or observed.kueue_error:
+        return KueueWrites([], [], [], status, suspended)
+    terminal = phase in names.TERMINAL_PHASES
+    if workload is None:
+        if terminal or queue.reason == "PriorityClassNotFound":
+            return KueueWrites([], [], [], None, suspended)
+        return KueueWrites([build_workload(ref, spec, queue.local_queue, observed.priority)], [], [], None,
+                           spec.suspend)
+    if terminal:
+        return KueueWrites([], [], [], status, suspended)
+    if workload_outdated(workload, ref, spec):
+        meta = workload["metadata"]
+        return KueueWrites([], [], [{"kind": "Workload", "metadata": {"name": meta["name"],
+                                                                      "namespace": meta["namespace"]}}],
+                           status, suspended)
+    patch, suspended = compute_workload_patch(workload, spec, queue.local_queue, suspended)
+    return KueueWrites([], [patch] if patch else [], [], status, suspended)
+
+
+def queue_status(queue: Queue | None, suspended: bool) -> Obj | None:
+    if queue is None:
+        return None
+    return queue.status() | ({"suspended": True} if suspended else {})
+
+
+def place_pods(queue: Queue | None, pods: list[Obj]) -> list[Obj]:
+    """Pods where Kueue's admission puts them (`place`), by their role's pod set."""
+    if queue is None or not queue.admitted:
+        return pods
+    return [place(x, queue.placement.get(x["metadata"]["labels"].get(names.LABEL_ROLE, "")))
+            if x["kind"] == "Pod" else x for x in pods]

@@ -120,13 +120,14 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     spec, spec_error = rendered.spec, rendered.error
     ws = weightsync.compute_weight_sync(ref.name, spec, trainer, old_sync)
     progress = progress_deadline.Progress(trainer, (ws.lag, rollout.describe_explorers(spec, rollout_pods)))
-    queue = compute_queue(body, spec, observed)
+    queue = queueing.compute_queue(body, spec, observed)
     g = gang.compute_gang(ref, spec, spec_error, old, trainer_pods, now, progress, observed.refusal, observed.nodes,
                           queue)
     static = compute_static_children(ref, spec, g.phase, observed.children, observed.live, rendered.static)
     ro = rollout.compute_rollouts(ref, spec, g.status, ws.condition, rollout_pods, now,
                                   hold=queue is not None and not queue.admitted)
-    kueue = compute_kueue(ref, spec, g.phase, queue, observed, now, bool((old["queue"] or {}).get("suspended")))
+    kueue = queueing.compute_kueue(ref, spec, g.phase, queue, observed, now,
+                                   bool((old["queue"] or {}).get("suspended")))
     deadline = spec.failure_policy.progress_deadline_seconds if spec is not None else 0
     conds = conditions.compute_job_conditions(old["conditions"], g.status, g.failed_reason, trainer,
                                               ws.condition, generation, now, deadline,
@@ -134,7 +135,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     history = attempts.compute_attempts(old["attempts"], g.status, trainer, now, g.failed_reason)
 
     status = old | g.status | {"observedGeneration": generation, "conditions": conds,
-                               "queue": queue_status(queue, kueue.suspended)}
+                               "queue": queueing.queue_status(queue, kueue.suspended)}
     if spec is not None and not trainer.get("progress"):
         # Seeded once for kubectl; the trainer's rank 0 owns the subtree from then on.
         status["trainer"] = {"totalSteps": spec.trainer.total_steps, "progress": f"0/{spec.trainer.total_steps}"}
@@ -146,7 +147,7 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
     return Plan(
         status=status,
         status_changed=changed or "trainer" in status or "weightSync" in status,
-        create=[*static.create, *kueue.create, *place(queue, [*g.create, *ro.create])],
+        create=[*static.create, *kueue.create, *queueing.place_pods(queue, [*g.create, *ro.create])],
         patch=[*static.patch, *kueue.patch],
         workload_status=kueue.status,
         recreate=static.recreate,
@@ -157,75 +158,6 @@ def reconcile(body: Obj, observed: Observed, now: datetime, renders: RenderCache
         # The earliest time-based wake-up: backoff, progress deadline, final sync grace.
         requeue_after=min((x for x in (g.requeue_after, ro.requeue_after) if x is not None), default=None),
     )
-
-
-def compute_queue(body: Obj, spec: RFTJobSpec | None, observed: Observed) -> queueing.Queue | None:
-    """What Kueue decided for a job that names a LocalQueue; None for one that does not
-    (or whose spec is invalid: it fails without queueing)."""
-    local_queue = queueing.queue_name(body)
-    if local_queue is None or spec is None:
-        return None
-    if not observed.kueue:
-        return queueing.Queue(local_queue, None, reason="KueueNotInstalled",
-                              message=f"the job names LocalQueue {local_queue} ({queueing.LABEL_QUEUE_NAME}) but "
-                                      f"Kueue's API ({queueing.API_VERSION} workloads) is not installed")
-    if observed.kueue_error:
-        return queueing.Queue(local_queue, observed.workload, reason="KueueForbidden", message=observed.kueue_error)
-    wanted = queueing.priority_class(body)
-    if observed.workload is None and wanted and observed.priority is None:
-        return queueing.Queue(local_queue, None, reason="PriorityClassNotFound",
-                              message=f"WorkloadPriorityClass {wanted} ({queueing.LABEL_PRIORITY_CLASS}) not found")
-    return queueing.read_queue(local_queue, observed.workload, observed.flavors)
-
-
-class KueueWrites(NamedTuple):
-    create: list[Obj]
-    patch: list[Obj]
-    delete: list[Obj]
-    status: Obj | None
-    suspended: bool  # status.queue.suspended (`queueing.compute_workload_patch`)
-
-
-def compute_kueue(ref: JobRef, spec: RFTJobSpec | None, phase: str | None, queue: queueing.Queue | None,
-                  observed: Observed, now: datetime, suspended: bool) -> KueueWrites:
-    """The Workload to create (or delete, to make again), its spec patch (suspend, queue)
-    and its status patch. Kueue is owed the status of a Workload the job owns whatever the
-    job's spec or labels say now (an invalid spec, a removed label): Finished, or the
-    admission cleared after an eviction, frees the quota."""
-    workload = observed.workload
-    status = (queueing.compute_workload_status(workload, phase, queueing.holds_quota(observed.pods, now), now)
-              if workload is not None else None)
-    if queue is None or spec is None or not observed.kueue or observed.kueue_error:
-        return KueueWrites([], [], [], status, suspended)
-    terminal = phase in names.TERMINAL_PHASES
-    if workload is None:
-        if terminal or queue.reason == "PriorityClassNotFound":
-            return KueueWrites([], [], [], None, suspended)
-        return KueueWrites([queueing.build_workload(ref, spec, queue.local_queue, observed.priority)], [], [], None,
-                           spec.suspend)
-    if terminal:
-        return KueueWrites([], [], [], status, suspended)
-    if queueing.workload_outdated(workload, ref, spec):
-        meta = workload["metadata"]
-        return KueueWrites([], [], [{"kind": "Workload", "metadata": {"name": meta["name"],
-                                                                      "namespace": meta["namespace"]}}],
-                           status, suspended)
-    patch, suspended = queueing.compute_workload_patch(workload, spec, queue.local_queue, suspended)
-    return KueueWrites([], [patch] if patch else [], [], status, suspended)
-
-
-def queue_status(queue: queueing.Queue | None, suspended: bool) -> Obj | None:
-    if queue is None:
-        return None
-    return queue.status() | ({"suspended": True} if suspended else {})
-
-
-def place(queue: queueing.Queue | None, pods: list[Obj]) -> list[Obj]:
-    """Pods where Kueue's admission puts them (`queueing.place`), by their role's pod set."""
-    if queue is None or not queue.admitted:
-        return pods
-    return [queueing.place(x, queue.placement.get(x["metadata"]["labels"].get(names.LABEL_ROLE, "")))
-            if x["kind"] == "Pod" else x for x in pods]
 
 
 def nodes_to_read(body: Obj, observed: Observed, now: datetime) -> set[str]:
