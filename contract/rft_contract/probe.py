@@ -13,7 +13,7 @@ the same tokens and compares (`compare`); only a match lets the replica report t
 `logprobs[i]` is log p(token_ids[i + 1] | token_ids[:i + 1]). The statistic is the mean
 absolute difference over the n tokens (robust to a single near-tie flipping in low
 precision); the default tolerance depends on the export dtype, since an engine computes in
-it unless told otherwise (`DEFAULT_TOLERANCE`, measured on vLLM's CPU build, in README).
+it unless told otherwise (`DEFAULT_TOLERANCE`, measured on vLLM's CPU build, in docs/rl-loop.md).
 A stale or wrong layer moves log-probs by far more: vLLM's stale tied `lm_head` by ~10
 nats per token on SmolLM2 with perturbed embeddings.
 """

@@ -6,7 +6,7 @@ a broken request. Dry runs, except where the point is that nothing gets created.
 
 The owner webhook is on, as in the default install (tests/integration/conftest.py's
 `installed` serves it here): it looks up the RFTJob an object claims and holds a pod to
-what that job's spec renders. What the token can still do is listed in README's Security
+what that job's spec renders. What the token can still do is listed in docs/security.md
 section.
 """
 

@@ -35,7 +35,7 @@ cluster-wide install, a Role's in each watched namespace otherwise. */}}
   resources: ["events"]
   verbs: ["create", "patch"]
 - apiGroups: ["kueue.x-k8s.io"]
-  # Kueue (README, "Queueing with Kueue"): the Workload of each job that names a LocalQueue,
+  # Kueue (docs/operator.md, "Queueing with Kueue"): the Workload of each job that names a LocalQueue,
   # and the part of its status a job's controller owns (admission cleared after an eviction,
   # PodsReady, Finished).
   resources: ["workloads"]
