@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, prepared to run as one command on a machine with one NVIDIA GPU (the device
 # tool's H200, or any CUDA box with torch + transformers + safetensors installed).
-# UNTESTED ON A GPU SO FAR: no GPU was lent while it was written (README says so).
+# UNTESTED ON A GPU SO FAR: no GPU was lent while it was written (docs/trainer.md, "GPUs", says so).
 #
 #   1. bf16 + NCCL: the real trainer engine on SmolLM2-135M-Instruct, a few GRPO steps,
 #      MFU printed with its formula (bench/gpu_step.py's docstring).

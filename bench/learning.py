@@ -7,7 +7,7 @@ the buffer reader, the FSDP2 engine, the HF export and the server's hot reload.
 
 Prints held-out accuracy (greedy decoding, `math_accuracy`) before and after training,
 the mean training reward per step, and seconds per step split into rollouts, training
-and weight sync. Not part of CI (minutes on a CPU); README has one run's figures.
+and weight sync. Not part of CI (minutes on a CPU); docs/trainer.md has one run's figures.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Screenshots of a real TensorBoard taken by headless Chromium: the README's reward curve
+"""Screenshots of a real TensorBoard taken by headless Chromium: docs/observability.md's reward curve
 (issue 28), taken by the tests from a job's event files.
 
     python3 -m e2e.screenshot LOGDIR OUT.png [--tag critic/rewards/mean] [--size 1280x720]

@@ -3,7 +3,9 @@ gives a failed attempt (torch-free; the single place these facts live).
 
 `rft_operator.failure_policy` classifies a failure into one of these names;
 `rft_operator.gang.ACTIONS` maps each name to its handler, as JobSet's `actionFunctionMap`
-does, and the handler's message and reason come from the entry. Adding an action is one
+does, and the handler's message and reason come from the entry (tests/unit/
+test_failure_actions.py checks that each handler does what its entry's `restarts` and
+`uses_budget` say). Adding an action is one
 line here, one handler in `gang.ACTIONS`, and the classification that gives it
 (docs/design.md, "How to add").
 """
@@ -39,4 +41,6 @@ FAILURE_ACTIONS: dict[str, FailureAction] = {a.name: a for a in (
                   message="disruption {disruptions}, restarting without using spec.failurePolicy.maxRestarts"),
 )}
 
-FATAL, RETRYABLE, DISRUPTED = FAILURE_ACTIONS  # the verdicts, by name
+# The verdicts the failure policy gives today (failure_policy.classify_failure).
+FATAL, RETRYABLE, DISRUPTED = "fatal", "retryable", "disrupted"
+assert {FATAL, RETRYABLE, DISRUPTED} <= set(FAILURE_ACTIONS)

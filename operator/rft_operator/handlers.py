@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,15 +44,24 @@ SYNC_WAIT_LOG_SECONDS = 10.0  # how often startup says it still waits for a firs
 def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """Memo's knobs from the environment, read once at start; a bad value names its variable."""
     out: dict[str, Any] = {}
-    for key, var, kind, low in (("resync_seconds", "RFT_RESYNC_SECONDS", float, 1.0), ("workers", "RFT_WORKERS", int, 1)):
-        if env.get(var):
-            try:
-                value = kind(env[var])
-            except ValueError:
-                raise ValueError(f"{var}={env[var]!r}: expected {'a number' if kind is float else 'an integer'}") from None
-            if value < low:
-                raise ValueError(f"{var}={env[var]!r}: must be at least {low:g}")
-            out[key] = value
+    if env.get("RFT_RESYNC_SECONDS"):
+        value = env["RFT_RESYNC_SECONDS"]
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"RFT_RESYNC_SECONDS={value!r}: expected a number of seconds") from None
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"RFT_RESYNC_SECONDS={value!r}: must be a finite number above 0")
+        out["resync_seconds"] = seconds
+    if env.get("RFT_WORKERS"):
+        value = env["RFT_WORKERS"]
+        try:
+            workers = int(value)
+        except ValueError:
+            raise ValueError(f"RFT_WORKERS={value!r}: expected an integer") from None
+        if workers < 1:
+            raise ValueError(f"RFT_WORKERS={value!r}: must be at least 1")
+        out["workers"] = workers
     return out
 
 

@@ -1,17 +1,28 @@
 """The failure-action axis: the contract's catalogue (rft_contract.failures) names each verdict
 the failure policy gives; the gang acts on it through one handler per entry (JobSet's action
--> handler map), with the entry's reason and message."""
+-> handler map), with the entry's reason and message, and as the entry's `restarts` and
+`uses_budget` say."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
 
 from rft_contract import names
-from rft_contract.failures import FAILURE_ACTIONS, FailureAction
+from rft_contract.failures import FAILURE_ACTIONS
 from rft_contract.spec import parse_spec
 from rft_operator import failure_policy, gang
 
 from .testing import NOW, REF, SPEC, pod, status
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_verdict_has_an_entry_and_every_entry_a_handler():
@@ -29,18 +40,57 @@ def test_every_verdict_has_an_entry_and_every_entry_a_handler():
         assert (a.exhausted is not None) == a.uses_budget, a.name
 
 
-def test_a_new_action_is_one_catalogue_line_and_one_handler(monkeypatch):
-    """An action that ends the job without counting it a failure (a made-up one), wired the
-    way the real ones are: the gang records the failure and hands it to the handler."""
-    parked = FailureAction("parked", restarts=False, uses_budget=False, reason="Parked",
-                           message="parked by spec.failurePolicy (exit code {exit_code})")
-    monkeypatch.setitem(FAILURE_ACTIONS, parked.name, parked)
-    monkeypatch.setitem(gang.ACTIONS, parked.name, lambda g, spec, failure, action, gang_pods, pods, now, exhausted:
-                        gang._fail(g, pods, now, action.reason, gang._say(action, failure, action.message, spec, g)))
+FAILED_POD = {  # a trainer pod whose end the policy classifies as each verdict
+    "fatal": pod(1, 1, "Failed", 78),
+    "retryable": pod(1, 1, "Failed", 1),
+    "disrupted": pod(1, 1, "Failed", 143, disruption="EvictionByEvictionAPI"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILURE_ACTIONS))
+def test_each_handler_does_what_its_entry_says(name):
+    action = FAILURE_ACTIONS[name]
+    g = gang.compute_gang(REF, parse_spec(SPEC), "", status(names.RUNNING, disruptions=0),
+                          [pod(1, 0), FAILED_POD[name]], NOW)
+    assert g.phase == (names.RESTARTING if action.restarts else names.FAILED)
+    assert g.status["restarts"] == (1 if action.uses_budget else 0)
+    assert g.status["disruptions"] == (1 if action.restarts and not action.uses_budget else 0)
+    assert g.events[-1].reason == action.reason
+    assert g.status["lastFailure"]["pod"] == FAILED_POD[name].name
+
+
+NEW_ACTION = '''
+    FailureAction("parked", restarts=False, uses_budget=False, reason="Parked",
+                  message="parked by spec.failurePolicy (exit code {exit_code})"),
+'''
+
+DRIVER = textwrap.dedent('''
+    from rft_contract import names
+    from rft_contract.failures import FAILURE_ACTIONS
+    from rft_contract.spec import parse_spec
+    from rft_operator import failure_policy, gang
+    from tests.unit.testing import NOW, REF, SPEC, pod, status
+
+    # The one handler (here the fatal one's), and the classification that gives the verdict.
+    gang.ACTIONS["parked"] = gang.ACTIONS["fatal"]
     real = failure_policy.classify_failure
-    monkeypatch.setattr(failure_policy, "classify_failure",
-                        lambda code, *rest: parked.name if code == 42 else real(code, *rest))
+    failure_policy.classify_failure = lambda code, *rest: "parked" if code == 42 else real(code, *rest)
     g = gang.compute_gang(REF, parse_spec(SPEC), "", status(names.RUNNING), [pod(1, 0), pod(1, 1, "Failed", 42)], NOW)
-    assert g.phase == names.FAILED and g.failed_reason == "Parked"
-    assert g.status["lastFailure"]["exitCode"] == 42
-    assert [e.message for e in g.events][-1].endswith("; parked by spec.failurePolicy (exit code 42)")
+    print(g.phase, g.failed_reason, g.status["lastFailure"]["exitCode"], "|", g.events[-1].message)
+''')
+
+
+def test_a_new_action_is_one_catalogue_line_and_one_handler(tmp_path):
+    contract = tmp_path / "rft_contract"
+    shutil.copytree(ROOT / "contract" / "rft_contract", contract)
+    catalogue = contract / "failures.py"
+    text = catalogue.read_text()
+    anchor = "\n)}\n"
+    assert text.count(anchor) == 1
+    catalogue.write_text(text.replace(anchor, NEW_ACTION.rstrip("\n") + anchor))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    phase_reason_code, message = out.stdout.strip().split(" | ")
+    assert phase_reason_code == f"{names.FAILED} Parked 42"
+    assert message.endswith("; parked by spec.failurePolicy (exit code 42)")

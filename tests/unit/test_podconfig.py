@@ -3,16 +3,22 @@ read by this version and the previous release's trainer images alike."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 import typing
 
 import jsonschema
 import pytest
 import yaml
 from pydantic import BaseModel
+from pydantic.alias_generators import to_snake
 
 from e2e import releases
 from rft_contract import podconfig
-from rft_contract.config import load_config
+from rft_contract.config import JobConfig, load_config
 from rft_contract.spec import RFTJobSpec, parse_spec
 from rft_operator.children import build_trainer_config
 from rft_operator.objects import JobRef
@@ -75,6 +81,38 @@ def test_this_version_s_config_is_read_by_the_previous_release_s_trainer_image()
         jsonschema.validators.validator_for(schema)(schema).validate(config)
 
 
+PREVIOUS_LOAD = """
+import json, sys
+from rft_contract.config import JobConfig, load_config
+for line in sys.stdin:
+    try:
+        load_config(json.loads(line), env={})
+        print("ok")
+    except Exception as e:
+        print("refused:", str(e).splitlines()[0])
+"""
+
+
+def test_this_version_s_configs_load_in_the_previous_release_s_own_code(tmp_path):
+    """Its schema above has no Python rules: here its own `load_config` reads our configs
+    (the full spec, and the same with each engine), from git history."""
+    commit = releases.PREVIOUS
+    archive = subprocess.run(["git", "-C", str(releases.REPO_ROOT), "archive", commit, "contract"], capture_output=True)
+    if archive.returncode:
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone): {archive.stderr.decode()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    configs = []
+    for engine in ("reference", "vllm", "sglang"):
+        spec = yaml.safe_load(releases.POD_CONFIG_SPEC.read_text())
+        spec["inference"]["engine"] = engine
+        configs.append(build_trainer_config(REF, parse_spec(spec)))
+    out = subprocess.run([sys.executable, "-c", PREVIOUS_LOAD], input="\n".join(json.dumps(c) for c in configs),
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "contract")}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:3] == ["ok"] * 3, out.stdout
+
+
 def test_the_previous_release_s_config_is_read_by_this_version():
     _, previous = releases.pod_config()
     ours = load_config(build_trainer_config(REF, full_spec()), env={})
@@ -98,3 +136,30 @@ def test_a_field_added_later_is_rendered_only_away_from_its_default(monkeypatch)
     assert "probe_tolerance" not in build_trainer_config(REF, parse_spec(base))["sync"]  # an older image reads it
     tuned = {**base, "sync": {**base.get("sync", {}), "probeTolerance": 0.5}}
     assert build_trainer_config(REF, parse_spec(tuned))["sync"]["probe_tolerance"] == 0.5
+
+
+def _nested_models(model: type[BaseModel], path: str = ""):
+    for name, info in model.model_fields.items():
+        sub = _model(info.annotation)
+        if sub is not None:
+            yield f"{path}{name}", sub
+            yield from _nested_models(sub, f"{path}{name}.")
+
+
+def test_no_rule_in_the_pods_schema_mixes_a_field_pods_get_with_one_they_do_not():
+    """The top-level rules that read an operator-only field are the API server's alone
+    (JobConfig skips them); a nested model's rule must read only fields the pods get, or
+    only fields they do not (then the pods judge defaults, which pass)."""
+    assert all(not podconfig.reads_operator_only(c.rule) for c in JobConfig.rules)
+    mixed = []
+    for path, model in _nested_models(RFTJobSpec):
+        if path in podconfig.OPERATOR_ONLY:
+            continue  # the pods never get the model at all
+        for c in getattr(model, "rules", ()):
+            if c.ok is None:
+                continue
+            fields = {to_snake(f) for f in re.findall(r"self\.\??([A-Za-z_]\w*)", c.rule)}
+            out = {f for f in fields if f"{path}.{f}" in podconfig.OPERATOR_ONLY}
+            if out and out != fields:
+                mixed.append(f"{path}: {c.rule}")
+    assert not mixed, mixed

@@ -9,7 +9,7 @@ from rft_contract.spec import parse_spec
 from rft_operator import crdgen
 from rft_operator.children import build_trainer_config
 from rft_operator.objects import JobRef
-from rft_trainer.tracking import build_params
+from rft_trainer.tracking import build_params, flatten
 
 from .testing import SPEC
 
@@ -106,13 +106,18 @@ def _objects(node):
             yield from _objects(value)
 
 
-def test_params_are_the_flattened_spec_without_env_values():
+def test_params_are_the_pods_config_flattened_without_env_values():
     spec = {**SPEC, "trainer": {**SPEC["trainer"], "env": [{"name": "HF_TOKEN", "value": "hf_secret"}]},
             "tracking": {"mlflow": MLFLOW}}
-    config = load_config({**parse_spec(spec).model_dump(mode="json"), "job": {"name": "demo", "attempt": 3}},
-                         env={})
+    rendered = build_trainer_config(JobRef("demo", "ns", "uid-1"), parse_spec(spec))
+    config = load_config({**rendered, "job": {**rendered["job"], "attempt": 3}}, env={})
     params = build_params(config)
     assert params["algorithm.name"] == "grpo" and params["trainer.nodes"] == "2"
     assert params["tracking.mlflow.experiment"] == "rft" and params["job.name"] == "demo"
-    assert params["trainer.tolerations"].startswith('[{"key": "nvidia.com/gpu"')
     assert "hf_secret" not in str(params) and "job.attempt" not in params
+    # Exactly the fields the pods get: none that in the pod would only hold its default
+    # (trainer.tolerations, masterPort, ...: the pod spec's, podconfig.OPERATOR_ONLY).
+    pods = flatten(rendered)
+    assert set(params) - set(pods) == {"buffer.uri", "buffer.wait"}  # as load_config resolves them
+    assert all(params[k] == v for k, v in pods.items())
+    assert not any(k.startswith(("trainer.tolerations", "trainer.master_port", "trainer.image")) for k in params)

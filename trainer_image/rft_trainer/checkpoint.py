@@ -302,14 +302,13 @@ class CheckpointManager:
                         model_state_dict_only: bool = False) -> None:
         """The seed's save: step `step` with the Trainer's `extra_state()`, returning once the
         state is copied (committed, with `block_until_saved`). A step saved already (or
-        resumed from) is not saved again: that would rewrite its files under its own
-        manifest. `model_state_dict_only`: only the policy, for the synchronizer
+        resumed from) is not saved again (that would rewrite its files under its own
+        manifest); its upload in flight is waited for, as a save would. `model_state_dict_only`: only the policy, for the synchronizer
         (`upload_state_dict`). Collective."""
         if model_state_dict_only:
             self.upload_state_dict(step)
         elif step == self.last_saved:
-            if block_until_saved:
-                self.wait_on_save_thread()
+            self.wait_on_save_thread()  # as a save would: a failed upload of it is raised now
         else:
             self.save(step, self.extra_state() if self.extra_state is not None else None, block=block_until_saved)
 

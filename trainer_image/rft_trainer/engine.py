@@ -207,26 +207,26 @@ class FSDPTrainEngine(TrainEngineWrapper):
     def _advantages(self, batch, local, old_lp, ref_lp):
         """The algorithm's advantage estimator (its profile's `advantage`, looked up in the
         registry) over the global batch; this rank's slice of (advantages, returns), and
-        the critic's values of the local slice (None without a critic)."""
+        the critic's values of the local slice (None without a critic). The batch is the
+        same on every rank: only what each rank computed on its slice (the KL penalty, the
+        values) is gathered."""
         a = self.config.algorithm
-        mask = local.action_mask.float()
         if local.advantages is not None and local.returns is not None:
             return local.advantages, local.returns, None
-        token_rewards = advs.outcome_to_token_rewards(local.rewards, mask)
+        mask = batch.action_mask.float()
+        token_rewards = advs.outcome_to_token_rewards(batch.rewards, mask)
         scores = batch.rewards
         # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
         # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response
         # tokens only; a sequence's score (GRPO's) by the sum of its token penalties.
         if ref_lp is not None and not a.use_kl_loss:
             kl = losses.kl_penalty(old_lp, ref_lp, a.kl_estimator)
-            kl_reward = a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl))
+            kl_reward = gather(a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl)), self.rt)
             token_rewards = token_rewards - kl_reward
-            scores = scores - gather(kl_reward.sum(-1), self.rt)
+            scores = scores - kl_reward.sum(-1)
         values = self.critic.compute_values(local) if self.critic is not None else None
-        # Whitening and group statistics use the whole batch: gather so every rank sees it.
-        inputs = advs.AdvantageBatch(
-            scores=scores, token_rewards=gather(token_rewards, self.rt), response_mask=gather(mask, self.rt),
-            group_ids=batch.group_ids, values=None if values is None else gather(values, self.rt))
+        inputs = advs.AdvantageBatch(scores=scores, token_rewards=token_rewards, response_mask=mask,
+                                     group_ids=batch.group_ids, values=None if values is None else gather(values, self.rt))
         adv, ret = advs.get_adv_estimator(self.algorithm.advantage)(inputs, a)
         idx = self.local_indices(len(batch))
         return adv[idx], ret[idx], values

@@ -62,7 +62,8 @@ class WeightExporter:
 
     `write(storage, dest, dtype)` is the engine's `export_policy`; it is collective, so every
     rank calls `publish` at the same step. Then rank 0 keeps the newest `keep` versions (and
-    `pinned`) and calls `on_publish(step, uri, manifest, versions, seconds)`, which reports
+    `pinned`) and calls `on_publish(step, uri, manifest, versions, seconds)` (`seconds`: the
+    export's, not the retention's), which reports
     `status.trainer.latestWeights`. A step is published once: a second call returns the
     first's manifest (the seed's `save_state_dict`, `upload_state_dict` and `sync_weight` may
     all be called at one step). Step 0 is the initial policy, `model.path`, which the
@@ -77,13 +78,20 @@ class WeightExporter:
         self.last_manifest: dict | None = None  # its manifest (rank 0)
 
     def publish(self, step: int) -> dict | None:
-        """Export step `step` (collective) unless published already; its manifest on rank 0."""
+        """Export step `step` (collective) unless published already; its manifest on rank 0.
+        A failed export is not tried again at the same step, on every rank alike (they
+        must agree on whether to enter the collective): the error reaches the caller."""
         if step == self.last_step or step == 0:
             return self.last_manifest if step else None
         start = time.perf_counter()
         uri = weights_uri(self.root, step)
-        manifest = self.write(self.storage, uri, self.dtype)
-        self.last_step, self.last_manifest = step, manifest
+        self.last_manifest = None
+        try:
+            manifest = self.write(self.storage, uri, self.dtype)
+        finally:
+            self.last_step = step
+        seconds = time.perf_counter() - start
+        self.last_manifest = manifest
         if manifest is None:  # not rank 0
             return None
         protect = {self.pinned} if self.pinned is not None else set()
@@ -93,7 +101,7 @@ class WeightExporter:
             log.warning("weights retention failed: %s", e)
             versions = None
         if self.on_publish is not None:
-            self.on_publish(step, uri, manifest, versions, time.perf_counter() - start)
+            self.on_publish(step, uri, manifest, versions, seconds)
         return manifest
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
 from rft_contract.storage import Storage, get_storage, join, upload_file
+from rft_contract.podconfig import render as render_pod_config
 from rft_contract.trackers import REDACTED_ENV, TRACKERS
 
 from .reporting import backoff_delay
@@ -113,13 +114,12 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 def build_params(config) -> dict[str, str]:
-    """The resolved spec, flattened: what the run was trained with. Without env values
-    (they may be secrets), the security context, and what changes per attempt."""
-    data = config.model_dump(mode="json", exclude={"trainer": {"env", "security_context"},
-                                                   "job": {"attempt", "pod"}})
-    if isinstance(data.get("inference"), dict):
-        data["inference"].pop("env", None)
-    return flatten(data)
+    """What the run was trained with, flattened: the fields of the pods' config
+    (rft_contract.podconfig: what the operator hands the pods, so no secret and no field
+    that here would only hold its default) and who the job is, not what changes per
+    attempt."""
+    job = config.job.model_dump(mode="json", exclude={"attempt", "pod"})
+    return flatten(render_pod_config(config, job))
 
 
 # ------------------------------------------------------------------ one backend's thread
