@@ -4,11 +4,7 @@ estimator: the spec, the CRD, the admission rule and the trainer follow."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +13,7 @@ import yaml
 from rft_contract.algorithms import ALGORITHMS, LOSS_AGGREGATIONS
 from rft_contract.spec import AlgorithmSpec
 from rft_trainer.algorithms import ADV_ESTIMATORS, AGG_MODES
+from tests.fixtures import catalogues
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("operator/rft_operator", "contract/rft_contract", "trainer_image/rft_trainer", "trainer_image/rft_serving")
@@ -91,23 +88,13 @@ DRIVER = textwrap.dedent('''
 
 
 def test_a_new_algorithm_is_one_catalogue_line_and_one_registered_estimator(tmp_path):
-    contract = tmp_path / "rft_contract"
-    shutil.copytree(ROOT / "contract" / "rft_contract", contract)
-    catalogue = contract / "algorithms.py"
-    text = catalogue.read_text()
-    anchor = "\n)}\n"
-    assert text.count(anchor) == 1
-    catalogue.write_text(text.replace(anchor, NEW_ALGORITHM.rstrip("\n") + anchor))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "advantages [1.0, -1.0, 0.0, 0.0] critic False None" in out.stdout, out.stdout
-    assert "refused True" in out.stdout, out.stdout  # needs_groups: the admission rule covers it
-    crd = subprocess.run([sys.executable, "-m", "rft_operator.crdgen"], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert crd.returncode == 0, crd.stderr[-3000:]
-    schema = algorithm_schema(yaml.safe_load(crd.stdout))
+    env = catalogues.with_entry(tmp_path, "algorithms", NEW_ALGORITHM)
+    out = catalogues.run(env, "-c", DRIVER)
+    assert "advantages [1.0, -1.0, 0.0, 0.0] critic False None" in out, out
+    assert "refused True" in out, out  # needs_groups: the admission rule covers it
+    crd = yaml.safe_load(catalogues.run(env, "-m", "rft_operator.crdgen"))
+    schema = algorithm_schema(crd)
     assert schema["name"]["enum"][-1] == "rloo" and "leave-one-out" in schema["name"]["description"]
-    rule = next(v["rule"] for v in yaml.safe_load(crd.stdout)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    rule = next(v["rule"] for v in crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
                 ["properties"]["spec"]["x-kubernetes-validations"] if "rolloutsPerTask" in v["rule"])
     assert "'rloo'" in rule

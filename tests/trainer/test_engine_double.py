@@ -21,6 +21,7 @@ from rft_trainer.engine import TrainEngineWrapper
 from rft_trainer.experience import write_shard
 from rft_trainer.trainer import Trainer
 from tests.fixtures.batches import synthetic_batch
+from tests.fixtures.reporting import Recorder
 
 FEATURES = 4  # the first prompt tokens, as the linear model's input
 VOCAB = 24
@@ -68,25 +69,6 @@ class LinearEngine(TrainEngineWrapper):
                     "files": {"weights.json": file_entry(blob)}}
         write_manifest(storage, dest, manifest)
         return manifest
-
-
-class Recorder:
-    """Stands in for the status reporter: what the Trainer reported."""
-
-    def __init__(self):
-        self.resumed, self.checkpoints, self.weights = [], [], []
-
-    def report_resumed(self, step, checkpoint):
-        self.resumed.append((step, checkpoint))
-
-    def report_checkpoint(self, step, uri, nbytes, seconds):
-        self.checkpoints.append(step)
-
-    def report_weights(self, version, uri, export_id=None, versions=None):
-        self.weights.append((version, export_id, versions))
-
-    def __getattr__(self, name):  # report_step, report_buffer, close, ...
-        return lambda *a, **kw: None
 
 
 def write_shards(buffer, steps) -> None:
@@ -152,7 +134,7 @@ def test_an_engine_written_against_the_abc_alone_saves_and_resumes_through_the_t
     first, reported, outcome = run(job(root, buffer), monkeypatch)
     assert outcome == "finished" and first.train_step_num == 2
     assert reported.resumed == [(0, None)] and reported.checkpoints == [2]
-    assert [(v, i) for v, i, _ in reported.weights] == [(1, "linear-1"), (2, "linear-2")]
+    assert [(v, i) for v, _, i, _ in reported.weights] == [(1, "linear-1"), (2, "linear-2")]
     assert latest_verified(storage, root) == 2
     saved = state(first.engine)
 
@@ -167,5 +149,5 @@ def test_an_engine_written_against_the_abc_alone_saves_and_resumes_through_the_t
     assert reported.checkpoints == [3, 4] and sorted(list_steps(storage, root)) == [2, 3, 4]
     assert_same(state(again.engine), state(straight.engine))
     # Exported through the double's export_policy; the exporter applied sync.keep.
-    assert reported.weights[-1] == (4, "linear-4", [3, 4])
+    assert reported.weights[-1] == (4, weights_uri(root, 4), "linear-4", [3, 4])
     assert storage.exists(join(weights_uri(root, 4), "weights.json"))

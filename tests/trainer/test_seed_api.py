@@ -20,6 +20,7 @@ from rft_trainer.engine import FSDPTrainEngine, TrainEngineWrapper
 from rft_trainer.export import verify
 from rft_trainer.trainer import Trainer
 from tests.fixtures.batches import synthetic_batch
+from tests.fixtures.reporting import Recorder
 from tests.fixtures.models import save_tiny_model
 
 NONE = inspect.Parameter.empty
@@ -27,25 +28,6 @@ SEED_ENGINE = {  # the seed's TrainEngineWrapper (../shared/seed-trinity-trainer
     "prepare": [], "train_step": [("batch", NONE)], "save_checkpoint": [("block_until_saved", False)],
     "sync_weight": [], "upload_state_dict": [], "save_state_dict": [],
 }
-
-
-class Recorder:
-    """Stands in for the status reporter: what reached status.trainer."""
-
-    def __init__(self):
-        self.resumed, self.checkpoints, self.weights = [], [], []
-
-    def report_resumed(self, step, checkpoint):
-        self.resumed.append((step, checkpoint))
-
-    def report_checkpoint(self, step, uri, nbytes, seconds):
-        self.checkpoints.append(step)
-
-    def report_weights(self, version, uri, export_id=None, versions=None):
-        self.weights.append((version, uri, export_id, versions))
-
-    def __getattr__(self, name):  # report_step, report_waiting, close, ...
-        return lambda *a, **kw: None
 
 
 def config_for(tmp_path):

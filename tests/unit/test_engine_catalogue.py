@@ -5,11 +5,7 @@ follow it, and a new engine is one catalogue line plus its adapter."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +14,7 @@ import yaml
 from rft_contract.engines import ENGINE_ENV, ENGINES
 from rft_contract.spec import InferenceSpec
 from rft_serving import engines as adapters
+from tests.fixtures import catalogues
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,17 +65,8 @@ RENDER = textwrap.dedent('''
 
 
 def test_a_new_engine_is_one_catalogue_line(tmp_path):
-    contract = tmp_path / "rft_contract"
-    shutil.copytree(ROOT / "contract" / "rft_contract", contract)
-    catalogue = contract / "engines.py"
-    text = catalogue.read_text()
-    anchor = "\n)}\n"
-    assert text.count(anchor) == 1
-    catalogue.write_text(text.replace(anchor, NEW_ENGINE.rstrip("\n") + anchor))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", RENDER], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    pod, refused = (json.loads(line) for line in out.stdout.splitlines())
+    out = catalogues.run(catalogues.with_entry(tmp_path, "engines", NEW_ENGINE), "-c", RENDER)
+    pod, refused = (json.loads(line) for line in out.splitlines())
     engine = pod["spec"]["containers"][0]
     assert engine["image"] == "toy:1" and engine["readinessProbe"]["httpGet"]["path"] == "/alive"
     command = engine["command"] + engine["args"]

@@ -6,12 +6,7 @@ the failure policy gives; the gang acts on it through one handler per entry (Job
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +15,9 @@ from rft_contract.failures import FAILURE_ACTIONS
 from rft_contract.spec import parse_spec
 from rft_operator import failure_policy, gang
 
-from .testing import NOW, REF, SPEC, pod, status
+from tests.fixtures import catalogues
 
-ROOT = Path(__file__).resolve().parents[2]
+from .testing import NOW, REF, SPEC, pod, status
 
 
 def test_every_verdict_has_an_entry_and_every_entry_a_handler():
@@ -81,16 +76,7 @@ DRIVER = textwrap.dedent('''
 
 
 def test_a_new_action_is_one_catalogue_line_and_one_handler(tmp_path):
-    contract = tmp_path / "rft_contract"
-    shutil.copytree(ROOT / "contract" / "rft_contract", contract)
-    catalogue = contract / "failures.py"
-    text = catalogue.read_text()
-    anchor = "\n)}\n"
-    assert text.count(anchor) == 1
-    catalogue.write_text(text.replace(anchor, NEW_ACTION.rstrip("\n") + anchor))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    phase_reason_code, message = out.stdout.strip().split(" | ")
+    out = catalogues.run(catalogues.with_entry(tmp_path, "failures", NEW_ACTION), "-c", DRIVER)
+    phase_reason_code, message = out.strip().split(" | ")
     assert phase_reason_code == f"{names.FAILED} Parked 42"
     assert message.endswith("; parked by spec.failurePolicy (exit code 42)")
