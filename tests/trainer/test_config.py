@@ -113,7 +113,7 @@ def test_unknown_nested_and_top_level_keys(operator_json):
     assert error(bad) == "algoritm: unknown key (did you mean algorithm?)"
 
 
-def test_keys_only_the_pod_spec_needs_stay_out_and_still_load(operator_json):
+def test_operator_only_keys_are_ignored(operator_json):
     # trainer.image, masterPort, ... are the pod spec's (rft_contract.podconfig): not written ...
     assert operator_json["inference"] and not {"image", "master_port", "resources"} & set(operator_json["trainer"])
     # ... and a config that has them (the previous release's, a hand-written one) still loads.

@@ -106,7 +106,7 @@ def _objects(node):
             yield from _objects(value)
 
 
-def test_params_are_the_pods_config_flattened_without_env_values():
+def test_params_are_the_flattened_spec_without_env_values():
     spec = {**SPEC, "trainer": {**SPEC["trainer"], "env": [{"name": "HF_TOKEN", "value": "hf_secret"}]},
             "tracking": {"mlflow": MLFLOW}}
     rendered = build_trainer_config(JobRef("demo", "ns", "uid-1"), parse_spec(spec))
