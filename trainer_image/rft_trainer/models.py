@@ -127,13 +127,11 @@ def load_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-_warned: set[str] = set()
-
-
-def check_supported(config, critic: bool = False) -> None:
+def check_supported(config, critic: bool = False, warn: bool = True) -> None:
     """Refuse, naming model_type, the class and why, what the trainer cannot train:
     `critic` when the job needs one (PPO). A model_type in neither table but a decoder-only
-    causal LM of transformers is tried (with a warning): a newer transformers may bring one."""
+    causal LM of transformers is tried, with a warning when `warn` (the engine's startup
+    check warns; the build of each role checks again without)."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_MAPPING_NAMES)
 
@@ -150,8 +148,7 @@ def check_supported(config, critic: bool = False) -> None:
     elif critic and model_type not in MODEL_MAPPING_NAMES:
         why = NO_CRITIC
     else:
-        if model_type not in TESTED and model_type not in _warned:
-            _warned.add(model_type)
+        if model_type not in TESTED and warn:
             log.warning("model_type %r (%s) is not among the architectures the trainer is tested on", model_type, cls)
         return
     # Why first: the operator quotes the first 200 characters of the pod's last line.

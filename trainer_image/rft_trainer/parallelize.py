@@ -136,7 +136,7 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
 
     path = rt.models.fetch(path, rt)
     config = load_config(path)
-    check_supported(config, critic=(kind == "critic"))
+    check_supported(config, critic=(kind == "critic"), warn=False)  # the engine's startup check warned
     # Tied embeddings stay tied: the shared Parameter belongs to the root module, which
     # fully_shard shards once; to_empty and set_model_state_dict keep the one tensor
     # (a checkpoint without lm_head.weight loads strictly).
