@@ -41,27 +41,27 @@ JOB = (names.GROUP, names.VERSION, names.PLURAL)
 SYNC_WAIT_LOG_SECONDS = 10.0  # how often startup says it still waits for a first listing
 
 
+# Memo field <- (variable, parse, what it must be, the test of it).
+_ENV_SETTINGS = {
+    "resync_seconds": ("RFT_RESYNC_SECONDS", float, "a number of seconds", "a finite number above 0",
+                       lambda v: math.isfinite(v) and v > 0),
+    "workers": ("RFT_WORKERS", int, "an integer", "at least 1", lambda v: v >= 1),
+}
+
+
 def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """Memo's knobs from the environment, read once at start; a bad value names its variable."""
     out: dict[str, Any] = {}
-    if env.get("RFT_RESYNC_SECONDS"):
-        value = env["RFT_RESYNC_SECONDS"]
+    for key, (var, parse, kind, bound, ok) in _ENV_SETTINGS.items():
+        if not (value := env.get(var)):
+            continue
         try:
-            seconds = float(value)
+            parsed = parse(value)
         except ValueError:
-            raise ValueError(f"RFT_RESYNC_SECONDS={value!r}: expected a number of seconds") from None
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"RFT_RESYNC_SECONDS={value!r}: must be a finite number above 0")
-        out["resync_seconds"] = seconds
-    if env.get("RFT_WORKERS"):
-        value = env["RFT_WORKERS"]
-        try:
-            workers = int(value)
-        except ValueError:
-            raise ValueError(f"RFT_WORKERS={value!r}: expected an integer") from None
-        if workers < 1:
-            raise ValueError(f"RFT_WORKERS={value!r}: must be at least 1")
-        out["workers"] = workers
+            raise ValueError(f"{var}={value!r}: expected {kind}") from None
+        if not ok(parsed):
+            raise ValueError(f"{var}={value!r}: must be {bound}")
+        out[key] = parsed
     return out
 
 
