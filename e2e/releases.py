@@ -66,13 +66,19 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def extract(commit: str, paths: list[str], dest: Path) -> None:
+    """`paths` of the repository at `commit` into `dest` (git archive); a CalledProcessError
+    when the commit is not in this clone's history."""
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", commit, *paths], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
 def snapshot(commit: str, root: Path = RELEASES) -> Path:
     """Writes root/COMMIT/ from the repository's history at `commit`."""
     out = root / commit
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", commit, "manifests", "crds",
-                                  "charts/rftjob-operator"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        extract(commit, ["manifests", "crds", "charts/rftjob-operator"], Path(tmp))
         rendered = subprocess.run(["kubectl", "kustomize", f"{tmp}/manifests"], capture_output=True, text=True,
                                   check=True).stdout
         shutil.rmtree(out, ignore_errors=True)
@@ -112,9 +118,7 @@ def _snapshot_pod_config(commit: str, out: Path) -> None:
     """Runs the commit's contract and operator (from git history, in a subprocess of their
     own) on POD_CONFIG_SPEC."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", commit, "contract", "operator"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        extract(commit, ["contract", "operator"], Path(tmp))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([f"{tmp}/contract", f"{tmp}/operator"])}
         got = json.loads(subprocess.run([sys.executable, "-c", _RENDER_POD_CONFIG, str(POD_CONFIG_SPEC)], env=env,
                                         cwd=tmp, capture_output=True, text=True, check=True).stdout)

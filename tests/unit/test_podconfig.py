@@ -97,10 +97,10 @@ def test_this_version_s_configs_load_in_the_previous_release_s_own_code(tmp_path
     """Its schema above has no Python rules: here its own `load_config` reads our configs
     (the full spec, and the same with each engine), from git history."""
     commit = releases.PREVIOUS
-    archive = subprocess.run(["git", "-C", str(releases.REPO_ROOT), "archive", commit, "contract"], capture_output=True)
-    if archive.returncode:
-        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone): {archive.stderr.decode()[:200]}")
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    try:
+        releases.extract(commit, ["contract"], tmp_path)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone): {e.stderr.decode()[:200]}")
     configs = []
     for engine in ("reference", "vllm", "sglang"):
         spec = yaml.safe_load(releases.POD_CONFIG_SPEC.read_text())
