@@ -27,6 +27,7 @@ from .layout import buffer_uri
 from .checks import Check
 from .names import ENV_ATTEMPT, ENV_CONFIG, ENV_JOB_NAME, ENV_JOB_NAMESPACE, ENV_JOB_UID, ENV_POD_NAME
 from .podconfig import reads_operator_only
+from .podenv import PodEnv
 from .spec import Model, RFTJobSpec
 
 
@@ -52,6 +53,9 @@ class JobConfig(RFTJobSpec):
     rules: ClassVar[tuple[Check, ...]] = tuple(c for c in RFTJobSpec.rules if not reads_operator_only(c.rule))
 
     job: JobIdentity = Field(default_factory=JobIdentity)
+    # The knobs the pod's environment sets (podenv.py), read once by `load_config`; not
+    # part of the file (nor of `to_dict` and the config hash).
+    env: PodEnv = Field(default_factory=PodEnv, exclude=True)
 
     @property
     def fsdp(self):
@@ -87,6 +91,12 @@ def load_config(source: str | Path | Mapping[str, Any] | None = None,
         data["job"] = {**job, **_job_from_env(env)}
     elif job is None:
         data["job"] = _job_from_env(env)
+    if "env" in data:
+        raise ConfigError("env: not a config key; the pod's environment sets it (rft_contract.podenv.VARIABLES)")
+    try:
+        data["env"] = PodEnv.read(env)
+    except ValueError as e:
+        raise ConfigError(f"env {e}") from None
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as e:

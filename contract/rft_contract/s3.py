@@ -6,13 +6,13 @@ job's Secret (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
 nothing here is specific to one server. Retries (`DeadlineRetries`): what botocore's
 standard mode counts as transient (5xx, SlowDown and other throttling, connection errors,
 timeouts) is retried with capped, jittered backoff until `retry_seconds` (300, or
-`RFT_S3_RETRY_SECONDS`) have passed since the request first failed. botocore's own budget
-is 10 attempts and a client-wide quota of about 100 retries: during an outage a client
-with 16 threads in flight spends the quota in seconds, then fails every request at once.
-(Its adaptive mode adds a client-side rate limiter that made a 33%-SlowDown test 2.5x
-slower without saving a request.) Large objects go
-through the TransferManager with 64 MiB parts (the 8 MiB default makes thousands of
-requests per multi-GB shard) and CRC32 checksums that the server verifies. Local files
+`RFT_S3_RETRY_SECONDS`, read by `podenv.PodEnv`) have passed since the request first
+failed. botocore's own budget is 10 attempts and a client-wide quota of about 100
+retries: during an outage a client with 16 threads in flight spends the quota in seconds,
+then fails every request at once. (Its adaptive mode adds a client-side rate limiter that
+made a 33%-SlowDown test 2.5x slower without saving a request.) Large objects go through
+the TransferManager with 64 MiB parts (the 8 MiB default makes thousands of requests per
+multi-GB shard) and CRC32 checksums that the server verifies. Local files
 (`upload_file`: checkpoint and export shards) stream from disk through the same manager,
 sha256-hashed as it reads them: at most `upload_window` parts in memory, one read of the
 file.
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Iterator
 
 from .hashing import Fetched, HashingReader
+from .podenv import PodEnv
 
 MiB = 1 << 20
-DEFAULT_RETRY_SECONDS = 300.0
 log = logging.getLogger(__name__)
 
 
@@ -52,19 +52,6 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 def _is_missing(error) -> bool:
     return error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
-
-
-def retry_seconds_from_env() -> float:
-    raw = os.environ.get("RFT_S3_RETRY_SECONDS", "")
-    if not raw:
-        return DEFAULT_RETRY_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"RFT_S3_RETRY_SECONDS={raw!r}: not a number of seconds") from None
-    if not value >= 0:
-        raise ValueError(f"RFT_S3_RETRY_SECONDS={raw!r}: must be >= 0")
-    return value
 
 
 class DeadlineRetries:
@@ -136,19 +123,20 @@ def _failure(context) -> str:
 class S3Storage:
     def __init__(self, client=None, part_size: int = 64 * MiB, concurrency: int = 16,
                  read_part_size: int = 16 * MiB, read_window: int = 8, upload_window: int = 6,
-                 retry_seconds: float | None = None):
+                 retry_seconds: float | None = None, env: PodEnv | None = None):
         """`retry_seconds`: how long a request that keeps failing transiently is retried
-        (`DeadlineRetries`); None: `RFT_S3_RETRY_SECONDS`, else 300. Applies to the client
-        made here; a `client` passed in keeps its own retries."""
+        (`DeadlineRetries`); None: `env.s3_retry_seconds`. `env`: the pod's knobs (its
+        config's `env`); None: read from the process environment. Both apply to the client
+        made here; a `client` passed in keeps its own settings."""
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
         if client is None:
-            client = boto3.client(
-                "s3", config=Config(retries={"mode": "standard"},
-                                    s3={"addressing_style": os.environ.get("RFT_S3_ADDRESSING", "auto")}))
-            DeadlineRetries(retry_seconds_from_env() if retry_seconds is None else retry_seconds).install(client)
+            env = PodEnv.read() if env is None else env
+            client = boto3.client("s3", config=Config(retries={"mode": "standard"},
+                                                      s3={"addressing_style": env.s3_addressing}))
+            DeadlineRetries(env.s3_retry_seconds if retry_seconds is None else retry_seconds).install(client)
         self.client = client
         self.transfer = TransferConfig(multipart_threshold=part_size, multipart_chunksize=part_size,
                                        max_concurrency=concurrency, use_threads=True)

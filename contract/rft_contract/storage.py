@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Protocol, runtime_checkable
 
 from .hashing import CHUNK, Fetched, HashingReader, sha256_file  # noqa: F401 (re-exported)
+from .podenv import PodEnv
 
 @runtime_checkable
 class Storage(Protocol):
@@ -199,10 +200,11 @@ def download_to(storage: Storage, uri: str, path: str | os.PathLike,
     return got
 
 
-def get_storage(uri: str) -> Storage:
-    """The backend for a URI's scheme."""
+def get_storage(uri: str, env: PodEnv | None = None) -> Storage:
+    """The backend for a URI's scheme; `env`: the pod's knobs (`JobConfig.env`) for an S3
+    client (None: read from the process environment)."""
     if uri.startswith("s3://"):
         from .s3 import S3Storage
 
-        return S3Storage()
+        return S3Storage(env=env)
     return LocalStorage()

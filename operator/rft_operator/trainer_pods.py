@@ -9,6 +9,7 @@ names and logs.
 from __future__ import annotations
 
 from rft_contract import names
+from rft_contract.podenv import VARIABLES
 from rft_contract.spec import RFTJobSpec
 
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
@@ -28,10 +29,10 @@ def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         # The base model is downloaded once per node (local rank 0) into the model-cache
         # volume; the other ranks wait this long for it.
-        {"name": "RFT_MODEL_CACHE", "value": names.MODEL_CACHE_MOUNT},
-        {"name": "RFT_MODEL_DOWNLOAD_TIMEOUT", "value": str(spec.model.cache.download_timeout_seconds)},
+        {"name": VARIABLES["model_cache"], "value": names.MODEL_CACHE_MOUNT},
+        {"name": VARIABLES["model_download_timeout"], "value": str(spec.model.cache.download_timeout_seconds)},
         # A resuming pod downloads the checkpoint once into the staging volume.
-        {"name": names.ENV_STAGING_DIR, "value": names.STAGING_MOUNT},
+        {"name": VARIABLES["staging_dir"], "value": names.STAGING_MOUNT},
         # The trainer checkpoints on SIGTERM only if that fits in the grace period.
         {"name": "RFT_TERMINATION_GRACE_SECONDS", "value": str(spec.trainer.termination_grace_period_seconds)},
     ]

@@ -158,16 +158,16 @@ class Explorer:
         self.config, self.section = config, config.explorer
         self.index, self.replicas, self.progress = index, replicas, progress
         self.buffer_uri = config.buffer.uri
-        self.storage = storage or get_storage(self.buffer_uri)
+        self.storage = storage or get_storage(self.buffer_uri, config.env)
         self.stream = f"e{index:03d}"  # the trainer's name for our shards (experience.stream_of)
         self.state_uri = join(self.buffer_uri, "_explorer", f"{self.stream}.json")
-        self.tasks = tasks if tasks is not None else load_taskset(self.section.taskset_uri)
+        self.tasks = tasks if tasks is not None else load_taskset(self.section.taskset_uri, config.env)
         if len(self.tasks) <= index:
             raise ValueError(f"taskset has {len(self.tasks)} tasks: explorer {index} of "
                              f"{replicas} would have none; use fewer explorer replicas")
         self.reward_fn = get_reward(self.section.reward)
         if tokenizer is None:
-            tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+            tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path, config.env)
         self.tokenizer = tokenizer
         self.prompt_format = resolve_prompt_format(self.section.prompt_format, tokenizer)
         # Whether the prompt's text still needs the tokenizer's special tokens (not for chat).

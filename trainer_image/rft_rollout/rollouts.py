@@ -69,6 +69,7 @@ import torch
 
 from rft_contract.names import inference_pod_name
 from rft_contract.storage import get_storage
+from rft_contract.podenv import PodEnv
 from rft_contract.versions import parse_version
 from rft_trainer.experience import Experiences
 
@@ -393,13 +394,14 @@ def build_experiences(samples: Sequence[Sample]) -> Experiences:
     ).validate()
 
 
-def load_tokenizer(uri: str) -> Any:
-    """AutoTokenizer from a local directory or an s3:// prefix (tokenizer files only)."""
+def load_tokenizer(uri: str, env: PodEnv | None = None) -> Any:
+    """AutoTokenizer from a local directory or an s3:// prefix (tokenizer files only);
+    `env`: the pod's S3 knobs (`JobConfig.env`)."""
     from transformers import AutoTokenizer
 
     if not uri.startswith("s3://"):
         return AutoTokenizer.from_pretrained(uri)
-    storage = get_storage(uri)
+    storage = get_storage(uri, env)
     base = uri.rstrip("/") + "/"
     wanted = [u for u in storage.list(base) if u[len(base):] in _TOKENIZER_FILES]
     if not wanted:

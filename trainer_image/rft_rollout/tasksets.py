@@ -26,6 +26,7 @@ import random
 import sys
 from typing import Any, Iterable
 
+from rft_contract.podenv import PodEnv
 from rft_contract.storage import get_storage
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -88,9 +89,10 @@ def _parse_task(line: str, where: str, lineno: int) -> dict[str, str]:
     return task
 
 
-def load_taskset(uri: str) -> list[dict[str, str]]:
-    """Read a JSONL task set from a local path, file:// or s3:// URI."""
-    data = get_storage(uri).read_bytes(uri)
+def load_taskset(uri: str, env: PodEnv | None = None) -> list[dict[str, str]]:
+    """Read a JSONL task set from a local path, file:// or s3:// URI; `env`: the pod's S3
+    knobs (`JobConfig.env`)."""
+    data = get_storage(uri, env).read_bytes(uri)
     try:
         text = data.decode("utf-8-sig")  # tolerates a byte order mark
     except UnicodeDecodeError as e:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -70,7 +69,7 @@ from rft_contract import layout
 from rft_contract.manifest import (MANIFEST, IntegrityError, download_verified, read_manifest, verify_objects,
                                    write_manifest)
 from rft_contract.manifest import apply_retention as manifest_retention
-from rft_contract.names import ENV_STAGING_DIR
+from rft_contract.podenv import PodEnv
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 
@@ -251,7 +250,8 @@ def build_checkpointer(config, storage: Storage, rt: Runtime, roles: dict[str, A
     """The job's checkpointer: `config.checkpoint`'s uri, keep and interval on `storage`,
     saving `roles` (the engine's `checkpoint_roles()`)."""
     c = config.checkpoint
-    return CheckpointManager(storage, c.uri, rt, c.keep, c.interval, roles, config_hash=config_hash(config))
+    return CheckpointManager(storage, c.uri, rt, c.keep, c.interval, roles, config_hash=config_hash(config),
+                             env=config.env)
 
 
 
@@ -259,19 +259,22 @@ class CheckpointManager:
     """Saves and restores an `AppState` under `<uri>/ckpt/` (see the module docstring).
 
     Every rank constructs it and calls `save`/`maybe_save`/`resume` at the same steps.
-    `staging_dir`: where each rank stages its saves (default `$RFT_CKPT_STAGING`, else
-    `$TMPDIR/rft-ckpt`); `node_staging_dir`: the node's shared resume download dir
-    (default `$RFT_STAGING_DIR`; unset: every rank downloads into `staging_dir`).
+    `staging_dir`: where each rank stages its saves (default `env.ckpt_staging`:
+    `$RFT_CKPT_STAGING`, else `$TMPDIR/rft-ckpt`); `node_staging_dir`: the node's shared
+    resume download dir (default `env.staging_dir`: `$RFT_STAGING_DIR`; unset: every rank
+    downloads into `staging_dir`). `env`: the pod's knobs (`JobConfig.env`); None: read
+    from the process environment.
     """
 
     def __init__(self, storage: Storage, uri: str, rt: Runtime, keep: int = 3, interval: int = 100,
                  roles: dict[str, Any] | None = None, staging_dir: str | None = None,
-                 config_hash: str | None = None, node_staging_dir: str | None = None):
+                 config_hash: str | None = None, node_staging_dir: str | None = None,
+                 env: PodEnv | None = None):
         self.storage, self.uri, self.rt = storage, uri, rt
         self.keep, self.interval, self.config_hash = keep, interval, config_hash
-        root = staging_dir or os.environ.get("RFT_CKPT_STAGING") or os.path.join(tempfile.gettempdir(), "rft-ckpt")
-        self.staging = Path(root)
-        node = node_staging_dir or os.environ.get(ENV_STAGING_DIR)
+        env = PodEnv.read() if env is None else env
+        self.staging = Path(staging_dir or env.ckpt_staging)
+        node = node_staging_dir or env.staging_dir
         self.node_staging = Path(node) if node else None
         # Commit collectives run in the upload thread: a group of their own keeps them
         # from interleaving with the training loop's collectives on the default group.

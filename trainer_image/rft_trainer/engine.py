@@ -128,7 +128,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
     # ------------------------------------------------------------ setup
 
     def prepare(self) -> None:
-        self.rt = self.rt or init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
+        self.rt = self.rt or init_distributed(cpu_offload=self.config.fsdp.cpu_offload, env=self.config.env)
         check_batch_layout(self.config, self.rt.world_size)
         a, needs_critic = self.config.algorithm, self.algorithm.needs_critic
         # Before any build: a job with a critic whose model has no backbone for it fails now.

@@ -3,9 +3,9 @@ node's model cache, reusing files whose size and sha256 match (a hostPath or PVC
 survives attempts), and every rank waits for all nodes on a group of its own.
 
 `ModelCache` belongs to the process's `Runtime` (`rt.models`), so there is no module-level
-state: the directories fetched so far and the download group live there, and the two
-knobs the pod sets (`RFT_MODEL_CACHE`, `RFT_MODEL_DOWNLOAD_TIMEOUT`, from
-spec.model.cache) are read once, at the first fetch.
+state: the directories fetched so far and the download group live there. Its knobs come
+from the pod's `PodEnv` (`JobConfig.env`: `RFT_MODEL_CACHE`, `RFT_MODEL_DOWNLOAD_TIMEOUT`
+from spec.model.cache, and the S3 ones), handed to `init_distributed`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rft_contract.manifest import MANIFEST
+from rft_contract.podenv import PodEnv
 from rft_contract.storage import LocalStorage, download_to
 
 # `rt` below is the process's parallelize.Runtime (not imported: the Runtime holds the cache).
@@ -29,14 +30,14 @@ log = logging.getLogger(__name__)
 
 LOCK = ".lock"
 COMPLETE = ".complete"  # the cache's record: {name: {size, etag, sha256}} of the verified files
-DEFAULT_TIMEOUT = 3600.0
 
 
 class ModelCache:
     """s3:// model prefix -> its local directory, for one process (`Runtime.models`)."""
 
-    def __init__(self, root: str | None = None, timeout: float | None = None):
-        self.root, self.timeout = root, timeout  # None: from the environment at the first fetch
+    def __init__(self, env: PodEnv | None = None):
+        self.env = PodEnv.read() if env is None else env
+        self.root, self.timeout = self.env.model_cache, self.env.model_download_timeout
         self._local: dict[str, str] = {}  # every rank asks at the same points, so all skip alike
         self._group = None
 
@@ -49,13 +50,12 @@ class ModelCache:
             return path
         if path in self._local:
             return self._local[path]
-        self._configure()
         local = os.path.join(self.root, hashlib.sha256(path.encode()).hexdigest()[:16])
         group = self._download_group(rt)  # before any rank starts a download that others wait for
         error = None
         if rt.local_rank == 0:
             try:
-                sync_model_dir(path, local)
+                sync_model_dir(path, local, self.env)
             except Exception as e:  # reported to every rank below, so none waits for the timeout
                 error = e
         reports: list = [None] * rt.world_size
@@ -67,12 +67,6 @@ class ModelCache:
             raise RuntimeError(f"downloading the model {path} failed on the node of rank {failed[0][0]}: {failed[0][1]}")
         self._local[path] = local
         return local
-
-    def _configure(self) -> None:
-        if self.root is None:
-            self.root = os.environ.get("RFT_MODEL_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), "rft-models"))
-        if self.timeout is None:
-            self.timeout = float(os.environ.get("RFT_MODEL_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT))
 
     def _download_group(self, rt: Any):
         """A gloo group for the download wait, with its own timeout (a default-timeout
@@ -90,17 +84,17 @@ def fetch_model(path: str, rt: Any) -> str:
     return rt.models.fetch(path, rt)
 
 
-def sync_model_dir(path: str, local: str) -> None:
+def sync_model_dir(path: str, local: str, env: PodEnv | None = None) -> None:
     """`_sync_model_dir` under an exclusive lock on the cache directory: two pods of a job
     on one node may share a hostPath or PVC cache, and a download killed mid-file leaves a
     partial `.tmp-` file that only a holder of the lock may remove."""
     os.makedirs(local, exist_ok=True)
     with open(os.path.join(local, LOCK), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _sync_model_dir(path, local)
+        _sync_model_dir(path, local, env)
 
 
-def _sync_model_dir(path: str, local: str) -> None:
+def _sync_model_dir(path: str, local: str, env: PodEnv | None) -> None:
     """Make `local` a verified copy of every object under the s3:// prefix `path`.
 
     Each file is streamed to disk and hashed in one pass (`download_to`). A file already
@@ -110,7 +104,7 @@ def _sync_model_dir(path: str, local: str) -> None:
     removed (a stale *.safetensors would be loaded)."""
     from rft_contract.s3 import S3Storage  # boto3, imported only where a model is on S3
 
-    storage, base, root = S3Storage(), path.rstrip("/") + "/", os.path.abspath(local)
+    storage, base, root = S3Storage(env=env), path.rstrip("/") + "/", os.path.abspath(local)
     objects = {uri[len(base):]: meta for uri, meta in storage.list_objects(base).items() if not uri.endswith("/")}
     if "config.json" not in objects:
         raise FileNotFoundError(f"{path}: no config.json under this prefix (is it an HF model directory?)")

@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rft_contract.podenv import PodEnv
+
 from .modelcache import ModelCache
 from .models import (ValueModel, check_supported, decoder_blocks, init_non_persistent_buffers,
                      load_config)
@@ -52,7 +54,7 @@ class Runtime:
     local_world_size: int = 1
     # This process's downloads of s3:// models (modelcache.py): asked again by every role's
     # build and every export, fetched once.
-    models: ModelCache = field(default_factory=lambda: ModelCache(), compare=False, repr=False)
+    models: ModelCache = field(default_factory=ModelCache, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -67,8 +69,9 @@ def backend_for(cuda: bool, cpu_offload: bool) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def init_distributed(cpu_offload: bool = False) -> Runtime:
-    """Join the torchrun group (or form a world of one outside torchrun)."""
+def init_distributed(cpu_offload: bool = False, env: PodEnv | None = None) -> Runtime:
+    """Join the torchrun group (or form a world of one outside torchrun). `env`: the pod's
+    knobs for the model cache (`JobConfig.env`; None: read from the process environment)."""
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -83,7 +86,8 @@ def init_distributed(cpu_offload: bool = False) -> Runtime:
     else:
         device = torch.device("cpu")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, local_world_size,
+                   models=ModelCache(env))
 
 
 def _free_port() -> int:

@@ -553,10 +553,15 @@ class RunContext(NamedTuple):
     local_dir: str
     params: dict
     run_name: str | None
+    env: Any  # config.env (rft_contract.podenv.PodEnv): the S3 client's knobs
+
+    def storage(self, uri: str) -> Storage:
+        return get_storage(uri, self.env)
 
 
 def _tensorboard(spec, ctx: RunContext):
-    return TensorBoardBackend(spec.uri or join(ctx.root, TENSORBOARD), ctx.job.attempt, ctx.local_dir,
+    uri = spec.uri or join(ctx.root, TENSORBOARD)
+    return TensorBoardBackend(uri, ctx.job.attempt, ctx.local_dir, storage=ctx.storage(uri),
                               config_text=json.dumps(ctx.params, indent=1, sort_keys=True), run=ctx.role)
 
 
@@ -565,16 +570,17 @@ def _mlflow(spec, ctx: RunContext):
     tags = {"rft.job": job.name, "rft.namespace": job.namespace, "rft.uid": job.uid,
             "rft.checkpoint_uri": ctx.root, "rft.role": role or "trainer",
             "rft.attempt": None if role else str(job.attempt)}  # an explorer outlives the gang's attempts
-    return MLflowBackend(spec.tracking_uri, spec.experiment, mlflow_state_uri(ctx.root, role),
-                         ctx.params, {k: v for k, v in tags.items() if v}, run_name=ctx.run_name)
+    state = mlflow_state_uri(ctx.root, role)
+    return MLflowBackend(spec.tracking_uri, spec.experiment, state, ctx.params,
+                         {k: v for k, v in tags.items() if v}, run_name=ctx.run_name, storage=ctx.storage(state))
 
 
 def _wandb(spec, ctx: RunContext):
     role = ctx.role
     run_id = "rft-" + hashlib.sha256(((ctx.job.uid or ctx.root) + (f"/{role}" if role else "")).encode()).hexdigest()[:16]
+    upload = join(ctx.root, TRACKING, "wandb" if role is None else f"wandb-{role}")
     return WandbBackend(spec.project, spec.entity, spec.mode, run_id, str(Path(ctx.local_dir) / "wandb-run"),
-                        ctx.params, join(ctx.root, TRACKING, "wandb" if role is None else f"wandb-{role}"),
-                        run_name=ctx.run_name)
+                        ctx.params, upload, run_name=ctx.run_name, storage=ctx.storage(upload))
 
 
 # The catalogue's trackers (rft_contract.trackers), by name: spec.tracking.<name> -> its backend.
@@ -601,5 +607,5 @@ def build_tracker(config, report: Callable[[dict], None] | None = None, local_di
         return None
     job = config.job
     ctx = RunContext(config.checkpoint.uri, job, role, local_dir or tempfile.mkdtemp(prefix="rft-tracking-"),
-                     build_params(config), (f"{job.name}_{role}" if role else job.name) or None)
+                     build_params(config), (f"{job.name}_{role}" if role else job.name) or None, config.env)
     return Tracker([BACKENDS[name](section, ctx) for name, section in sections.items()], report, **worker_kw)

@@ -111,15 +111,16 @@ class Trainer:
             # deadline allows for it while this says so (the first step report clears it).
             self.reporter.report_waiting(names.WAIT_PREPARING, "loading the model and resuming from the "
                                          "last checkpoint", now(), 0.0)
-        self.rt = init_distributed(cpu_offload=self.config.fsdp.cpu_offload)
+        self.rt = init_distributed(cpu_offload=self.config.fsdp.cpu_offload, env=self.config.env)
         self.engine = self.build_engine(self.config, self.rt)
         self.engine.prepare()
         if self.rt.is_main:
-            self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt)
+            self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt,
+                                          storage=get_storage(self.config.checkpoint.uri, self.config.env))
             self.tracker = build_tracker(self.config, report=self._report_tracking)
             self.pod_metrics.observe_job(self.config.job.attempt, self.config.trainer.total_steps)
             self.pod_metrics.serve()
-        self.storage = get_storage(self.config.checkpoint.uri)  # built once: an S3 client is not free
+        self.storage = get_storage(self.config.checkpoint.uri, self.config.env)  # built once: an S3 client is not free
         self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
         self.checkpointer.on_commit = self._report_commit
         self.checkpointer.extra_state = self.checkpoint_extra
@@ -129,7 +130,8 @@ class Trainer:
                                                    on_publish=self._report_weights)
         self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
         b = self.config.buffer
-        self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness)
+        self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness,
+                                   storage=get_storage(b.uri, self.config.env))
         extra = self.load_checkpoint()
         if extra and "buffer" in extra:
             self.buffer.load_state_dict(extra["buffer"])
