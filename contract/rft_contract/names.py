@@ -181,3 +181,13 @@ def master_addr(job: str, attempt: int, namespace: str) -> str:
 # operator rendered (JSON, e.g. {"annotations": ["eks.amazonaws.com/role-arn"]}), so a key
 # dropped from the spec is removed from the live object, and keys others added are not.
 ANNOTATION_MANAGED_KEYS = "rft.dev/managed-keys"
+
+
+# The sync agent's server in each inference pod (rft_serving.relay.PeerServer): weights for
+# its children in the relay tree, and its record of what the engine serves for explorers.
+WEIGHTS_PEER_PORT = 8471
+
+
+def agent_port(inference_port: int) -> int:
+    """The sync agent's server port: a fixed one, unless the engine took it."""
+    return WEIGHTS_PEER_PORT + (inference_port == WEIGHTS_PEER_PORT)

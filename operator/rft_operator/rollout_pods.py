@@ -23,7 +23,6 @@ from .objects import (JobRef, Obj, build_container_security_context, build_metri
 # children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
 # about once whatever the replica count. Fanout 2 keeps a parent's upload at twice a
 # download while the tree stays log2(replicas) deep (streamed: depth costs little).
-WEIGHTS_PEER_PORT = 8471
 WEIGHTS_FANOUT = 2
 SUPERVISOR_PORT = 8473  # rft_serving.supervise's control server, on the pod's loopback
 # Where the init container puts the engine's helpers (rft_serving.supervise, .vllm_worker).
@@ -100,8 +99,8 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
 
 
 def weights_peer_port(spec: RFTJobSpec) -> int:
-    """The sync agent's relay port: a fixed one, unless the engine took it."""
-    return WEIGHTS_PEER_PORT + (spec.inference.port == WEIGHTS_PEER_PORT)
+    """The sync agent's relay port (names.agent_port)."""
+    return names.agent_port(spec.inference.port)
 
 
 def supervisor_port(spec: RFTJobSpec) -> int:

@@ -956,6 +956,118 @@ def test_requests_around_the_end_of_a_load_are_dropped_not_labelled_old(tmp_path
         fake.stop()
 
 
+class ThrottledApiServer:
+    """An API server that answers every request 429 (API Priority and Fairness refusing),
+    for a real kubernetes client: `requests` counts what reached it."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer, self.requests = self, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                outer.requests += 1
+                body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                   "reason": "TooManyRequests", "code": 429}).encode()
+                self.send_response(429)
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_PATCH = do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def client(self):
+        import kubernetes
+
+        config = kubernetes.client.Configuration()
+        config.host = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(config))
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_versions_come_from_the_agent_so_a_throttled_api_server_drops_no_sample(tmp_path, weights):
+    """An engine that reports no versions (vLLM 0.32.0): each request's version is the sync
+    agent's record read from the agent itself (`GET /record` on its peer server), never
+    from the API server. With the API server answering every request 429, every sample
+    keeps its version; a request that straddles a reload back to the SAME version number
+    (a new export of it) is dropped, which the status entry cannot tell; and the API
+    server is not read at all. An agent too old for `/record` (404) is read from the job's
+    status instead, where the throttled API drops its samples: what every sample suffered
+    before."""
+    from rft_rollout.explorer import ReplicaRecords
+    from rft_serving.relay import PeerServer
+
+    fake = FakeVLLM(honours_opt_in=False).start()
+    throttled = ThrottledApiServer()
+    peer = PeerServer(tmp_path / "peer").start()
+    try:
+        engine = RecordingEngine()
+        engine.version = 3
+        target = {"version": 3, "id": "a", "uri": str(weights)}
+        agent, api = make_agent(engine, tmp_path, target)
+        engine.api = api
+        peer.record = agent.record
+        agent.report_ok(target, None)
+        progress = KubeProgress(throttled.client(), "job", "ns", total_steps=10)
+        records = ReplicaRecords([fake.url], ["job-inference-0"], peer.port, progress)
+        client = InferenceClient([fake.url], version_of=records)
+        assert [client.complete(BODY).versions for _ in range(5)] == [[3, 3]] * 5
+
+        fake.gate = threading.Event()
+        straddler: list = []
+        started = len(fake.calls)
+        thread = threading.Thread(target=lambda: straddler.append(client.complete(BODY)))
+        thread.start()  # reads the record, then waits in the engine
+        wait_for(lambda: len(fake.calls) > started, 10, "the request to reach the engine")
+        again = {"version": 3, "id": "b", "uri": str(weights)}  # version 3 exported anew
+        assert agent.converge(again)
+        fake.gate.set()  # the request ends after the weights changed and were recorded
+        thread.join(10)
+        assert straddler[0].versions == [STRADDLED, STRADDLED]
+        assert client.complete(BODY).versions == [3, 3]
+        assert throttled.requests == 0 and progress.record_reads == 0
+        assert records.reads == 2 * 7
+
+        peer.record = None  # an agent from before the route: 404
+        assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
+        assert records.legacy == [True] and progress.record_reads == 2 and throttled.requests >= 2
+    finally:
+        if fake.gate is not None:
+            fake.gate.set()
+        fake.stop()
+        throttled.stop()
+        peer.stop()
+
+
+def test_the_agents_record_changes_generation_with_every_change_of_version(tmp_path, weights):
+    engine = MemoryEngine()
+    target = {"version": 3, "id": "a", "uri": str(weights)}
+    agent, _ = make_agent(engine, tmp_path, target)
+    first = agent.record()
+    assert first["version"] is None  # nothing known yet: no request is labelled
+    agent.converge(target)
+    loaded = agent.record()
+    assert loaded["version"] == 3 and loaded["generation"] != first["generation"]
+    agent.report_ok(target, None)  # the same version written again: no change
+    assert agent.record() == loaded
+    agent.converge({"version": 3, "id": "b", "uri": str(weights)})
+    assert agent.record()["version"] == 3 and agent.record()["generation"] != loaded["generation"]
+    restarted, _ = make_agent(engine, tmp_path, target)  # another process: another boot id
+    assert restarted.record()["generation"].split(":")[0] != loaded["generation"].split(":")[0]
+
+
 def test_the_start_up_link_follows_the_loaded_weights(tmp_path, weights):
     """vLLM/SGLang start from <dest>/initial: after a load it names the loaded weights, and
     the directory it names is never cleaned up."""
@@ -1331,6 +1443,19 @@ def test_the_explorer_reads_each_replicas_record_from_the_job_status():
     version_of = replica_versions(KubeProgress(Api(), "demo", "ns", 10), endpoints)
     assert [version_of(i) for i in range(4)] == [4, 5, None, None]  # no version: unknown
     assert replica_versions(lambda: (0, 10), endpoints) is None  # no job status to read
+
+
+def test_the_explorer_reads_each_replicas_record_from_its_agent_on_the_agents_port():
+    from rft_contract.names import agent_port
+
+    endpoints = ["http://demo-inference-0.demo-inference.ns.svc:8000", "http://elsewhere:8000",
+                 "http://demo-inference-1.demo-inference.ns.svc:8471"]
+    records = replica_versions(None, endpoints, agent_port(8000), job="demo")  # no API credentials needed
+    assert records.urls == ["http://demo-inference-0.demo-inference.ns.svc:8471/record", None,
+                            "http://demo-inference-1.demo-inference.ns.svc:8471/record"]
+    assert records(1) is None and records.reads == 0  # not one of the job's pods: nothing says
+    assert agent_port(8471) == 8472  # the engine took the agent's usual port (rollout_pods does the same)
+    assert replica_versions(None, ["http://elsewhere:8000"], 8471, job="demo") is None
 
 
 @pytest.mark.parametrize("vllm", [{"honours_opt_in": True}], indirect=True)  # a vLLM that reports spans

@@ -8,7 +8,8 @@ from rft_contract import names
 from rft_contract.spec import parse_spec
 from rft_operator import rollout
 from rft_operator.conditions import Cond
-from rft_operator.rollout_pods import WEIGHTS_FANOUT, WEIGHTS_PEER_PORT, build_inference_pod, build_rollout_pods
+from rft_contract.names import WEIGHTS_PEER_PORT
+from rft_operator.rollout_pods import WEIGHTS_FANOUT, build_inference_pod, build_rollout_pods
 
 from .testing import LOOP, NOW, REF, rollout_pod, rollout_pods
 

@@ -69,15 +69,15 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
 from rft_contract.jobapi import get_job, job_api
-from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA
+from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA, agent_port
 from rft_contract.podmetrics import ExplorerMetrics
 from rft_contract.storage import Storage, get_storage, join
 from rft_trainer.experience import read_shard_meta, write_shard
 from rft_trainer.tracking import Tracker, build_tracker, explorer_role
 
 from .rewards import get_reward
-from .rollouts import (STRADDLED, UNVERSIONED, ClientError, Completion, InferenceClient, Sample, Stopped,
-                       VersionOf, build_experiences, build_samples, load_tokenizer, replica_pod)
+from .rollouts import (STRADDLED, UNVERSIONED, ClientError, Completion, InferenceClient, Record, Sample,
+                       Stopped, VersionOf, build_experiences, build_samples, load_tokenizer, replica_pod)
 from .tasksets import load_taskset
 
 log = logging.getLogger("rft_rollout.explorer")
@@ -186,8 +186,10 @@ class Explorer:
         self._stop = threading.Event()
         self.waiting = threading.Event()  # set while throttled (for tests and metrics)
         # version_of: the sync agents' records, for engines that report no weights version.
-        self.client = InferenceClient(endpoints, self.section.request_timeout, self._stop, version_of=(
-            version_of if version_of is not None else replica_versions(progress, endpoints)))
+        if version_of is None:
+            port = agent_port(config.inference.port) if config.inference is not None else None
+            version_of = replica_versions(progress, endpoints, port, job=config.job.name)
+        self.client = InferenceClient(endpoints, self.section.request_timeout, self._stop, version_of=version_of)
         self.finished = False  # the trainer reached total_steps
         self.rejected_in_row = 0
         self.state = ExplorerState()
@@ -439,6 +441,7 @@ class KubeProgress:
     def __init__(self, api: Any, name: str, namespace: str, total_steps: int):
         self.api, self.name, self.namespace, self.total_steps = api, name, namespace, total_steps
         self.last: TrainerProgress | None = None
+        self.record_reads = 0  # API reads for replica versions (older agents only)
 
     def __call__(self) -> TrainerProgress | None:
         try:
@@ -456,7 +459,9 @@ class KubeProgress:
     def replica_version(self, pod: str) -> int | None:
         """The version the sync agent of inference pod `pod` last recorded as loaded
         (`status.weightSync.replicas[pod].version`), read now; None when unknown (no
-        entry, or the API failed: never a stale value, the read brackets a request)."""
+        entry, or the API failed: never a stale value, the read brackets a request).
+        Only for agents too old to answer `/record` (ReplicaRecords)."""
+        self.record_reads += 1
         try:
             obj = get_job(self.api, self.namespace, self.name)
         except Exception as e:  # noqa: BLE001 - unknown: that request's samples are dropped
@@ -467,14 +472,79 @@ class KubeProgress:
         return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
-def replica_versions(progress: Progress | None, endpoints: Sequence[str]) -> VersionOf | None:
-    """`version_of(endpoint index)` for the InferenceClient from the job's status (endpoints
-    name their pods: `http://<job>-inference-<i>.<svc>...`); None without a KubeProgress.
-    Only read for engines whose responses carry no weights version."""
-    if not isinstance(progress, KubeProgress):
+def replica_versions(progress: Progress | None, endpoints: Sequence[str], agent_port: int | None = None,
+                     job: str = "") -> VersionOf | None:
+    """`version_of(endpoint index)` for the InferenceClient, for endpoints that name the
+    job's inference pods (`http://<job>-inference-<i>.<svc>...`): with `agent_port`, each
+    replica's sync agent's record read from the agent (ReplicaRecords); without it, from
+    the job's status through a KubeProgress. None when neither can say. Only read for
+    engines whose responses carry no weights version."""
+    job = job or (progress.name if isinstance(progress, KubeProgress) else "")
+    pods = [replica_pod(e, job) for e in endpoints] if job else []
+    if not any(pods):
         return None
-    pods = [replica_pod(e, progress.name) for e in endpoints]
-    return lambda i: progress.replica_version(pods[i]) if pods[i] else None
+    kube = progress if isinstance(progress, KubeProgress) else None
+    if agent_port is not None:
+        return ReplicaRecords(endpoints, pods, agent_port, kube)
+    if kube is None:
+        return None
+    return lambda i: kube.replica_version(pods[i]) if pods[i] else None
+
+
+class ReplicaRecords:
+    """Each replica's sync agent's record of what its engine serves, read from the agent
+    (`GET http://<pod>:<agent port>/record`, rft_serving.sync_agent.SyncAgent.record) around
+    every request: no API server read, so a throttled or unreachable API server drops no
+    sample whose version the agent knows. An agent that answers 404 (an image from before
+    the route) is read from the job's status from then on (`progress`); an agent that does
+    not answer gives no version (those choices are dropped)."""
+
+    LOG_EVERY = 30.0
+
+    def __init__(self, endpoints: Sequence[str], pods: Sequence[str | None], port: int,
+                 progress: KubeProgress | None = None, timeout: float = 2.0):
+        from urllib.parse import urlsplit
+
+        self.pods, self.progress, self.timeout = list(pods), progress, timeout
+        self.urls = [f"http://{urlsplit(e).hostname}:{port}/record" if pod else None
+                     for e, pod in zip(endpoints, pods)]
+        self.legacy = [False] * len(self.urls)  # agents without /record
+        self.reads = 0  # reads of agents
+        self._local = threading.local()
+        self._logged = 0.0
+
+    def __call__(self, i: int) -> Record | int | None:
+        if self.urls[i] is None:
+            return None
+        if self.legacy[i]:
+            return self.progress.replica_version(self.pods[i]) if self.progress is not None else None
+        import requests
+
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        self.reads += 1
+        try:
+            r = session.get(self.urls[i], timeout=self.timeout)
+            if r.status_code == 404:
+                log.info("the sync agent at %s has no /record (an older image): reading its record "
+                         "from the job's status", self.urls[i])
+                self.legacy[i] = True
+                return self(i)
+            r.raise_for_status()
+            doc = r.json()
+            version, generation = doc["version"], doc["generation"]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            self._warn(f"reading the sync agent's record at {self.urls[i]} failed: {type(e).__name__}: {e}")
+            return None
+        ok = isinstance(version, int) and not isinstance(version, bool)
+        return Record(version if ok else None, str(generation))
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._logged >= self.LOG_EVERY:  # per request otherwise
+            self._logged = now
+            log.warning("%s (those requests' samples are dropped)", message)
 
 
 def progress_from_env(name: str, namespace: str, total_steps: int) -> Progress | None:

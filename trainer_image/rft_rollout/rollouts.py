@@ -39,16 +39,18 @@ choice's version is what the engine reports when it reports one:
 A label that is not one of our integer versions (vLLM's and SGLang's start-up label
 "default": an engine container that restarted and was not reloaded yet) drops the choice.
 When the engine reports nothing, the version is the sync agent's record of what that
-replica loaded (`status.weightSync.replicas[<pod>].version`, through the explorer's
-`version_of(endpoint index)`), read before the request and after it: equal integers are
-the version; a change (STRADDLED) or a missing/null value (UNVERSIONED) drops the choices.
-The agent writes null to the record before it starts a reload and the new version only
-once the engine reports it (rft_serving.sync_agent), so a request that ran while the
-weights changed reads null at least once, or two different versions: it is dropped, never
-mislabelled (except when the record comes back to the first value within one request: two
-reloads, the second to the same version number). A request that ends after the load but
-before the new version is recorded is dropped too (it reads null), not attributed to
-the old version.
+replica loaded, through the explorer's `version_of(endpoint index)`, read before the
+request and after it: equal records with an integer version give the version; a change
+(STRADDLED) or a missing/null value (UNVERSIONED) drops the choices. The record is a
+`Record` read from the agent itself (explorer.ReplicaRecords: no API server read), or for
+an older agent the bare version in `status.weightSync.replicas[<pod>].version`. The agent
+sets its record to null before it starts a reload and to the new version only once the
+engine reports it (rft_serving.sync_agent), so a request that ran while the weights changed
+reads null at least once, or two different records: it is dropped, never mislabelled.
+A `Record`'s generation changes with each of those steps, so a request that straddled two
+reloads, the second back to the first version number, is dropped too (the bare version
+of the status cannot tell). A request that ends after the load but before the new version
+is recorded is dropped too (it reads null), not attributed to the old version.
 Dropped choices are counted in `InferenceClient.dropped`.
 """
 
@@ -68,8 +70,8 @@ import requests
 import torch
 
 from rft_contract.names import inference_pod_name
-from rft_contract.storage import get_storage
 from rft_contract.podenv import PodEnv
+from rft_contract.storage import get_storage
 from rft_contract.versions import parse_version
 from rft_trainer.experience import Experiences
 
@@ -78,7 +80,20 @@ log = logging.getLogger("rft_rollout.rollouts")
 VERSION_HEADER = "X-RFT-Weights-Version"
 # Why a choice has no version (it is dropped): it straddled a reload, or nothing says.
 STRADDLED, UNVERSIONED = "straddled", "unversioned"
-VersionOf = Callable[[int], "int | None"]
+
+
+class Record(NamedTuple):
+    """What a replica's sync agent says it serves, read from the agent itself
+    (`GET <agent>/record`): `generation` changes whenever the record goes to no version
+    (before every reload), so two reads that return the same Record bracket no reload,
+    even one back to the same version number."""
+    version: int | None
+    generation: str
+
+
+# The agent's record of what endpoint i serves: a Record from the agent, a bare version
+# from the job's status (older agents), or None when unknown.
+VersionOf = Callable[[int], "Record | int | None"]
 # Files AutoTokenizer may read; weights are never downloaded for the tokenizer.
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
@@ -269,11 +284,12 @@ def engine_versions(response: dict[str, Any], header_version: int | None = None)
     return None
 
 
-def record_versions(n: int, before: int | None, after: int | None) -> list[int | str]:
+def record_versions(n: int, before: Record | int | None, after: Record | int | None) -> list[int | str]:
     """n choices' version from the agent's record read before and after the request."""
-    if before is None or after is None:
+    versions = [r.version if isinstance(r, Record) else r for r in (before, after)]
+    if None in versions or type(before) is not type(after):  # unknown, or two sources
         return [UNVERSIONED] * n
-    return [before if before == after else STRADDLED] * n
+    return [versions[0] if before == after else STRADDLED] * n
 
 
 def choice_versions(response: dict[str, Any], header_version: int | None = None,

@@ -19,6 +19,9 @@ directory with its `.manifest.json`), and only files that manifest lists by plai
 other path on the pod's disk is reachable. A request for a version not here yet waits up to
 `wait_seconds` for the agent to start on it (the parent notices the same target at about
 the same time), then answers 404 and the child goes to S3.
+
+The same server answers `GET /record` with the agent's record of what its engine serves
+(`SyncAgent.record`), which explorers read around each request instead of the API server.
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ class PeerServer:
         self._httpd = ThreadingHTTPServer((host, port), _handler(self))
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        # The agent's record for explorers (`GET /record`, SyncAgent.record); None: 404.
+        self.record: Callable[[], dict] | None = None
 
     @property
     def port(self) -> int:
@@ -195,6 +200,8 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
             log.debug("%s " + fmt, self.client_address[0], *args)
 
         def do_GET(self):  # noqa: N802 - http.server's name
+            if urlsplit(self.path).path == "/record" and server.record is not None:
+                return self._json(server.record())
             parts = urlsplit(self.path).path.split("/")
             if len(parts) != 4 or parts[:2] != ["", "weights"]:
                 return self._error(404, "not found")
@@ -223,6 +230,14 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
                     break  # the file is shorter than announced (restarted): the caller ends
                 done += n
             return done
+
+        def _json(self, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def _error(self, code: int, message: str) -> None:
             body = message.encode()

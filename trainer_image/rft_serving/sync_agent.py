@@ -54,11 +54,15 @@ before the link is moved); and SGLang's refused cache flush, after which SGLang 
 weights but reports the old version (its responses carry their own versions, so explorers
 never use the record for it). Explorers that attribute requests to this record (engines
 that report no version) read it before and after each request, so a request that ran
-during a reload reads null at least once, or two different versions, and is dropped
-(unless the record came back to the version first read within that one request: two
-reloads, the second to the same version number). The time between the end of a load and
-the entry's new version costs requests (dropped), never labels. The operator counts a
-null entry as not synced.
+during a reload reads null at least once, or two different versions, and is dropped.
+They read it from the agent itself, not from the API server: `GET <peer server>/record`
+answers {"version", "generation"} from the agent's memory, updated with every entry it
+writes (before the write goes out), and the generation changes with every change of the
+version (null included), so a reload back to the same version number is seen too
+(`record()`). An older agent without the route answers 404 and explorers read its status
+entry instead (then two API reads per request, and a reload back to the same number within
+one request goes unseen). The time between the end of a load and the entry's new version
+costs requests (dropped), never labels. The operator counts a null entry as not synced.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +83,7 @@ from rft_contract import names
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.podmetrics import SyncAgentMetrics
 from rft_contract.probe import read_probe
+from rft_contract.podenv import PodEnv
 from rft_contract.storage import get_storage
 
 from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
@@ -106,8 +112,10 @@ class SyncAgent:
                  api=None, resync_seconds: float = 10.0, max_backoff: float = 30.0, storage=None,
                  peer_server: PeerServer | None = None, peer_url: str | None = None, fanout: int = 0,
                  peer_timeout: float = 30.0, probe_tolerance: float | None = None,
-                 engine_start_timeout: float = 900.0, broken_retry_seconds: float = 300.0):
+                 engine_start_timeout: float = 900.0, broken_retry_seconds: float = 300.0,
+                 env: PodEnv | None = None):
         self.job, self.namespace, self.pod = job, namespace, pod
+        self.env = PodEnv.read() if env is None else env  # the S3 client's knobs
         self.engine, self.dest, self.storage = engine, Path(dest), storage
         self.peer_server, self.peer_url, self.fanout = peer_server, peer_url, fanout
         self.peer_timeout = peer_timeout
@@ -128,6 +136,12 @@ class SyncAgent:
         # ((version, id), monotonic time before which that export is not tried again).
         self.broken: tuple[tuple[int, str | None], float] | None = None
         self.engine_seen: float | None = None  # monotonic time the engine first answered
+        # What explorers read around each request (`record()`): the entry's version as last
+        # written, and a generation that changes whenever it does. The boot id tells this
+        # process's generations from a restarted agent's.
+        self._record_lock = threading.Lock()
+        self._record: tuple[int | None, int] = (None, 0)
+        self._boot = uuid.uuid4().hex[:12]
         self.metrics = SyncAgentMetrics()  # main() serves it (/metrics, port `metrics`)
 
     # --- watching the job
@@ -217,14 +231,15 @@ class SyncAgent:
                 and known.get("id") == target.get("id"):
             if self.attempts or not self._reported(target):
                 self.report_ok(target, None)
+            else:
+                self._set_record(serving)  # the entry already says it (an agent restart)
             self.served = dict(target)
             if self.good is None:
                 self.good = self._on_disk(target)  # what a fall-back goes back to
             return False
         self._check_not_broken(target)
         start = time.perf_counter()
-        if self.storage is None and str(target.get("uri", "")).startswith("s3://"):
-            self.storage = get_storage(target["uri"])  # one client for the agent's life
+        self._ensure_storage(target)
         log.info("fetching version %s from %s", target["version"], target.get("uri"))
         got = fetch(target, self.dest, self.storage, self.parent(), self.peer_server, self.peer_timeout)
         path, times = got.path, got.times
@@ -319,6 +334,10 @@ class SyncAgent:
     def _hold_off(self, target: dict) -> None:
         """Do not try this export again for `broken_retry_seconds` (a newer one at once)."""
         self.broken = ((target["version"], target.get("id")), time.monotonic() + self.broken_retry_seconds)
+
+    def _ensure_storage(self, target: dict) -> None:
+        if self.storage is None and str(target.get("uri", "")).startswith("s3://"):
+            self.storage = get_storage(target["uri"], self.env)  # one client for the agent's life
 
     def _check_not_broken(self, target: dict) -> None:
         if self.broken is None:
@@ -431,8 +450,26 @@ class SyncAgent:
         if restarts is not None:
             entry["engineRestarts"] = restarts
 
+    def record(self) -> dict:
+        """{"version": the entry's version as last written (null: unknown or reloading),
+        "generation": changes whenever the version does}: the peer server's `/record`."""
+        with self._record_lock:
+            version, n = self._record
+        return {"version": version, "generation": f"{self._boot}:{n}"}
+
+    def _set_record(self, version: Any) -> None:
+        version = version if isinstance(version, int) and not isinstance(version, bool) else None
+        with self._record_lock:
+            old, n = self._record
+            if version is None or version != old:
+                self._record = (version, n + 1)
+
     def _patch(self, entry: dict) -> bool:
-        """Merge-patch this pod's entry; False when 5 tries failed (the next pass reports again)."""
+        """Merge-patch this pod's entry; False when 5 tries failed (the next pass reports
+        again). The record explorers read changes first: a reload never starts while it
+        still names the old version."""
+        if "version" in entry:
+            self._set_record(entry["version"])
         status = {"weightSync": {"replicas": {self.pod: entry}}}
         for attempt in range(5):
             try:
@@ -482,6 +519,7 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
     if target is None:
         log.error("no status.weightSync.target after %.0fs", timeout)
         return 1
+    agent._ensure_storage(target)
     path = fetch(target, agent.dest, agent.storage, agent.parent(), None, agent.peer_timeout).path
     if out.exists() or out.is_symlink():
         out.unlink() if out.is_symlink() else shutil.rmtree(out)
@@ -525,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.job and args.namespace and args.pod):
         log.error("need --job/--namespace/--pod (or RFT_JOB_NAME/RFT_JOB_NAMESPACE/RFT_POD_NAME)")
         return 78
+    try:
+        env = PodEnv.read()
+    except ValueError as e:
+        log.error("%s", e)
+        return 78
     pod_ip = os.environ.get("RFT_POD_IP")
     url = args.engine_url or f"http://{pod_ip or '127.0.0.1'}:{args.engine_port}"
     server = peer_url = None
@@ -535,7 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = ENGINES[args.engine](url, supervisor=supervisor)
     agent = SyncAgent(args.job, args.namespace, args.pod, engine, args.dest,
                       peer_server=server, peer_url=peer_url, fanout=args.fanout, peer_timeout=args.peer_timeout,
-                      probe_tolerance=args.probe_tolerance, engine_start_timeout=args.engine_start_timeout)
+                      probe_tolerance=args.probe_tolerance, engine_start_timeout=args.engine_start_timeout,
+                      env=env)
+    if server is not None:
+        server.record = agent.record  # explorers read it around each request
     if args.fetch_only:
         if args.install_helpers:
             install_helpers(Path(args.install_helpers))
