@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,3 +25,21 @@ def world_of_one(monkeypatch):
         monkeypatch.setenv(k, v)
     yield init_distributed()
     torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def lr1e6_exports(tmp_path_factory) -> tuple[Path, Path]:
+    """Two versions of SmolLM2-135M (tied embeddings) one GRPO step apart at lr 1e-6, fp32
+    master weights, exported in bf16 by the engine's own export_policy (weights, probe,
+    fingerprint): tests/trainer/fingerprint_worker.py. About a minute on 2 cores."""
+    from tests.fixtures.real_model import smollm2_dir
+
+    here = Path(__file__).parent
+    root = tmp_path_factory.mktemp("lr1e6")
+    old, new = root / "v1", root / "v2"
+    path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": path}
+    res = subprocess.run([sys.executable, str(here / "fingerprint_worker.py"), str(smollm2_dir()), str(old), str(new)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return old, new

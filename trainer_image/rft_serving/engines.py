@@ -35,6 +35,8 @@ from typing import Any, Callable
 import requests
 
 from rft_contract import names
+from rft_contract.fingerprint import FingerprintVerdict, read_fingerprint
+from rft_contract.fingerprint import compare as compare_fingerprint
 from rft_contract.probe import Probe, Verdict, compare
 from rft_contract.versions import parse_version
 
@@ -48,9 +50,11 @@ class SyncError(RuntimeError):
 
 
 class ProbeMismatch(SyncError):
-    """The engine serves the new weights but scores the probe unlike the trainer."""
+    """The engine loaded the new weights but does not hold them as exported: it scores the
+    probe unlike the trainer (`verdict`), or a parameter's fingerprint differs from the
+    export's (`verdict` None; the message names the parameters)."""
 
-    def __init__(self, message: str, verdict: Verdict):
+    def __init__(self, message: str, verdict: Verdict | None = None):
         super().__init__(message)
         self.verdict = verdict
 
@@ -69,6 +73,9 @@ class Engine:
     def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
         self.supervisor = supervisor.rstrip("/") if supervisor else None
+        # The exact check of the last load (rft_contract.fingerprint); None: not checked
+        # (an export without a fingerprint, or an engine that cannot say what it holds).
+        self.fingerprint_verdict: FingerprintVerdict | None = None
 
     def served(self) -> int | None:
         """The version the engine itself reports now; None when it serves none of ours."""
@@ -179,6 +186,10 @@ class ReferenceEngine(Engine):
             r = requests.post(self.url + "/weights/load", json=body, timeout=self.timeout)
         except requests.RequestException as e:
             raise SyncError(f"engine /weights/load: {type(e).__name__}") from None
+        if r.status_code == 409 and "fingerprint" in r.json():
+            error = (r.json().get("error") or {}).get("message", "")
+            raise ProbeMismatch(f"version {version}: the engine refused weights it did not load as exported: "
+                                f"{error.removeprefix('the loaded weights are not the export: ')}")
         if r.status_code == 409:
             out = r.json().get("probe") or {}
             verdict = Verdict(False, out.get("meanDiff", float("inf")), out.get("maxDiff", float("inf")),
@@ -187,6 +198,8 @@ class ReferenceEngine(Engine):
                                 f"as the trainer did: {verdict.describe()}", verdict)
         if r.status_code >= 400:
             raise SyncError(f"engine /weights/load: HTTP {r.status_code} {r.text[:300]}")
+        checked = r.json().get("fingerprint")
+        self.fingerprint_verdict = FingerprintVerdict(True, checked["params"]) if checked else None
         out = r.json().get("probe")
         return Verdict(True, out["meanDiff"], out["maxDiff"], out["tokens"], out["tolerance"]) if out else None
 
@@ -332,6 +345,7 @@ class VLLMEngine(Engine):
             # Left paused: resumed, the half-loaded engine dies on its next request.
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
                                "a fresh start") from None
+        self.fingerprint_verdict = self.check_fingerprint(path, version)  # still paused: never served
         out = self._post("/reset_prefix_cache")
         if isinstance(out, dict) and out.get("success") is False:
             log.warning("vLLM did not reset its prefix cache after loading version %s (the pause already "
@@ -339,6 +353,30 @@ class VLLMEngine(Engine):
         self._post("/resume")
         verdict = self.check(probe, tolerance, f"version {version} after a reload")
         self.label(version)
+        return verdict
+
+    def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:
+        """The weights every worker holds, as its kernels use them (vllm_worker.fingerprint),
+        against the export's fingerprint. A parameter that differs raises ProbeMismatch
+        naming it (the engine is still paused; the agent restarts it from disk). Exported
+        tensors the engine's names do not account for (a model whose vLLM names differ from
+        HF's) leave them unchecked, with a warning: the probe still applies. None without
+        the extension or without a fingerprint in the export."""
+        fingerprint = read_fingerprint(path)
+        if fingerprint is None or not self.extension:
+            return None
+        out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
+        workers = [r for r in (out or {}).get("results", []) if isinstance(r, dict)]
+        if not workers:
+            raise SyncError(f"engine /collective_rpc rft_fingerprint: no result in {str(out)[:200]}")
+        verdict = compare_fingerprint(combine_workers(workers), fingerprint, workers[0].get("packed"))
+        if verdict.mismatched:
+            raise ProbeMismatch(f"version {version}: the engine does not hold the exported weights after "
+                                f"the reload: {verdict.describe()}")
+        if verdict.missing:
+            log.warning("version %s: the fingerprint check could not place %d exported tensors among vLLM's "
+                        "parameters (e.g. %s); those are left to the probe", version, len(verdict.missing),
+                        verdict.missing[0])
         return verdict
 
     def _reload(self, path: str) -> None:
@@ -379,6 +417,20 @@ class VLLMEngine(Engine):
 
     def label(self, version: int | str) -> None:
         self._post("/update_weight_version", {"new_version": str(version)})
+
+
+def combine_workers(workers: list[dict]) -> dict[str, list[float]]:
+    """One engine's statistics from its tensor-parallel workers' (vllm_worker.fingerprint):
+    a sharded parameter's add up over the workers; a replicated one is the first worker's."""
+    held: dict[str, list[float]] = {}
+    replicated = set(workers[0].get("replicated") or [])
+    for i, worker in enumerate(workers):
+        for name, (total, squares) in (worker.get("stats") or {}).items():
+            if name in held and name not in replicated:
+                held[name] = [held[name][0] + total, held[name][1] + squares]
+            elif name not in held or i == 0:
+                held[name] = [total, squares]
+    return held
 
 
 # The catalogue's engines (rft_contract.engines), by name: the sync agent's adapter for each.

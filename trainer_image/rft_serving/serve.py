@@ -34,6 +34,8 @@ from datetime import datetime, timezone
 import torch
 from aiohttp import web
 
+from rft_contract.fingerprint import FingerprintVerdict, model_stats, read_fingerprint
+from rft_contract.fingerprint import compare as compare_fingerprint
 from rft_contract.probe import FORMAT as PROBE_FORMAT
 from rft_contract.probe import Probe, Verdict, compare, parse_probe
 
@@ -235,6 +237,7 @@ class ReferenceServer:
         self.max_concurrency = max_concurrency
         self.current: Weights | None = None  # the snapshot requests read, swapped whole
         self.loading = False
+        self.fingerprint: FingerprintVerdict | None = None  # the current weights' check
         self._load_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rft-generate")
         # Set by start(): the semaphore must be created on the server's own loop.
@@ -270,8 +273,9 @@ class ReferenceServer:
                                    f"{e}"[:1000], "path", "load_error") from e
             finally:
                 self.loading = False
-            verdict = _check(new, probe, tolerance, version)  # before anyone can read it
-            self.current = new
+            checked = _check_fingerprint(new, path, version)  # exact, before anyone can read it
+            verdict = _check(new, probe, tolerance, version)
+            self.current, self.fingerprint = new, checked
         log.info(json.dumps({"event": "weights_loaded", "version": version, "path": path,
                              "load_seconds": round(new.load_seconds, 3),
                              "probe": verdict.record() if verdict else None}))
@@ -304,8 +308,10 @@ class ReferenceServer:
         body = await _json_body(request)
         probe, tolerance = parse_probe_request(body)
         seconds, verdict = await asyncio.to_thread(self.load, body.get("path"), body.get("version"), probe, tolerance)
+        fingerprint = self.fingerprint
         return web.json_response({"version": body["version"], "load_seconds": seconds,
-                                  "probe": verdict.record() if verdict else None})
+                                  "probe": verdict.record() if verdict else None,
+                                  "fingerprint": fingerprint.record() if fingerprint else None})
 
     async def score_endpoint(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -420,6 +426,35 @@ def _check(w: Weights, probe: Probe | None, tolerance: float | None, version: in
         log.error(json.dumps({"event": "probe_mismatch", "version": version, "probe": verdict.record()}))
         raise ProbeRefused(verdict)
     return verdict
+
+
+def _check_fingerprint(w: Weights, path: str, version: int) -> FingerprintVerdict | None:
+    """The loaded model's parameters against the export's `fingerprint.json` (exact: any
+    tensor that is not the exported one is named); None for an export without one."""
+    try:
+        fingerprint = read_fingerprint(path)
+    except (OSError, ValueError) as e:
+        raise RequestError(400, f"version {version}: {e}", "path") from None
+    if fingerprint is None:
+        return None
+    verdict = compare_fingerprint(model_stats(w.model.named_parameters()), fingerprint)
+    if not verdict.ok:
+        log.error(json.dumps({"event": "fingerprint_mismatch", "version": version, "fingerprint": verdict.record()}))
+        raise FingerprintRefused(verdict)
+    return verdict
+
+
+class FingerprintRefused(RequestError):
+    """409: the loaded parameters are not the exported ones."""
+
+    def __init__(self, verdict: FingerprintVerdict):
+        super().__init__(409, f"the loaded weights are not the export: {verdict.describe()}",
+                         "path", "fingerprint_mismatch")
+        self.verdict = verdict
+
+    def response(self) -> web.Response:
+        err = {"message": self.message, "type": self.type, "param": self.param}
+        return web.json_response({"error": err, "fingerprint": self.verdict.record()}, status=self.status)
 
 
 class ProbeRefused(RequestError):

@@ -9,11 +9,14 @@ It watches its RFTJob and converges the engine to `status.weightSync.target`:
                       ->  merge-patch status.weightSync.replicas[<pod>] = {version: null,
                           id: null}, and go no further unless that patch was written
                       ->  ask the engine to reload from that directory (hot: no restart)
-                          and to score the export's probe (rft_contract.probe); the
-                          engine is labelled with the version only if it matches
+                          and to match the export's fingerprint, tensor by tensor
+                          (rft_contract.fingerprint; reference and vLLM), and score its
+                          probe (rft_contract.probe); the engine is labelled with the
+                          version only if both match
                       ->  confirm the engine reports the new version
                       ->  merge-patch status.weightSync.replicas[<pod>]
-                          = {version, id, time, loadSeconds, downloadSeconds, probe, ...}
+                          = {version, id, time, loadSeconds, downloadSeconds, probe,
+                             fingerprint, ...}
 
 Failures are retried with capped backoff and reported in the same entry (`error`,
 `errorTime`, `attempts`) while the old weights keep serving. Two need the engine restarted
@@ -284,7 +287,7 @@ class SyncAgent:
         self.syncs += 1
         log.info("serving version %s (%s) after %.2fs%s", target["version"], path, times["loadSeconds"],
                  f"; probe: {verdict.describe()}" if verdict else " (no probe to check)")
-        self.report_ok(target, times, got.source, verdict)
+        self.report_ok(target, times, got.source, verdict, getattr(self.engine, "fingerprint_verdict", None))
         self.metrics.observe_sync(times, got.s3_bytes, got.peer_bytes)
         self._link_initial(path)
         self._cleanup(target)
@@ -299,6 +302,8 @@ class SyncAgent:
         self._link_initial(path)
         self._restart_engine(reason)
         try:
+            if hasattr(self.engine, "check_fingerprint"):  # the exact check, on the fresh start too
+                self.engine.fingerprint_verdict = self.engine.check_fingerprint(str(path), target["version"])
             return self.engine.adopt(target["version"], probe, self.probe_tolerance)
         except ProbeMismatch as e:
             message = f"{e} (the reload's result was: {reason})"
@@ -419,11 +424,14 @@ class SyncAgent:
                     self.peer_server.forget(d.name)
 
     # --- reporting
-    def report_ok(self, target: dict, times: dict | None, source: str | None = None, verdict=None) -> None:
+    def report_ok(self, target: dict, times: dict | None, source: str | None = None, verdict=None,
+                  fingerprint=None) -> None:
         entry = {"version": target["version"], "id": target.get("id"), "time": now(),
                  "error": None, "errorTime": None, "attempts": None}
         if verdict is not None:
             entry["probe"] = verdict.record()
+        if fingerprint is not None:
+            entry["fingerprint"] = fingerprint.record()
         self._add_restarts(entry)
         entry.update({k: round(v, 3) for k, v in (times or {}).items()})
         if source is not None:

@@ -14,6 +14,15 @@ from new input embeddings and the old output layer (vLLM logs `Following weights
 loaded from checkpoint: {'lm_head.weight'}`). `rft_reload_weights` reloads, then re-runs
 the post-load processing of every output layer tied to an embedding. The sync agent's
 probe check (sync_agent.py) catches this and any other served-vs-trained mismatch.
+
+`rft_fingerprint` reports what each worker holds, for the exact check against the export's
+`fingerprint.json` (rft_contract.fingerprint): [sum, sum of squares] in float64 of every
+parameter, and for every linear layer and LM head the weight AS ITS KERNEL USES IT: on
+the CPU build the kernel's packed copy is all there is (linear layers' `weight` is emptied
+after packing; a tied head's packed copy is what went stale), so those weights are read
+back through the kernel itself, `quant_method.apply` on rows of the identity matrix: each
+output element is one weight times 1.0, exact in any precision. Fused layers (qkv_proj)
+are compared against the sum of their sources by the agent (`packed`).
 """
 
 from __future__ import annotations
@@ -32,6 +41,76 @@ class RFTWorkerExtension:
         Returns {"retied": [names of the layers refreshed]}."""
         self.reload_weights(weights_path=weights_path)
         return {"retied": refresh_tied_heads(self.model_runner.get_model())}
+
+
+    def rft_fingerprint(self) -> dict:
+        """{"stats": {name: [sum, sum of squares]}, "replicated": [names every tensor-parallel
+        worker holds whole], "packed": the model's packed_modules_mapping}."""
+        return fingerprint(self.model_runner.get_model())
+
+
+IDENTITY_ROWS = 256  # identity rows per pass through a kernel: memory is rows x out_features
+
+
+def fingerprint(model) -> dict:
+    import torch
+
+    stats, replicated = {}, []
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                if not param.is_floating_point():
+                    continue
+                if param_name == "weight" and _kernel_shape(module) is not None:
+                    stats[name] = _through_kernel(module, param.dtype)
+                elif param.numel():
+                    stats[name] = _stats(param)
+                else:
+                    continue
+                if not any(hasattr(param, a) for a in ("output_dim", "input_dim")):
+                    replicated.append(name)
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return {"stats": stats, "replicated": replicated, "packed": {k: list(v) for k, v in dict(packed).items()}}
+
+
+def _kernel_shape(module) -> tuple[int, int] | None:
+    """(in, out) features of this worker's part of a linear layer or LM head: the modules
+    whose weight a kernel reads (`quant_method.apply`)."""
+    if getattr(module, "quant_method", None) is None or not hasattr(module.quant_method, "apply"):
+        return None
+    if hasattr(module, "input_size_per_partition") and hasattr(module, "output_size_per_partition"):
+        return module.input_size_per_partition, module.output_size_per_partition
+    if type(module).__name__ == "ParallelLMHead":
+        return module.embedding_dim, module.num_embeddings_per_partition
+    return None
+
+
+def _through_kernel(module, dtype) -> list[float]:
+    """[sum, sum of squares] of the weight the kernel computes with, read through it."""
+    import torch
+
+    k, _ = _kernel_shape(module)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    total = squares = 0.0
+    for start in range(0, k, IDENTITY_ROWS):
+        n = min(IDENTITY_ROWS, k - start)
+        rows = torch.zeros(n, k, dtype=dtype, device=device)
+        rows[torch.arange(n), start + torch.arange(n)] = 1
+        out = module.quant_method.apply(module, rows, None).double()  # rows of W^T, bias left out
+        total += out.sum().item()
+        squares += out.square().sum().item()
+    return [total, squares]
+
+
+def _stats(tensor) -> list[float]:
+    flat = tensor.detach().reshape(-1)
+    total = squares = 0.0
+    for start in range(0, flat.numel(), 1 << 24):
+        part = flat[start:start + (1 << 24)].double()
+        total += part.sum().item()
+        squares += part.square().sum().item()
+    return [total, squares]
 
 
 def refresh_tied_heads(model) -> list[str]:

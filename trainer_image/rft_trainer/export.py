@@ -9,7 +9,9 @@ and hands each on (the Trainer reports it; the operator promotes it; the sync ag
 Gathering streams one parameter at a time: every rank takes part in the all-gather of
 each sharded tensor, rank 0 alone keeps the full tensor, cast to the export dtype, in a
 bucket that is written and uploaded once it reaches `max_shard_bytes`. No rank ever holds
-a full copy of the model, and rank 0 holds at most one bucket plus one tensor.
+a full copy of the model, and rank 0 holds at most one bucket plus one tensor. Rank 0
+also records each tensor's fingerprint as exported (`fingerprint.json`,
+rft_contract.fingerprint), the exact check every engine's load is held to.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from rft_contract import layout
 from rft_contract.layout import weights_uri
+from rft_contract.fingerprint import FINGERPRINT_FILE, Fingerprint, tensor_stats
 from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
@@ -153,19 +156,25 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
     tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
     writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
     aliases = tied_parameters(model)
+    stats: dict[str, tuple[float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
     try:
         for name, value in model.state_dict().items():
             if name in aliases:  # a tied weight is exported once (HF re-ties on load)
                 continue
             full = value.full_tensor() if hasattr(value, "full_tensor") else value  # all ranks
             if writer is not None:
-                writer.add(name, full.detach().to("cpu", dtype=cast if full.is_floating_point() else full.dtype))
+                out = full.detach().to(dtype=cast) if full.is_floating_point() else full.detach()
+                if out.is_floating_point():
+                    stats[name] = tensor_stats(out)  # of the values as exported, on the device
+                writer.add(name, out.to("cpu"))
+                del out
             del full
         if writer is None:
             return None
         writer.flush()
         _write_small_files(writer, model, model_dir, dtype)
-        for name, data in (extra_files or {}).items():
+        fingerprint = {FINGERPRINT_FILE: Fingerprint(stats, dtype, step, aliases).to_json().encode()}
+        for name, data in {**fingerprint, **(extra_files or {})}.items():
             (writer.tmp / name).write_bytes(data)
             writer.upload(writer.tmp / name)
         # `id` tells two exports of the same step apart (a resumed attempt re-exports
