@@ -3,9 +3,9 @@
 The probe (probe.py) compares log-probs, so it catches weights that are grossly wrong, but
 at the learning rates RL fine-tuning runs at (1e-6 in bf16) a layer left stale by a reload
 moves the probe's log-probs by far less than the engine's own numerical noise. The
-fingerprint does not depend on numerics: for every exported tensor the trainer records
+fingerprint does not depend on numerics: for every exported parameter the trainer records
 
-    [sum of its values, sum of their squares]    (float64, of the values as exported)
+    [sum of its values, sum of their squares, number of values]  (float64, as exported)
 
 in `fingerprint.json` (listed in the manifest, hashed and fetched like the weights), and
 the engine computes the same of each parameter it holds after loading. Both statistics add
@@ -13,12 +13,16 @@ up over concatenation and ignore zero padding, so an engine that fuses tensors (
 `qkv_proj` = q_proj, k_proj, v_proj; `gate_up_proj`) or pads the vocabulary compares the
 sum of its sources (`expected_for`). A bf16 value converted to fp32 or fp64 is exact, so an
 engine computing in another dtype than the export's gives the same sums. Only the
-summation order differs: the tolerance (`RELATIVE`, against the tensor's own scale) is
-many orders of magnitude above float64 rounding and far below what a stale tensor moves at
-lr 1e-6 in bf16 (about one element in a hundred changes by one bf16 step).
+summation order differs: the tolerance (`RELATIVE`, against the tensor's own scale: its sum
+of squares, and sqrt(n * sum of squares) >= sum |x| for the sum) is many orders of magnitude
+above float64 rounding and far below what a stale tensor moves at lr 1e-6 in bf16 (about one
+element in a hundred changes by one bf16 step, which moves the sum of squares by ~1e-6 of
+itself on a 576 x 576 matrix). What it cannot see: values moved between places (swapped
+rows or shards), and a change too small to flip any value in the export dtype (then the
+engine serves the same numbers).
 
     {"format": "rft.fingerprint/v1", "dtype": "bf16", "step": N,
-     "params": {"model.layers.0.mlp.up_proj.weight": [sum, sum_sq], ...},
+     "params": {"model.layers.0.mlp.up_proj.weight": [sum, sum_sq, n], ...},
      "tied": {"lm_head.weight": "model.embed_tokens.weight"}}
 
 `tied`: names the export leaves out because they are another tensor (a tied output layer);
@@ -38,15 +42,15 @@ from typing import Any, Mapping, Sequence
 FINGERPRINT_FILE = "fingerprint.json"
 FORMAT = "rft.fingerprint/v1"
 # |engine - export| per statistic, relative to the tensor's scale: float64 summation in
-# another order differs by ~1e-15 of it; a stale tensor at lr 1e-6 in bf16 by ~1e-5 or more.
+# another order differs by ~1e-13 of it; a stale tensor at lr 1e-6 in bf16 by ~1e-6 or more.
 RELATIVE = 1e-9
 
-Stats = Sequence[float]  # [sum, sum of squares]
+Stats = Sequence[float]  # [sum, sum of squares] (an engine's), [sum, sum of squares, n] (the export's)
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    params: dict[str, tuple[float, float]]
+    params: dict[str, tuple[float, float, float]]  # name -> (sum, sum of squares, n)
     dtype: str = "bf16"
     step: int | None = None
     tied: dict[str, str] = field(default_factory=dict)  # alias -> the exported name it shares
@@ -92,13 +96,13 @@ def parse_fingerprint(data: Any) -> Fingerprint:
         raise ValueError(f"{FINGERPRINT_FILE}: not a {FORMAT} document")
     params = data.get("params")
     if not isinstance(params, dict) or not params:
-        raise ValueError(f"{FINGERPRINT_FILE}: params must map each tensor name to [sum, sum of squares]")
+        raise ValueError(f"{FINGERPRINT_FILE}: params must map each tensor name to [sum, sum of squares, n]")
     out = {}
     for name, stats in params.items():
-        if not (isinstance(stats, list) and len(stats) == 2
-                and all(isinstance(x, (int, float)) and math.isfinite(x) for x in stats)):
-            raise ValueError(f"{FINGERPRINT_FILE}: params[{name!r}] must be [sum, sum of squares]")
-        out[name] = (float(stats[0]), float(stats[1]))
+        if not (isinstance(stats, list) and len(stats) == 3
+                and all(isinstance(x, (int, float)) and math.isfinite(x) for x in stats) and stats[2] >= 1):
+            raise ValueError(f"{FINGERPRINT_FILE}: params[{name!r}] must be [sum, sum of squares, n]")
+        out[name] = (float(stats[0]), float(stats[1]), float(stats[2]))
     tied = data.get("tied") or {}
     if not (isinstance(tied, dict) and all(isinstance(k, str) and v in out for k, v in tied.items())):
         raise ValueError(f"{FINGERPRINT_FILE}: tied must map a name to an exported tensor's name")
@@ -116,8 +120,9 @@ def read_fingerprint(directory: str | Path) -> Fingerprint | None:
     return parse_fingerprint(json.loads(path.read_text()))
 
 
-def expected_for(name: str, exported: Mapping[str, tuple[float, float]],
-                 packed: Mapping[str, Sequence[str]] | None = None) -> tuple[list[str], tuple[float, float]] | None:
+def expected_for(name: str, exported: Mapping[str, tuple[float, float, float]],
+                 packed: Mapping[str, Sequence[str]] | None = None
+                 ) -> tuple[list[str], tuple[float, float, float]] | None:
     """The export's tensors an engine parameter `name` holds, and their summed statistics:
     the tensor of that name, else (for a fused parameter) its sources, named by replacing
     the fused module's name with each of `packed[fused]` (vLLM's `packed_modules_mapping`,
@@ -126,13 +131,13 @@ def expected_for(name: str, exported: Mapping[str, tuple[float, float]],
         return [name], exported[name]
     prefix, _, leaf = name.rpartition(".")
     module_path, _, module = prefix.rpartition(".")
-    for source_names in ([(packed or {}).get(module)] if packed else []):
-        if not source_names:
-            continue
-        sources = [f"{module_path}.{s}.{leaf}" if module_path else f"{s}.{leaf}" for s in source_names]
-        if all(s in exported for s in sources):
-            return sources, (sum(exported[s][0] for s in sources), sum(exported[s][1] for s in sources))
-    return None
+    source_names = (packed or {}).get(module)
+    if not source_names:
+        return None
+    sources = [f"{module_path}.{s}.{leaf}" if module_path else f"{s}.{leaf}" for s in source_names]
+    if not all(s in exported for s in sources):
+        return None
+    return sources, tuple(sum(exported[s][i] for s in sources) for i in range(3))
 
 
 def compare(held: Mapping[str, Stats], fingerprint: Fingerprint,
@@ -150,14 +155,12 @@ def compare(held: Mapping[str, Stats], fingerprint: Fingerprint,
         found = ([source], exported[source]) if source is not None else expected_for(name, exported, packed)
         if found is None:
             continue
-        sources, (want_sum, want_sq) = found
+        sources, (want_sum, want_sq, n) = found
         covered.update(sources)
         compared += 1
         got_sum, got_sq = float(stats[0]), float(stats[1])
-        # The tensor's scale: sum|x| <= sqrt(n * sum x^2); n is not known here, so the
-        # sum's tolerance uses sqrt(sum x^2) times a generous 1e6 (n up to 1e12).
         scale_sq = max(abs(want_sq), 1e-30)
-        scale_sum = max(1e6 * math.sqrt(scale_sq), abs(want_sum), 1e-30)
+        scale_sum = max(math.sqrt(n * scale_sq), 1e-30)  # >= sum |x|
         err = max(abs(got_sq - want_sq) / scale_sq, abs(got_sum - want_sum) / scale_sum)
         if not err <= RELATIVE:
             mismatched.append((err, f"{name} (sum {got_sum:.9g} vs {want_sum:.9g}, "
@@ -167,20 +170,26 @@ def compare(held: Mapping[str, Stats], fingerprint: Fingerprint,
     return FingerprintVerdict(not mismatched and not missing, compared, [m for _, m in mismatched], missing)
 
 
-CHUNK = 1 << 24  # elements converted to float64 at a time
+CHUNK = 1 << 20  # elements converted to float64 at a time (8 MiB: fast, and never a second model)
 
 
 def tensor_stats(tensor: Any) -> tuple[float, float]:
-    """[sum, sum of squares] of a torch tensor's values in float64 (duck-typed: no torch
-    import here), converted CHUNK elements at a time so a large embedding never doubles in
-    memory. A DTensor must be made whole first (`full_tensor()`)."""
+    """(sum, sum of squares) of a torch tensor's values in float64 (duck-typed: no torch
+    import here), CHUNK elements at a time. The sum of squares is the squared 2-norm
+    (`vector_norm`, one pass without a squared copy: several times faster than
+    `square().sum()`, equal to ~1e-13). A DTensor must be made whole first (`full_tensor()`)."""
     flat = tensor.detach().reshape(-1)
     total = squares = 0.0
     for start in range(0, flat.numel(), CHUNK):
         part = flat[start:start + CHUNK].double()
         total += part.sum().item()
-        squares += part.square().sum().item()
+        squares += part.norm().item() ** 2
     return total, squares
+
+
+def export_stats(tensor: Any) -> tuple[float, float, float]:
+    """What the export records of a tensor: `tensor_stats` and its number of values."""
+    return (*tensor_stats(tensor), float(tensor.numel()))
 
 
 def model_stats(named_tensors: Any) -> dict[str, tuple[float, float]]:

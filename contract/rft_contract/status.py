@@ -131,9 +131,9 @@ class ReplicaSync(Model):
         default=None, description="The weight-sync probe of the version reported: meanDiff, maxDiff "
                                   "(log-prob, served vs trained), tokens, tolerance")
     fingerprint: dict[str, Any] | None = Field(
-        default=None, description="The exact weights check of the version reported: params (compared with the "
-                                  "export's fingerprint, all equal), missing (exported tensors the engine's names "
-                                  "did not place, left to the probe)")
+        default=None, description="The exact weights check of the version reported: params (parameters "
+                                  "compared with the export's fingerprint, all equal); missing (vLLM only: exported "
+                                  "tensors its parameter names did not place, left to the probe)")
     engine_restarts: int | None = Field(default=None, description="Restarts of the engine by its sync agent")
     last_restart: str | None = Field(default=None, description="When and why the sync agent last restarted "
                                                                "the engine")

@@ -1042,13 +1042,42 @@ def test_versions_come_from_the_agent_so_a_throttled_api_server_drops_no_sample(
 
         peer.record = None  # an agent from before the route: 404
         assert client.complete(BODY).versions == [UNVERSIONED, UNVERSIONED]
-        assert records.legacy == [True] and progress.record_reads == 2 and throttled.requests >= 2
+        assert records.on_status(0) and progress.record_reads == 2 and throttled.requests >= 2
     finally:
         if fake.gate is not None:
             fake.gate.set()
         fake.stop()
         throttled.stop()
         peer.stop()
+
+
+def test_an_agent_the_explorer_cannot_reach_is_read_from_the_job_status_after_three_tries(tmp_path, weights):
+    """A NetworkPolicy that lets only inference pods reach the agent's port (the advice before
+    explorers read it): after three unanswered reads the job's status says, and the agent is
+    asked again a minute later."""
+    import socket
+
+    from rft_rollout.explorer import ReplicaRecords
+
+    class StatusApi(FakeJobApi):
+        def get_namespaced_custom_object(self, group, version, ns, plural, name, **kw):
+            return {"status": json.loads(json.dumps(self.status))}
+
+    engine = MemoryEngine()
+    target = {"version": 3, "id": "a", "uri": str(weights)}
+    agent = SyncAgent("job", "ns", "job-inference-0", engine, tmp_path / "dest", api=StatusApi())
+    agent.api.agent, agent.api.status = agent, {"weightSync": {"target": target}}
+    agent._update({"status": agent.api.status})
+    agent.converge(target)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    records = ReplicaRecords(["http://127.0.0.1:8000"], ["job-inference-0"], closed,
+                             KubeProgress(agent.api, "job", "ns", total_steps=10))
+    assert [records(0) for _ in range(4)] == [None, None, 3, 3]
+    assert records.on_status(0) and records.reads == 3
+    records.status_until[0] = 0.0  # a minute later: the agent is asked again
+    assert records(0) is None and records.reads == 4
 
 
 def test_the_agents_record_changes_generation_with_every_change_of_version(tmp_path, weights):

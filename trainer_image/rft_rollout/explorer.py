@@ -495,11 +495,17 @@ class ReplicaRecords:
     """Each replica's sync agent's record of what its engine serves, read from the agent
     (`GET http://<pod>:<agent port>/record`, rft_serving.sync_agent.SyncAgent.record) around
     every request: no API server read, so a throttled or unreachable API server drops no
-    sample whose version the agent knows. An agent that answers 404 (an image from before
-    the route) is read from the job's status from then on (`progress`); an agent that does
-    not answer gives no version (those choices are dropped)."""
+    sample whose version the agent knows. Where the agent cannot say, the job's status says
+    (`progress`, two API reads per request): an agent that answers 404 (an image from before
+    the route) for the next `RECHECK_OLD` seconds, and one that did not answer
+    `UNREACHABLE_AFTER` times in a row (a NetworkPolicy that lets only inference pods reach
+    port 8471, say) for the next `RECHECK_UNREACHABLE`; then the agent is asked again. A
+    single failed read gives no version (those choices are dropped)."""
 
     LOG_EVERY = 30.0
+    RECHECK_OLD = 300.0
+    RECHECK_UNREACHABLE = 60.0
+    UNREACHABLE_AFTER = 3
 
     def __init__(self, endpoints: Sequence[str], pods: Sequence[str | None], port: int,
                  progress: KubeProgress | None = None, timeout: float = 2.0):
@@ -508,15 +514,20 @@ class ReplicaRecords:
         self.pods, self.progress, self.timeout = list(pods), progress, timeout
         self.urls = [f"http://{urlsplit(e).hostname}:{port}/record" if pod else None
                      for e, pod in zip(endpoints, pods)]
-        self.legacy = [False] * len(self.urls)  # agents without /record
+        self.status_until = [0.0] * len(self.urls)  # monotonic time: read the job's status until then
         self.reads = 0  # reads of agents
+        self._unanswered = [0] * len(self.urls)
         self._local = threading.local()
         self._logged = 0.0
+
+    def on_status(self, i: int) -> bool:
+        """Whether endpoint i's record is read from the job's status now."""
+        return time.monotonic() < self.status_until[i]
 
     def __call__(self, i: int) -> Record | int | None:
         if self.urls[i] is None:
             return None
-        if self.legacy[i]:
+        if self.on_status(i):
             return self.progress.replica_version(self.pods[i]) if self.progress is not None else None
         import requests
 
@@ -527,18 +538,29 @@ class ReplicaRecords:
         try:
             r = session.get(self.urls[i], timeout=self.timeout)
             if r.status_code == 404:
-                log.info("the sync agent at %s has no /record (an older image): reading its record "
-                         "from the job's status", self.urls[i])
-                self.legacy[i] = True
-                return self(i)
+                return self._to_status(i, self.RECHECK_OLD, "has no /record (an older image)")
             r.raise_for_status()
             doc = r.json()
             version, generation = doc["version"], doc["generation"]
+        except (requests.ConnectionError, requests.Timeout) as e:
+            self._unanswered[i] += 1
+            if self._unanswered[i] >= self.UNREACHABLE_AFTER:
+                return self._to_status(i, self.RECHECK_UNREACHABLE, f"did not answer {self._unanswered[i]} "
+                                       f"times ({type(e).__name__}; a NetworkPolicy on the agent's port?)")
+            self._warn(f"reading the sync agent's record at {self.urls[i]} failed: {type(e).__name__}: {e}")
+            return None
         except (requests.RequestException, ValueError, KeyError, TypeError) as e:
             self._warn(f"reading the sync agent's record at {self.urls[i]} failed: {type(e).__name__}: {e}")
             return None
+        self._unanswered[i] = 0
         ok = isinstance(version, int) and not isinstance(version, bool)
         return Record(version if ok else None, str(generation))
+
+    def _to_status(self, i: int, seconds: float, why: str) -> int | None:
+        log.warning("the sync agent at %s %s: reading its record from the job's status for %.0fs",
+                    self.urls[i], why, seconds)
+        self.status_until[i], self._unanswered[i] = time.monotonic() + seconds, 0
+        return self(i)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

@@ -1,17 +1,19 @@
 """Engine adapters of the sync agent: how to hot-reload one kind of inference engine, check
-what it serves against the export's probe, and ask which weights version it serves.
+what it serves against the export's fingerprint and probe, and ask which weights version it
+serves.
 
 Every adapter keeps one rule: an engine carries one of our integer version labels only
-for weights that passed the probe (rft_contract.probe). New weights serve under a label
-that is not one of ours (`reloading-<v>`) until the probe passed, so explorers drop what
-the engine samples meanwhile (vLLM 0.32.0 reports no versions in its responses: there the
-explorers read the agent's status entry, which is null for that whole time).
+for weights that passed the checks (rft_contract.fingerprint where the engine can report
+what it holds: reference, vLLM with our extension; rft_contract.probe always). New weights
+serve under a label that is not one of ours (`reloading-<v>`) until then, so explorers drop
+what the engine samples meanwhile (vLLM 0.32.0 reports no versions in its responses: there
+the explorers read the agent's record, which is null for that whole time).
 
 Errors, from mild to severe (all `SyncError`, whose message goes into the replica entry):
 - `SyncError`: this attempt failed; the engine serves what it reports (`served()`).
-- `ProbeMismatch`: the engine loaded the new weights, but scores the probe differently
-  from the trainer: a reload that left a layer stale (vLLM's tied `lm_head`, see
-  vllm_worker.py) or broken weights. Not promoted; the agent restarts the engine from
+- `ProbeMismatch`: the engine loaded the new weights, but a parameter differs from the
+  export's fingerprint, or it scores the probe differently from the trainer: a reload that
+  left a layer stale (vLLM's tied `lm_head`, see vllm_worker.py) or broken weights. Not promoted; the agent restarts the engine from
   the files on disk (supervise.py) and checks again.
 - `EngineBroken`: the reload failed part-way and the engine may hold a mix of weights
   (vLLM: every later reload fails too and the next request kills it). Never resumed;
@@ -305,6 +307,10 @@ class VLLMEngine(Engine):
               catches a stale tied `lm_head` and the agent restarts the engine from disk.
               A reload that fails raises EngineBroken: the engine stays paused (its next
               request would kill it) until the agent restarts it.
+          POST /collective_rpc {"method": "rft_fingerprint"}   still paused: what the
+              worker holds, as its kernels use it, against the export's fingerprint.json
+              (check_fingerprint); a parameter that differs raises ProbeMismatch naming it,
+              and the agent restarts the engine from the files (one worker only for now)
           POST /reset_prefix_cache   belt and braces (the pause cleared it)
           POST /resume
           POST /v1/completions {"prompt": token ids, "max_tokens": 0, "echo": true,
@@ -312,7 +318,8 @@ class VLLMEngine(Engine):
               request, the probe's too
           POST /update_weight_version {"new_version": "<version>"} once the probe passed
     `return_weight_versions` is accepted and ignored by 0.32.0: explorers attribute vLLM's
-    samples through the agent's status entry, null from before the pause until the label.
+    samples through the agent's record (`GET <agent>/record`), null from before the pause
+    until the label.
 
     served: GET /weight_info -> {"weight_version": str}; it starts as "default" and no CLI
     flag sets it.
@@ -345,7 +352,13 @@ class VLLMEngine(Engine):
             # Left paused: resumed, the half-loaded engine dies on its next request.
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
                                "a fresh start") from None
-        self.fingerprint_verdict = self.check_fingerprint(path, version)  # still paused: never served
+        try:
+            self.fingerprint_verdict = self.check_fingerprint(path, version)  # still paused: never served
+        except ProbeMismatch:
+            raise  # the agent restarts it from the files (still paused until then)
+        except SyncError as e:  # the check itself failed: not a verdict on the weights
+            self.fingerprint_verdict = None
+            log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
         out = self._post("/reset_prefix_cache")
         if isinstance(out, dict) and out.get("success") is False:
             log.warning("vLLM did not reset its prefix cache after loading version %s (the pause already "
@@ -361,15 +374,24 @@ class VLLMEngine(Engine):
         naming it (the engine is still paused; the agent restarts it from disk). Exported
         tensors the engine's names do not account for (a model whose vLLM names differ from
         HF's) leave them unchecked, with a warning: the probe still applies. None without
-        the extension or without a fingerprint in the export."""
-        fingerprint = read_fingerprint(path)
+        the extension or without a fingerprint in the export, and with more than one worker
+        (tensor or pipeline parallelism: which parameters are split, replicated or
+        repeated across workers is not derived yet), with a warning."""
+        try:
+            fingerprint = read_fingerprint(path)
+        except (OSError, ValueError) as e:
+            raise SyncError(f"version {version}: {e}") from None
         if fingerprint is None or not self.extension:
             return None
         out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
         workers = [r for r in (out or {}).get("results", []) if isinstance(r, dict)]
         if not workers:
             raise SyncError(f"engine /collective_rpc rft_fingerprint: no result in {str(out)[:200]}")
-        verdict = compare_fingerprint(combine_workers(workers), fingerprint, workers[0].get("packed"))
+        if len(workers) > 1:
+            log.warning("version %s: vLLM runs %d workers; the fingerprint check covers one worker only and is "
+                        "skipped (the probe applies)", version, len(workers))
+            return None
+        verdict = compare_fingerprint(workers[0].get("stats") or {}, fingerprint, workers[0].get("packed"))
         if verdict.mismatched:
             raise ProbeMismatch(f"version {version}: the engine does not hold the exported weights after "
                                 f"the reload: {verdict.describe()}")
@@ -417,20 +439,6 @@ class VLLMEngine(Engine):
 
     def label(self, version: int | str) -> None:
         self._post("/update_weight_version", {"new_version": str(version)})
-
-
-def combine_workers(workers: list[dict]) -> dict[str, list[float]]:
-    """One engine's statistics from its tensor-parallel workers' (vllm_worker.fingerprint):
-    a sharded parameter's add up over the workers; a replicated one is the first worker's."""
-    held: dict[str, list[float]] = {}
-    replicated = set(workers[0].get("replicated") or [])
-    for i, worker in enumerate(workers):
-        for name, (total, squares) in (worker.get("stats") or {}).items():
-            if name in held and name not in replicated:
-                held[name] = [held[name][0] + total, held[name][1] + squares]
-            elif name not in held or i == 0:
-                held[name] = [total, squares]
-    return held
 
 
 # The catalogue's engines (rft_contract.engines), by name: the sync agent's adapter for each.

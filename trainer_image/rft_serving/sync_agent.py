@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.engine_url or f"http://{pod_ip or '127.0.0.1'}:{args.engine_port}"
     server = peer_url = None
     if args.peer_port and not args.fetch_only:
-        server = PeerServer(Path(args.dest), port=args.peer_port).start()
+        server = PeerServer(Path(args.dest), port=args.peer_port)  # bound; started once `record` is set
         peer_url = f"http://{_url_host(pod_ip)}:{server.port}" if pod_ip else None
     supervisor = f"http://127.0.0.1:{args.supervisor_port}" if args.supervisor_port else None
     engine = ENGINES[args.engine](url, supervisor=supervisor)
@@ -589,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                       probe_tolerance=args.probe_tolerance, engine_start_timeout=args.engine_start_timeout,
                       env=env)
     if server is not None:
-        server.record = agent.record  # explorers read it around each request
+        server.record = agent.record  # explorers read it around each request: never a 404 from us
+        server.start()
     if args.fetch_only:
         if args.install_helpers:
             install_helpers(Path(args.install_helpers))

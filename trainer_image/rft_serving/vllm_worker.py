@@ -17,12 +17,14 @@ probe check (sync_agent.py) catches this and any other served-vs-trained mismatc
 
 `rft_fingerprint` reports what each worker holds, for the exact check against the export's
 `fingerprint.json` (rft_contract.fingerprint): [sum, sum of squares] in float64 of every
-parameter, and for every linear layer and LM head the weight AS ITS KERNEL USES IT: on
-the CPU build the kernel's packed copy is all there is (linear layers' `weight` is emptied
-after packing; a tied head's packed copy is what went stale), so those weights are read
-back through the kernel itself, `quant_method.apply` on rows of the identity matrix: each
-output element is one weight times 1.0, exact in any precision. Fused layers (qkv_proj)
-are compared against the sum of their sources by the agent (`packed`).
+unquantized parameter. On the CPU build a linear layer or LM head computes with a packed
+copy of its weight (`cpu_linear`; linear layers' `weight` is emptied after packing, and a
+tied head's packed copy is what goes stale), so those weights are read back through the
+kernel itself, `quant_method.apply` on rows of the identity matrix: each output element is
+one weight times 1.0, exact in any precision. Elsewhere (GPUs) the parameter is what the
+kernel reads. Quantized layers are left out (their values are not the export's; the agent
+leaves those tensors to the probe). Fused layers (qkv_proj) are compared against the sum of
+their sources by the agent (`packed`).
 """
 
 from __future__ import annotations
@@ -44,41 +46,42 @@ class RFTWorkerExtension:
 
 
     def rft_fingerprint(self) -> dict:
-        """{"stats": {name: [sum, sum of squares]}, "replicated": [names every tensor-parallel
-        worker holds whole], "packed": the model's packed_modules_mapping}."""
+        """`fingerprint` of this worker's model."""
         return fingerprint(self.model_runner.get_model())
 
 
 IDENTITY_ROWS = 256  # identity rows per pass through a kernel: memory is rows x out_features
 
 
+UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
 def fingerprint(model) -> dict:
+    """{"stats": {name: [sum, sum of squares]}, "packed": the model's packed_modules_mapping}
+    of this worker's parameters."""
     import torch
 
-    stats, replicated = {}, []
+    stats = {}
     with torch.no_grad():
         for module_name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and type(method).__name__ not in UNQUANTIZED:
+                continue  # quantized: not the exported values
             for param_name, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 if not param.is_floating_point():
                     continue
-                if param_name == "weight" and _kernel_shape(module) is not None:
+                if param_name == "weight" and callable(getattr(module, "cpu_linear", None)) \
+                        and _kernel_shape(module) is not None:
                     stats[name] = _through_kernel(module, param.dtype)
                 elif param.numel():
                     stats[name] = _stats(param)
-                else:
-                    continue
-                if not any(hasattr(param, a) for a in ("output_dim", "input_dim")):
-                    replicated.append(name)
     packed = getattr(model, "packed_modules_mapping", None) or {}
-    return {"stats": stats, "replicated": replicated, "packed": {k: list(v) for k, v in dict(packed).items()}}
+    return {"stats": stats, "packed": {k: list(v) for k, v in dict(packed).items()}}
 
 
 def _kernel_shape(module) -> tuple[int, int] | None:
-    """(in, out) features of this worker's part of a linear layer or LM head: the modules
-    whose weight a kernel reads (`quant_method.apply`)."""
-    if getattr(module, "quant_method", None) is None or not hasattr(module.quant_method, "apply"):
-        return None
+    """(in, out) features of this worker's part of a linear layer or LM head."""
     if hasattr(module, "input_size_per_partition") and hasattr(module, "output_size_per_partition"):
         return module.input_size_per_partition, module.output_size_per_partition
     if type(module).__name__ == "ParallelLMHead":
@@ -99,17 +102,17 @@ def _through_kernel(module, dtype) -> list[float]:
         rows[torch.arange(n), start + torch.arange(n)] = 1
         out = module.quant_method.apply(module, rows, None).double()  # rows of W^T, bias left out
         total += out.sum().item()
-        squares += out.square().sum().item()
+        squares += out.norm().item() ** 2
     return [total, squares]
 
 
 def _stats(tensor) -> list[float]:
     flat = tensor.detach().reshape(-1)
     total = squares = 0.0
-    for start in range(0, flat.numel(), 1 << 24):
-        part = flat[start:start + (1 << 24)].double()
+    for start in range(0, flat.numel(), 1 << 20):  # as rft_contract.fingerprint.tensor_stats
+        part = flat[start:start + (1 << 20)].double()
         total += part.sum().item()
-        squares += part.square().sum().item()
+        squares += part.norm().item() ** 2
     return [total, squares]
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from rft_contract import layout
 from rft_contract.layout import weights_uri
-from rft_contract.fingerprint import FINGERPRINT_FILE, Fingerprint, tensor_stats
+from rft_contract.fingerprint import FINGERPRINT_FILE, Fingerprint, export_stats
 from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
@@ -156,7 +156,8 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
     tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
     writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
     aliases = tied_parameters(model)
-    stats: dict[str, tuple[float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
+    parameters = {name for name, _ in model.named_parameters()}  # what engines compare (no buffers)
+    stats: dict[str, tuple[float, float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
     try:
         for name, value in model.state_dict().items():
             if name in aliases:  # a tied weight is exported once (HF re-ties on load)
@@ -164,8 +165,8 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
             full = value.full_tensor() if hasattr(value, "full_tensor") else value  # all ranks
             if writer is not None:
                 out = full.detach().to(dtype=cast) if full.is_floating_point() else full.detach()
-                if out.is_floating_point():
-                    stats[name] = tensor_stats(out)  # of the values as exported, on the device
+                if out.is_floating_point() and name in parameters:
+                    stats[name] = export_stats(out)  # of the values as exported, on the device
                 writer.add(name, out.to("cpu"))
                 del out
             del full
