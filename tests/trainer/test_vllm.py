@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rft_contract.fingerprint import FINGERPRINT_FILE, Fingerprint, export_stats
 from rft_contract.probe import PROBE_FILE
 from rft_rollout.rollouts import InferenceClient
 from rft_serving.engines import EngineBroken, SyncError, VLLMEngine
@@ -52,6 +53,10 @@ def write_export(base: Path, out: Path, step: int, seed: int, corrupt: bool = Fa
     tokenizer.save_pretrained(out)
     ids = tokenizer(PROBE_TEXT)["input_ids"]
     (out / PROBE_FILE).write_text(build_probe(model, torch.device("cpu"), ids, "fp32", step).to_json())
+    # The fingerprint as export_hf writes it (the tied head is the embedding).
+    stats = {name: export_stats(p.detach()) for name, p in model.named_parameters()}
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    (out / FINGERPRINT_FILE).write_text(Fingerprint(stats, "fp32", step, tied).to_json())
     if corrupt:  # a wrong-shaped tensor: vLLM's reload fails part-way through the layers
         path = out / "model.safetensors"
         tensors = load_file(path)
@@ -90,6 +95,7 @@ def test_with_our_extension_versions_reload_in_place_and_a_corrupt_one_falls_bac
         for v in (1, 2):
             assert agent.converge(target(exports, v))
             assert entry()["version"] == v and entry()["probe"]["meanDiff"] < 2e-3
+            assert entry()["fingerprint"] == {"params": 183}  # every parameter checked, all equal
         assert engine.extension is True and engine.restarts() == 0
 
         # Explorers keep sampling, attributing by the agent's record (0.32.0 reports no

@@ -383,6 +383,7 @@ class VLLMEngine(Engine):
             raise SyncError(f"version {version}: {e}") from None
         if fingerprint is None or not self.extension:
             return None
+        start = time.perf_counter()
         out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
         workers = [r for r in (out or {}).get("results", []) if isinstance(r, dict)]
         if not workers:
@@ -399,6 +400,8 @@ class VLLMEngine(Engine):
             log.warning("version %s: the fingerprint check could not place %d exported tensors among vLLM's "
                         "parameters (e.g. %s); those are left to the probe", version, len(verdict.missing),
                         verdict.missing[0])
+        log.info("version %s: fingerprint checked in %.2fs: %s", version, time.perf_counter() - start,
+                 verdict.describe())
         return verdict
 
     def _reload(self, path: str) -> None:
