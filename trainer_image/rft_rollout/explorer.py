@@ -67,6 +67,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+import requests
+
 from rft_contract.config import ConfigError, JobConfig, load_explorer_config
 from rft_contract.jobapi import get_job, job_api
 from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA, agent_port
@@ -529,8 +531,6 @@ class ReplicaRecords:
             return None
         if self.on_status(i):
             return self.progress.replica_version(self.pods[i]) if self.progress is not None else None
-        import requests
-
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()

@@ -444,30 +444,36 @@ def _check_fingerprint(w: Weights, path: str, version: int) -> FingerprintVerdic
     return verdict
 
 
-class FingerprintRefused(RequestError):
-    """409: the loaded parameters are not the exported ones."""
+class LoadRefused(RequestError):
+    """409: loaded weights that fail a check; the old weights keep serving. The body is the
+    usual error plus the verdict's record under `key` (clients tell the checks apart by it)."""
 
-    def __init__(self, verdict: FingerprintVerdict):
-        super().__init__(409, f"the loaded weights are not the export: {verdict.describe()}",
-                         "path", "fingerprint_mismatch")
+    key: str  # the body key of the verdict's record, e.g. "probe"
+    what: str  # the message's prefix, before the verdict's description
+    param: str
+    type: str
+
+    def __init__(self, verdict: Verdict | FingerprintVerdict):
+        super().__init__(409, f"{self.what}: {verdict.describe()}", self.param, self.type)
         self.verdict = verdict
 
     def response(self) -> web.Response:
         err = {"message": self.message, "type": self.type, "param": self.param}
-        return web.json_response({"error": err, "fingerprint": self.verdict.record()}, status=self.status)
+        return web.json_response({"error": err, self.key: self.verdict.record()}, status=self.status)
 
 
-class ProbeRefused(RequestError):
-    """409: the loaded weights do not score the probe as the trainer did."""
+class FingerprintRefused(LoadRefused):
+    """The loaded parameters are not the exported ones."""
 
-    def __init__(self, verdict: Verdict):
-        super().__init__(409, f"the weights do not score the probe as the trainer did: {verdict.describe()}",
-                         "probe", "probe_mismatch")
-        self.verdict = verdict
+    key, what = "fingerprint", "the loaded weights are not the export"
+    param, type = "path", "fingerprint_mismatch"
 
-    def response(self) -> web.Response:
-        err = {"message": self.message, "type": self.type, "param": self.param}
-        return web.json_response({"error": err, "probe": self.verdict.record()}, status=self.status)
+
+class ProbeRefused(LoadRefused):
+    """The loaded weights do not score the probe as the trainer did."""
+
+    key, what = "probe", "the weights do not score the probe as the trainer did"
+    param, type = "probe", "probe_mismatch"
 
 
 @web.middleware
