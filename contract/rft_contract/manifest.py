@@ -37,6 +37,14 @@ def write_manifest(storage: Storage, prefix: str, manifest: dict[str, Any]) -> N
     storage.write_bytes(join(prefix, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """`sha256:<hex>` of the manifest's content (canonical JSON: sorted keys, no spaces),
+    whatever bytes carried it: what a weights target names, so that a manifest from a peer
+    (the trainer's fast path, a parent replica) is trusted exactly as far as the one in S3."""
+    body = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
+
+
 def _mismatch(name: str, size: int, digest: str, meta: dict[str, Any]) -> str | None:
     reason = mismatch(size, digest, meta)
     return f"{name}: {reason}" if reason else None

@@ -97,6 +97,8 @@ ENV_CONFIG = "RFT_CONFIG"
 ENV_POD_NAME = "RFT_POD_NAME"
 
 ENV_POD_IP = "RFT_POD_IP"
+# Trainer pods: the port rank 0 serves each exported version on (the fast path; podenv).
+ENV_WEIGHTS_PEER_PORT = "RFT_WEIGHTS_PEER_PORT"
 ENV_INFERENCE_PORT = "RFT_INFERENCE_PORT"
 ENV_INFERENCE_ENDPOINTS = "RFT_INFERENCE_ENDPOINTS"
 ENV_EXPLORER_INDEX = "RFT_EXPLORER_INDEX"
@@ -183,7 +185,7 @@ def master_addr(job: str, attempt: int, namespace: str) -> str:
 ANNOTATION_MANAGED_KEYS = "rft.dev/managed-keys"
 
 
-# The sync agent's server in each inference pod (rft_serving.relay.PeerServer): weights for
+# The sync agent's server in each inference pod (rft_contract.relay.PeerServer): weights for
 # its children in the relay tree, and its record of what the engine serves for explorers.
 WEIGHTS_PEER_PORT = 8471
 

@@ -71,6 +71,7 @@ OPERATOR_ONLY: dict[str, str] = {
     "inference.args": "the engine's command line (a flag such as vLLM's --api-key may be sensitive)",
     "inference.env": _SENSITIVE,
     "explorer.image": _POD_SPEC,
+    "sync.fast_path": "rank 0's weights port and RFT_WEIGHTS_PEER_PORT (trainer_pods.build_weights_env)",
 }
 
 # Fields added to the config after version 1: (section path, field) -> the version that

@@ -18,7 +18,7 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .names import ENV_STAGING_DIR
+from .names import ENV_POD_IP, ENV_STAGING_DIR, ENV_WEIGHTS_PEER_PORT
 
 DEFAULT_S3_RETRY_SECONDS = 300.0
 DEFAULT_MODEL_DOWNLOAD_TIMEOUT = 3600.0
@@ -31,6 +31,8 @@ VARIABLES: dict[str, str] = {
     "model_download_timeout": "RFT_MODEL_DOWNLOAD_TIMEOUT",
     "s3_retry_seconds": "RFT_S3_RETRY_SECONDS",
     "s3_addressing": "RFT_S3_ADDRESSING",
+    "pod_ip": ENV_POD_IP,
+    "weights_peer_port": ENV_WEIGHTS_PEER_PORT,
 }
 
 
@@ -56,6 +58,11 @@ class PodEnv(BaseModel):
         "How long an S3 request that keeps failing transiently is retried (s3.DeadlineRetries)."))
     s3_addressing: Literal["auto", "path", "virtual"] = Field(
         default="auto", description="botocore's addressing_style.")
+    pod_ip: str | None = Field(default=None, min_length=1, description=(
+        "The pod's IP (the downward API): where peers reach its weights server."))
+    weights_peer_port: int = Field(default=0, ge=0, le=65535, description=(
+        "Trainer rank 0 serves each exported version on this port (the fast path) while it "
+        "uploads it to S3; 0: off, the replicas read S3 once the upload is committed."))
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> "PodEnv":
@@ -75,6 +82,8 @@ def _plain(err: dict) -> str:
     """pydantic's message in the words of an env variable."""
     if err["type"] in ("float_parsing", "float_type"):
         return "not a number of seconds"
+    if err["type"] in ("int_parsing", "int_type"):
+        return "not a whole number"
     if err["type"] == "finite_number":
         return "must be a finite number"
     return err["msg"][0].lower() + err["msg"][1:]

@@ -44,6 +44,12 @@ class WeightsRef(Model):
     uri: str | None = None
     time: str | None = None
     id: str | None = Field(default=None, description="Export id: tells re-exports of a version apart")
+    peer: str | None = Field(default=None, description=(
+        "The trainer's weights server (the fast path): replicas stream the version from it while "
+        "the trainer uploads it to S3"))
+    manifest: str | None = Field(default=None, description=(
+        "sha256 of the export's manifest (rft_contract.manifest.manifest_digest): a manifest from "
+        "a peer is used only if it matches"))
 
 
 class BufferStatus(Model):

@@ -5,7 +5,7 @@ Unlike the trainer gang they live across trainer attempts, under stable names
 the reconcile can replace one whose spec drifted (`rollout.py`). An inference pod pairs
 the engine with a sync agent on a shared weights volume; the agent loads whatever
 `status.weightSync.target` names (docs/design.md, "Weight sync"), reading it from its
-parent replica's agent (port `weights`) rather than S3 where it can (rft_serving.relay).
+parent replica's agent (port `weights`) rather than S3 where it can (rft_contract.relay).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .objects import (JobRef, Obj, build_container_security_context, build_metri
                       build_pod_security_context, build_shm, build_resources, build_s3_env, build_tracking_env,
                       build_user_env, labels, spec_hash)
 
-# Weight relay (rft_serving.relay): each sync agent serves the weights it has to its
+# Weight relay (rft_contract.relay): each sync agent serves the weights it has to its
 # children, replica i reading replica (i - 1) // WEIGHTS_FANOUT, so S3 serves a version
 # about once whatever the replica count. Fanout 2 keeps a parent's upload at twice a
 # download while the tree stays log2(replicas) deep (streamed: depth costs little).

@@ -12,6 +12,8 @@ from rft_contract import names
 from rft_contract.podenv import VARIABLES
 from rft_contract.spec import RFTJobSpec
 
+WEIGHTS_PORT_NAME = "weights"
+
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
                       build_tracking_env, build_user_env, build_pod_security_context, build_resources, build_s3_env,
                       labels)
@@ -42,6 +44,21 @@ def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:
     return env
 
 
+def build_weights_port(ports: list[Obj]) -> Obj:
+    """Rank 0's weights server (the fast path, rft_trainer.export.FastPath): the relay's port
+    (names.WEIGHTS_PEER_PORT) unless another port of the pod has it."""
+    taken = {p["containerPort"] for p in ports if p.get("name") != WEIGHTS_PORT_NAME}
+    port = next(p for p in range(names.WEIGHTS_PEER_PORT, names.WEIGHTS_PEER_PORT + len(taken) + 1)
+                if p not in taken)
+    return {"name": WEIGHTS_PORT_NAME, "containerPort": port}
+
+
+def build_weights_env(port: Obj) -> list[Obj]:
+    """Where rank 0 serves the weights and the address it announces them at."""
+    return [{"name": VARIABLES["weights_peer_port"], "value": str(port["containerPort"])},
+            {"name": VARIABLES["pod_ip"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+
+
 def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> list[str]:
     """Static rendezvous: every rank knows the gang size and rank 0's address up front."""
     t = spec.trainer
@@ -66,6 +83,9 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
     if rank == 0:
         metrics_ports, metrics_env = build_metrics_port({t.master_port})
         ports, env = ports + metrics_ports, env + metrics_env
+        if spec.sync.fast_path:
+            weights = build_weights_port(ports)
+            ports, env = ports + [weights], build_weights_env(weights) + env  # the user's env last
     container: Obj = {
         "name": "trainer",
         "image": t.image,

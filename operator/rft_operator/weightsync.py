@@ -24,14 +24,19 @@ from .model import Event, Obj
 
 
 
+# A target's keys. `peer` and `manifest` come with a fresh export on the fast path: the
+# trainer's weights server and the digest a manifest from it must match (status.WeightsRef).
+TARGET_KEYS = ("version", "uri", "id", "peer", "manifest")
+
+
 def base_target(spec: RFTJobSpec) -> Obj:
-    return {"version": 0, "uri": spec.model.path, "id": None}
+    return _ref({"version": 0, "uri": spec.model.path})
 
 
 def _ref(weights: Obj) -> Obj:
     """A target with every key present: the status is merge-patched, so a key left out
     would keep the old target's value (`id: None` deletes it)."""
-    return {"version": weights.get("version"), "uri": weights.get("uri"), "id": weights.get("id")}
+    return {key: weights.get(key) for key in TARGET_KEYS}
 
 
 def same_target(a: Obj | None, b: Obj | None) -> bool:
@@ -60,7 +65,7 @@ def compute_target(spec: RFTJobSpec, trainer: Obj, old_target: Obj | None) -> Ta
         return Target(_ref(latest))
     available = sorted(trainer.get("weightVersions") or [])
     if pinned in available:
-        return Target({"version": pinned, "uri": weights_uri(spec.checkpoint.uri, pinned), "id": None})
+        return Target(_ref({"version": pinned, "uri": weights_uri(spec.checkpoint.uri, pinned)}))
     have = ", ".join(map(str, available)) or "none yet"
     return Target(_ref(old_target) if old_target else base_target(spec),
                   f"spec.sync.pinnedVersion={pinned} is not an exported version "

@@ -8,6 +8,8 @@ through replica 0's status entry), and S3 only when replica 0 cannot deliver."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from pathlib import Path
 
@@ -19,14 +21,15 @@ from botocore.config import Config
 
 from rft_contract import names
 from rft_contract.layout import weights_uri
-from rft_trainer.export import export_hf
+from rft_contract.manifest import manifest_digest
+from rft_trainer.export import FastPath, WeightExporter, export_hf
 from rft_trainer.parallelize import Runtime
 from rft_trainer.reporting import StatusReporter
 from rft_contract.s3 import S3Storage
 from rft_serving.serve import ReferenceServer
 from rft_serving.engines import ReferenceEngine
 from rft_serving.sync_agent import SyncAgent
-from rft_serving.relay import PeerServer
+from rft_contract.relay import PeerServer
 from tests.fixtures.models import save_tiny_model
 from tests.fixtures.s3bytes import S3ReadCounter
 from tests.trainer.faultproxy import FaultProxy
@@ -56,7 +59,7 @@ class Replica:
                                self.tmp / self.pod, api=self.as_job.api, resync_seconds=2,
                                max_backoff=2, storage=self.storage, peer_server=self.relay,
                                peer_url=f"http://127.0.0.1:{self.relay.port}", fanout=1, peer_timeout=10)
-        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread = threading.Thread(target=self.agent.run, name=self.pod, daemon=True)
         self.thread.start()
 
     def stop_agent(self) -> None:
@@ -208,3 +211,123 @@ def test_versions_pins_faults_and_restarts(setup, kubectl):
     status = wait_synced(ctx, 6)
     assert status["weightSync"]["replicas"][PODS[1]]["source"] == f"peer {PODS[0]}, then s3"
     assert ctx["s3_reads_1"].bytes - read_before >= ctx["bytes"][6]
+
+
+class GatedUploads:
+    """The trainer's S3 storage with its file uploads held at a gate (real S3 behind it):
+    what an upload that takes long looks like to the replicas."""
+
+    def __init__(self, storage: S3Storage):
+        self.storage, self.gate, self.started = storage, threading.Event(), threading.Event()
+
+    def upload_file(self, path, uri):
+        self.started.set()
+        assert self.gate.wait(120), "the test never opened the gate"
+        return self.storage.upload_file(path, uri)
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+
+def trainer_server(root: Path) -> FastPath:
+    """Rank 0's weights server, as FastPath.start opens it in the pod (here on loopback)."""
+    server = PeerServer(root, host="127.0.0.1").start()
+    return FastPath(root, server, f"http://127.0.0.1:{server.port}")
+
+
+def fast_exporter(ctx, storage, fast: FastPath, announced: dict, digest: str | None = None) -> WeightExporter:
+    """The trainer's wiring (rft_trainer.trainer.Trainer) of its exporter on the fast path:
+    report each version when it is served from the trainer, and again once committed.
+    `digest`: announce this instead of the manifest's (what a replica must refuse)."""
+    reporter = ctx["reporter"]
+
+    def on_announce(step, uri, manifest, a):
+        announced[step] = {**a, "manifest": digest or a["manifest"]}
+        reporter.report_weights(step, uri, manifest["id"], None, **announced[step])
+
+    def on_publish(step, uri, manifest, versions, seconds):
+        reporter.report_weights(step, uri, manifest["id"], versions, **announced.get(step, {}))
+
+    def write(storage, dest, dtype, stage=None):
+        from transformers import AutoModelForCausalLM
+
+        version = int(dest.rstrip("/").rsplit("-", 1)[-1])
+        model_dir = save_tiny_model(ctx["tmp"] / f"v{version}", seed=version)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        rt = Runtime(rank=0, world_size=1, local_rank=0, device=__import__("torch").device("cpu"))
+        m = export_hf(model, rt, storage, dest, str(model_dir), version, dtype="fp32", stage=stage)
+        ctx["bytes"][version] = m["bytes"]
+        return m
+
+    return WeightExporter(storage, ctx["root"], "fp32", keep=5, pinned=None, write=write,
+                          on_publish=on_publish, fast=fast, on_announce=on_announce)
+
+
+def test_fast_path_replicas_serve_a_version_before_its_upload_ends_and_only_the_announced_one(setup, caplog):
+    """The trainer serves each version from its pod while its S3 upload is held: both
+    replicas load it (replica 0 from the trainer, replica 1 from replica 0), every file
+    checked against the manifest whose digest the trainer announced, before any byte of
+    it is in S3. With the trainer's server gone they wait for the commit (no error), then
+    read S3. A manifest that is not the announced one is refused, from a peer and from S3."""
+    ctx = setup
+    caplog.set_level(logging.INFO, logger="rft_serving.weights")
+    wait_synced(ctx, 0)
+    gated = GatedUploads(S3Storage())
+    root = ctx["tmp"] / "trainer-weights"
+    root.mkdir()
+    fast = trainer_server(root)
+    announced: dict = {}
+    exporter = fast_exporter(ctx, gated, fast, announced)
+    s3 = S3Storage()
+    try:
+        # 1. Served from the trainer while the upload is held at the gate.
+        read_before = ctx["s3_reads_1"].bytes
+        done = threading.Thread(target=exporter.publish, args=(1,), daemon=True)
+        done.start()
+        status = wait_synced(ctx, 1)
+        target = status["weightSync"]["target"]
+        assert target["peer"] == fast.url and target["manifest"] == announced[1]["manifest"]
+        entries = status["weightSync"]["replicas"]
+        assert (entries[PODS[0]]["source"], entries[PODS[1]]["source"]) == ("peer trainer", f"peer {PODS[0]}")
+        assert gated.started.is_set() and not s3.list(weights_uri(ctx["root"], 1) + "/")  # nothing in S3 yet
+        assert ctx["s3_reads_1"].bytes == read_before  # replica 1 read nothing from S3, not even a manifest
+        gated.gate.set()
+        done.join(60)
+        committed = json.loads(s3.read_bytes(weights_uri(ctx["root"], 1) + "/manifest.json"))
+        assert manifest_digest(committed) == announced[1]["manifest"]  # the commit is what was served
+
+        # 2. The trainer's server is gone and the upload held: the replicas wait for the
+        # commit without reporting an error, then read S3.
+        gated.gate.clear()
+        fast.server.stop()
+        done = threading.Thread(target=exporter.publish, args=(2,), daemon=True)
+        done.start()
+        wait_status(ctx["api"], ctx["ns"], JOB, lambda s: s["weightSync"]["target"]["version"] == 2, 60, "target 2")
+        waiting = lambda pod: any("waiting for version 2 in S3" in r.getMessage() and r.threadName == pod  # noqa: E731
+                                  for r in caplog.records)
+        wait_for(lambda: all(waiting(p) for p in PODS), 60, "both agents waiting for the commit")
+        assert not any((e or {}).get("error") for e in job_status(ctx)["weightSync"]["replicas"].values())
+        assert [r.served() for r in ctx["replicas"]] == [1, 1]
+        gated.gate.set()
+        done.join(60)
+        status = wait_synced(ctx, 2)
+        assert status["weightSync"]["replicas"][PODS[0]]["source"] == "s3"
+
+        # 3. An announcement whose digest is not the manifest's (the trainer's server sends
+        # the real one): refused from the peer and from S3, and said so; version 2 serves on.
+        fast.stop()
+        fast = trainer_server(root)
+        exporter = fast_exporter(ctx, S3Storage(), fast, announced, digest="sha256:" + "0" * 64)
+        exporter.publish(3)
+        status = wait_status(ctx["api"], ctx["ns"], JOB, lambda s: "not the one announced" in str(
+            (s["weightSync"]["replicas"].get(PODS[0]) or {}).get("error")), 60, "the wrong digest refused")
+        assert status["weightSync"]["replicas"][PODS[0]]["version"] == 2 and ctx["replicas"][0].served() == 2
+        assert any("from peer trainer is not the one announced" in r.getMessage() for r in caplog.records)
+    finally:
+        gated.gate.set()
+        fast.stop()
+
+
+def job_status(ctx) -> dict:
+    return kubernetes.client.CustomObjectsApi(ctx["api"]).get_namespaced_custom_object(
+        names.GROUP, names.VERSION, ctx["ns"], names.PLURAL, JOB).get("status") or {}

@@ -1007,7 +1007,7 @@ def test_versions_come_from_the_agent_so_a_throttled_api_server_drops_no_sample(
     status instead, where the throttled API drops its samples: what every sample suffered
     before."""
     from rft_rollout.explorer import ReplicaRecords
-    from rft_serving.relay import PeerServer
+    from rft_contract.relay import PeerServer
 
     fake = FakeVLLM(honours_opt_in=False).start()
     throttled = ThrottledApiServer()

@@ -1,4 +1,4 @@
-"""The weight relay between sync agents (rft_serving.relay, weights.fetch), over real HTTP
+"""The weight relay between sync agents (rft_contract.relay, weights.fetch), over real HTTP
 on loopback: children stream each file from their parent while it still arrives, every
 hop checks the manifest's sha256, a parent that is unreachable, absent, stalled, cut short
 or corrupt sends the child to S3, and the server hands out nothing but the files a
@@ -20,7 +20,7 @@ import pytest
 
 from rft_contract.manifest import MANIFEST, file_entry
 from rft_serving.engines import SyncError
-from rft_serving.relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerServer, Transfer, parent_index
+from rft_contract.relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerServer, Transfer, parent_index
 from rft_serving.sync_agent import SyncAgent
 from rft_serving.weights import fetch, version_dir
 

@@ -481,16 +481,29 @@ def _pod_ports(pod) -> list[int]:
 
 def test_only_the_rank_0_trainer_pod_names_a_metrics_port(spec):
     rank0, rank1 = (builders.build_trainer_pod(REF, spec, 1, r)["spec"]["containers"][0] for r in (0, 1))
-    assert _ports(rank0) == {"rendezvous": spec.trainer.master_port, "metrics": 9400}
+    assert _ports(rank0) == {"rendezvous": spec.trainer.master_port, "metrics": 9400, "weights": 8471}
     assert "metrics" not in _ports(rank1)  # nothing listens there: no target to be down
+    assert "weights" not in _ports(rank1)  # rank 0 exports
     assert not any(e["name"] == "RFT_METRICS_PORT" for c in (rank0, rank1) for e in c["env"])
 
 
 def test_the_trainers_metrics_port_moves_aside_for_the_rendezvous():
     spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "masterPort": 9400}})
     (c,) = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"]
-    assert _ports(c) == {"rendezvous": 9400, "metrics": 9401}
+    assert _ports(c) == {"rendezvous": 9400, "metrics": 9401, "weights": 8471}
     assert {e["name"]: e.get("value") for e in c["env"]}["RFT_METRICS_PORT"] == "9401"
+
+
+def test_rank_0_serves_the_weights_fast_path_on_a_free_port_unless_it_is_off():
+    spec = parse_spec({**SPEC, "trainer": {**SPEC["trainer"], "masterPort": 8471}})
+    (c,) = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"]
+    assert _ports(c)["weights"] == 8472
+    env = {e["name"]: e for e in c["env"]}
+    assert env["RFT_WEIGHTS_PEER_PORT"]["value"] == "8472"
+    assert env["RFT_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    off = parse_spec({**SPEC, "sync": {"fastPath": False}})
+    (c,) = builders.build_trainer_pod(REF, off, 1, 0)["spec"]["containers"]
+    assert "weights" not in _ports(c) and not any(e["name"] == "RFT_WEIGHTS_PEER_PORT" for e in c["env"])
 
 
 def test_the_sync_agent_and_the_explorer_name_a_metrics_port_and_the_engine_none():

@@ -17,11 +17,13 @@ MINIMAL = {"model": {"path": "/models/tiny"}, "algorithm": {"name": "grpo"},
 
 def test_each_variable_sets_its_field_and_an_empty_one_is_unset():
     env = {"RFT_CKPT_STAGING": "/save", "RFT_STAGING_DIR": "/staging", "RFT_MODEL_CACHE": "/models",
-           "RFT_MODEL_DOWNLOAD_TIMEOUT": "600", "RFT_S3_RETRY_SECONDS": "2.5", "RFT_S3_ADDRESSING": "path"}
+           "RFT_MODEL_DOWNLOAD_TIMEOUT": "600", "RFT_S3_RETRY_SECONDS": "2.5", "RFT_S3_ADDRESSING": "path",
+           "RFT_POD_IP": "10.0.0.7", "RFT_WEIGHTS_PEER_PORT": "8471"}
     assert set(env) == set(VARIABLES.values())
     got = PodEnv.read(env)
     assert (got.ckpt_staging, got.staging_dir, got.model_cache) == ("/save", "/staging", "/models")
     assert (got.model_download_timeout, got.s3_retry_seconds, got.s3_addressing) == (600.0, 2.5, "path")
+    assert (got.pod_ip, got.weights_peer_port) == ("10.0.0.7", 8471)
     assert PodEnv.read({"RFT_S3_RETRY_SECONDS": ""}) == PodEnv.read({})
     default = PodEnv.read({})
     assert default.staging_dir is None and default.s3_retry_seconds == 300 and default.s3_addressing == "auto"
@@ -34,6 +36,8 @@ def test_each_variable_sets_its_field_and_an_empty_one_is_unset():
     ("RFT_MODEL_DOWNLOAD_TIMEOUT", "0", "greater than 0"),
     ("RFT_MODEL_DOWNLOAD_TIMEOUT", "1h", "not a number of seconds"),
     ("RFT_S3_ADDRESSING", "dns", "'auto', 'path' or 'virtual'"),
+    ("RFT_WEIGHTS_PEER_PORT", "http", "not a whole number"),
+    ("RFT_WEIGHTS_PEER_PORT", "70000", "less than or equal to 65535"),
 ])
 def test_a_bad_value_is_named_by_its_variable_in_every_pod(var, raw, words):
     with pytest.raises(ValueError) as e:

@@ -35,7 +35,7 @@ def test_new_loop_job_creates_inference_and_explorer_pods_and_targets_the_base_m
     created = [o["metadata"]["name"] for o in plan.create]
     assert created == ["demo-inference-0", "demo-inference-1", "demo-explorer-0"]
     ws = plan.status["weightSync"]
-    assert ws["target"] == {"version": 0, "uri": "s3://models/tiny-qwen", "id": None}
+    assert ws["target"] == {"version": 0, "uri": "s3://models/tiny-qwen", "id": None, "peer": None, "manifest": None}
     assert ws["synced"] == "0/2" and ws["desiredReplicas"] == 2
     assert cond(plan, names.COND_WEIGHTS_SYNCED)["reason"] == names.REASON_SYNCING
 
@@ -45,7 +45,7 @@ def test_latest_weights_are_promoted_and_replicas_counted():
     plan = run(trainer, {"demo-inference-0": {"version": 3, "id": "abc"},
                          "demo-inference-1": {"version": 2, "id": "old"}})
     ws = plan.status["weightSync"]
-    assert ws["target"] == {"version": 3, "uri": W + "00000003", "id": "abc"}
+    assert ws["target"] == {"version": 3, "uri": W + "00000003", "id": "abc", "peer": None, "manifest": None}
     assert (ws["syncedReplicas"], ws["synced"], ws["lagSteps"]) == (1, "1/2", 2)
     assert [e.message for e in plan.events if e.reason == "WeightsTarget"] == [
         f"serving target is now version 3 ({W}00000003) (the first)"]
@@ -85,7 +85,8 @@ def test_pinned_version(pin, versions, want, ok):
         assert "pinnedVersion=7" in c_["message"] and "1, 2, 3" in c_["message"]
     elif pin == 2:
         # Every key is sent: `id: None` deletes the old target's id in the merge patch.
-        assert plan.status["weightSync"]["target"] == {"version": 2, "uri": W + "00000002", "id": None}
+        assert plan.status["weightSync"]["target"] == {"version": 2, "uri": W + "00000002", "id": None,
+                                                       "peer": None, "manifest": None}
 
 
 def test_replica_errors_show_in_the_condition():

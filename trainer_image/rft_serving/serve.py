@@ -36,6 +36,7 @@ from aiohttp import web
 
 from rft_contract.fingerprint import FingerprintVerdict, model_stats, read_fingerprint
 from rft_contract.fingerprint import compare as compare_fingerprint
+from rft_contract.podenv import PodEnv
 from rft_contract.probe import FORMAT as PROBE_FORMAT
 from rft_contract.probe import Probe, Verdict, compare, parse_probe
 
@@ -519,7 +520,7 @@ def _chat_prompt(tokenizer, messages) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rft_serving.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--host", default=os.environ.get("RFT_POD_IP") or "0.0.0.0")
+    ap.add_argument("--host", default=PodEnv.read().pod_ip or "0.0.0.0")
     ap.add_argument("--port", type=int, default=int(os.environ.get("RFT_INFERENCE_PORT") or 8000))
     ap.add_argument("--model-dir", help="HF model directory to serve at start")
     ap.add_argument("--version", type=int, default=0, help="weights version of --model-dir")

@@ -34,7 +34,7 @@ believes it loaded the target, and its entry first says what the engine reports 
 Target version 0 is the base model (`spec.model.path`), which may have no manifest: it is
 then loaded unverified.
 
-The relay (relay.py): with `peer_server` the agent serves the versions it has, and the one
+The relay (rft_contract.relay): with `peer_server` the agent serves the versions it has, and the one
 it is fetching as the bytes arrive, to its children in a tree by replica index (replica i
 reads replica (i - 1) // fanout), and advertises the server's URL in its entry (`peer`).
 So S3 serves a version about once, whatever the number of replicas; a parent that is
@@ -90,8 +90,8 @@ from rft_contract.podenv import PodEnv
 from rft_contract.storage import get_storage
 
 from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
-from .relay import VERIFIED, Peer, PeerServer, parent_index
-from .weights import fetch, version_dir
+from rft_contract.relay import VERIFIED, Peer, PeerServer, parent_index, url_host
+from .weights import Superseded, fetch, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
 # Failed attempts before an engine that has never answered is worth a warning.
@@ -108,7 +108,7 @@ HELPER_FILES = ("__init__.py", "supervise.py", "cpu_isa.py", "vllm_worker.py")
 
 class SyncAgent:
     """`peer_server`/`peer_url`: serve this replica's weights to its children in the tree
-    (relay.py) and advertise where, in its status entry (`peer`); `fanout`: children per
+    (rft_contract.relay) and advertise where, in its status entry (`peer`); `fanout`: children per
     replica, which also decides this replica's parent (0: always read S3)."""
 
     def __init__(self, job: str, namespace: str, pod: str, engine: Engine, dest: str | Path,
@@ -181,6 +181,9 @@ class SyncAgent:
                 try:
                     self.converge(target)
                     backoff = 1.0
+                except Superseded as e:  # a newer target (or a stop): converge to it at once
+                    log.info("%s", e)
+                    continue
                 except Exception as e:  # noqa: BLE001 - every failure is reported, then retried
                     self.attempts += 1
                     # A SyncError says what went wrong in words; anything else is a bug
@@ -244,7 +247,8 @@ class SyncAgent:
         start = time.perf_counter()
         self._ensure_storage(target)
         log.info("fetching version %s from %s", target["version"], target.get("uri"))
-        got = fetch(target, self.dest, self.storage, self.parent(), self.peer_server, self.peer_timeout)
+        got = fetch(target, self.dest, self.storage, self.parent(target), self.peer_server, self.peer_timeout,
+                    wait=self._superseded(target))
         path, times = got.path, got.times
         probe = _probe_of(path, target)
         t_reload = time.perf_counter()
@@ -362,15 +366,25 @@ class SyncAgent:
         except SyncError:
             self.engine_version = None
 
-    def parent(self) -> Peer | None:
-        """The replica to read weights from (relay.py's tree), if it advertises a server."""
+    def _superseded(self, target: dict):
+        """`wait(seconds)` for a fetch that waits on a commit: True once the target changed
+        or the agent stops (the run loop then converges to the new target)."""
+        def wait(seconds: float) -> bool:
+            self._stop.wait(seconds)
+            return self._stop.is_set() or self.target() != target
+        return wait
+
+    def parent(self, target: dict | None = None) -> Peer | None:
+        """The replica to read weights from (rft_contract.relay's tree), if it advertises a server;
+        for replica 0, the trainer's weights server when the target names one (the fast path)."""
         prefix = names.inference_pod_name(self.job, 0)[:-1]
         index = self.pod[len(prefix):]
         if self.fanout < 1 or not self.pod.startswith(prefix) or not index.isdigit():
             return None
         p = parent_index(int(index), self.fanout)
         if p is None:
-            return None
+            peer = (target or {}).get("peer")
+            return Peer("trainer", peer) if peer else None
         pod = names.inference_pod_name(self.job, p)
         url = (((self._status.get("weightSync") or {}).get("replicas") or {}).get(pod) or {}).get("peer")
         return Peer(pod, url) if url else None
@@ -528,17 +542,13 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
         log.error("no status.weightSync.target after %.0fs", timeout)
         return 1
     agent._ensure_storage(target)
-    path = fetch(target, agent.dest, agent.storage, agent.parent(), None, agent.peer_timeout).path
+    path = fetch(target, agent.dest, agent.storage, agent.parent(target), None, agent.peer_timeout).path
     if out.exists() or out.is_symlink():
         out.unlink() if out.is_symlink() else shutil.rmtree(out)
     out.symlink_to(path.resolve())
     agent.served = dict(target)
     log.info("fetched version %s to %s", target["version"], out)
     return 0
-
-
-def _url_host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip  # IPv6 pod IPs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -576,12 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 78
-    pod_ip = os.environ.get("RFT_POD_IP")
+    pod_ip = env.pod_ip
     url = args.engine_url or f"http://{pod_ip or '127.0.0.1'}:{args.engine_port}"
     server = peer_url = None
     if args.peer_port and not args.fetch_only:
         server = PeerServer(Path(args.dest), port=args.peer_port)  # bound; started once `record` is set
-        peer_url = f"http://{_url_host(pod_ip)}:{server.port}" if pod_ip else None
+        peer_url = f"http://{url_host(pod_ip)}:{server.port}" if pod_ip else None
     supervisor = f"http://127.0.0.1:{args.supervisor_port}" if args.supervisor_port else None
     engine = ENGINES[args.engine](url, supervisor=supervisor)
     agent = SyncAgent(args.job, args.namespace, args.pod, engine, args.dest,

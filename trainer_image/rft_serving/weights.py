@@ -3,7 +3,7 @@ every file checked against the export's manifest in the pass that writes it, and
 engine a local directory.
 
 The manifest is always read from S3 (it is the export's commit); the files come from the
-parent replica when there is one (`relay.py`: streamed while the parent still receives
+parent replica when there is one (`rft_contract.relay`: streamed while the parent still receives
 them) and from S3 otherwise, or as soon as the parent fails one file (unreachable, 404,
 stalled, cut short, or bytes that do not match the manifest). While it fetches, the agent
 publishes the growing directory to its own `PeerServer`, so its children stream from it.
@@ -20,19 +20,20 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
-from rft_contract.manifest import MANIFEST, verify_local
+from rft_contract.manifest import MANIFEST, manifest_digest, verify_local
 from rft_contract.storage import download_to, get_storage, join, mismatch, read_parts
 
 from .engines import SyncError
-from .relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerError, PeerServer, Transfer, \
-    is_safe_file_name, read_from_peer, write_all
+from rft_contract.relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerError, PeerServer, Transfer, \
+    is_safe_file_name, read_from_peer, read_manifest_from_peer, version_dir_name, write_all
 
 log = logging.getLogger("rft_serving.weights")
 
 
 def version_dir(dest: Path, target: dict) -> Path:
-    return dest / f"v{target['version']:08d}-{target.get('id') or 'base'}"
+    return dest / version_dir_name(target["version"], target.get("id"))
 
 
 @dataclass
@@ -47,10 +48,15 @@ class Fetched:
 
 
 def fetch(target: dict, dest: Path, storage=None, peer: Peer | None = None,
-          server: PeerServer | None = None, peer_timeout: float = 30.0) -> Fetched:
+          server: PeerServer | None = None, peer_timeout: float = 30.0,
+          wait: Callable[[float], bool] | None = None, commit_timeout: float = 3600.0) -> Fetched:
     """Download (unless already here) and verify the target's weights. `peer`: the parent
     to read the files from (S3 when None or when it fails); `server`: where to publish the
-    download for children. Local targets (a path in the image) are used in place."""
+    download for children. Local targets (a path in the image) are used in place.
+
+    A target that names its manifest's digest (the fast path: announced before its upload
+    ends) takes the manifest from `peer` if it matches, else waits for the commit in S3,
+    up to `commit_timeout`, through `wait(seconds)` (True: stop waiting, `Superseded`)."""
     uri = target["uri"]
     out = version_dir(dest, target)
     if not uri.startswith("s3://"):
@@ -69,15 +75,21 @@ def fetch(target: dict, dest: Path, storage=None, peer: Peer | None = None,
     start = time.perf_counter()
     job: _Fetch | None = None
     try:
-        try:
-            manifest = _read_manifest(storage, uri)
-        except FileNotFoundError:
-            manifest = None
+        if target.get("manifest"):
+            manifest, peer = _announced_manifest(target, storage, uri, peer, out.name, peer_timeout,
+                                                 wait or time.sleep, commit_timeout)
+        else:
+            try:
+                manifest = _read_manifest(storage, uri)
+            except FileNotFoundError:
+                manifest = None
         if manifest is None:
             got = _download_unverified(storage, uri, target, tmp)
         else:
             check_manifest(manifest, target)
             job = _Fetch(storage, uri, manifest, out.name, tmp, peer, server, peer_timeout)
+            if target.get("manifest") and peer is not None:  # S3 may lack the files yet: read it once committed
+                job.before_s3 = lambda: await_commit(target, storage, uri, wait or time.sleep, commit_timeout)
             got = job.run()
         got.times["downloadSeconds"] = time.perf_counter() - start - got.times["verifySeconds"]
         (tmp / VERIFIED).write_text(json.dumps(target))
@@ -112,6 +124,7 @@ class _Fetch:
         self.hash_seconds = 0.0
         self.s3_bytes = self.peer_bytes = 0
         self.used_peer = self.fell_back = False
+        self.before_s3: Callable[[], object] | None = None  # called once, before the first S3 read
 
     def run(self) -> Fetched:
         (self.tmp / MANIFEST_COPY).write_text(json.dumps(self.manifest))
@@ -153,6 +166,9 @@ class _Fetch:
         return False
 
     def _from_s3(self, name: str, meta: dict) -> None:
+        if self.before_s3 is not None:
+            before, self.before_s3 = self.before_s3, None
+            before()
         uri = join(self.uri, name)
         try:
             with self._writing(name, meta) as sink:
@@ -227,6 +243,50 @@ def _download_unverified(storage, uri: str, target: dict, to: Path) -> Fetched:
     for name in names:
         total += download_to(storage, join(uri, name), to / name).size  # streamed, multipart on S3
     return Fetched(to, {"verifySeconds": 0.0}, "s3", total)
+
+
+class Superseded(SyncError):
+    """The wait for a version's commit ended: the target changed or the agent stops."""
+
+
+def _announced_manifest(target: dict, storage, uri: str, peer: Peer | None, name: str, peer_timeout: float,
+                        wait: Callable[[float], bool], commit_timeout: float) -> tuple[dict, Peer | None]:
+    """The manifest whose digest the target names, and the peer to read the files from
+    (None once the peer sent a manifest that does not match: not asked again)."""
+    want = target["manifest"]
+    if peer is not None:
+        try:
+            manifest = read_manifest_from_peer(peer, name, peer_timeout)
+            if manifest_digest(manifest) == want:
+                return manifest, peer
+            log.warning("the manifest from peer %s is not the one announced (%s): reading S3", peer.pod, want)
+            peer = None
+        except PeerError as e:
+            log.info("no manifest from peer %s (%s): waiting for version %s in S3", peer.pod, e, target["version"])
+            peer = None
+    return await_commit(target, storage, uri, wait, commit_timeout), peer
+
+
+def await_commit(target: dict, storage, uri: str, wait: Callable[[float], bool], commit_timeout: float) -> dict:
+    """The manifest in S3 once the trainer committed it, checked against the announced digest."""
+    want = target["manifest"]
+    deadline, pause = time.monotonic() + commit_timeout, 0.2
+    while True:
+        try:
+            manifest = _read_manifest(storage, uri)
+        except FileNotFoundError:
+            manifest = None
+        if manifest is not None:
+            if manifest_digest(manifest) != want:
+                raise SyncError(f"the manifest in {uri} is not the one announced for version "
+                                f"{target['version']} (exported again meanwhile?)")
+            return manifest
+        if time.monotonic() > deadline:
+            raise SyncError(f"version {target['version']} was announced but not committed to {uri} "
+                            f"within {commit_timeout:.0f}s, and its peer did not serve it")
+        if wait(pause):
+            raise Superseded(f"stopped waiting for version {target['version']}'s commit")
+        pause = min(2.0, pause * 2)
 
 
 def _read_manifest(storage, uri: str) -> dict:

@@ -22,7 +22,7 @@ from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
 from .experience import Experiences
-from .export import export_hf
+from .export import Stage, export_hf
 from .modelcache import fetch_model
 from .parallelize import Runtime, build_model, init_distributed
 
@@ -76,11 +76,13 @@ class TrainEngineWrapper(abc.ABC):
         in the checkpoint (`app.<name>.*`): keep them stable across versions."""
 
     @abc.abstractmethod
-    def export_policy(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+    def export_policy(self, storage: Storage, dest: str, dtype: str, stage: Stage | None = None) -> dict | None:
         """Write the policy as an HF model directory in `dtype` under `dest` (export.py's
         layout, `manifest.json` last, with the probe the sync agents check each engine
         against). Collective: every rank calls it. Returns the manifest on rank 0, None on
-        the other ranks. The weight exporter calls it; callers use the seed's methods."""
+        the other ranks. The weight exporter calls it; callers use the seed's methods.
+        `stage` (rank 0, the fast path; passed only when on): hand it to `export_hf`, which
+        writes the files there and announces the version before its upload ends."""
 
     # ------------------------------------------------------------ the seed's, through the owners
 
@@ -241,12 +243,12 @@ class FSDPTrainEngine(TrainEngineWrapper):
         # The frozen reference is not saved: it is the initial policy, reloaded from model.path.
         return {"actor": self.actor, "critic": self.critic}
 
-    def export_policy(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+    def export_policy(self, storage: Storage, dest: str, dtype: str, stage: Stage | None = None) -> dict | None:
         model = self.actor.model
         tokens = self.probe_tokens or probe.fallback_tokens(model.config.get_text_config().vocab_size)
         check = probe.build_probe(model, self.rt.device, tokens, dtype, self.step)
         return export_hf(model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt), self.step,
-                         dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()})
+                         dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()}, stage=stage)
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:

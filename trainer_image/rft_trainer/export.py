@@ -12,10 +12,22 @@ bucket that is written and uploaded once it reaches `max_shard_bytes`. No rank e
 a full copy of the model, and rank 0 holds at most one bucket plus one tensor. Rank 0
 also records each tensor's fingerprint as exported (`fingerprint.json`,
 rft_contract.fingerprint), the exact check every engine's load is held to.
+
+The fast path (`FastPath`, on unless `sync.fastPath: false`): rank 0 keeps the version's
+files in a local directory, hashes each as it is written, and uploads them to S3 on a
+thread beside the export. Once the last file is written the manifest is complete: rank 0
+serves the directory on its weights server (rft_contract.relay's, the one the replicas run)
+and announces the version with the server's URL and the manifest's digest, so the first
+replica streams it from the trainer while the upload runs, and the rest of the relay tree
+from it. The manifest is written to S3 (the commit) only after every upload finished and
+matched the local hash; S3 stays the source for a replica that joins late or restarts, and
+for rollback. A replica takes a manifest from a peer only if its digest is the announced
+one, and every file only if it matches that manifest, as on the S3 path.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -23,6 +35,7 @@ import shutil
 import uuid
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -33,9 +46,13 @@ from torch import nn
 from rft_contract import layout
 from rft_contract.layout import weights_uri
 from rft_contract.fingerprint import FINGERPRINT_FILE, Fingerprint, export_stats
-from rft_contract.manifest import apply_retention, committed, read_manifest, verify_objects, write_manifest
+from rft_contract.hashing import sha256_file
+from rft_contract.manifest import (apply_retention, committed, manifest_digest, read_manifest, verify_objects,
+                                   write_manifest)
+from rft_contract.podenv import PodEnv
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
+from rft_contract.relay import PeerServer, Transfer, url_host, version_dir_name
 
 from .parallelize import Runtime, tied_parameters
 
@@ -73,10 +90,19 @@ class WeightExporter:
     inference pods start on: nothing to publish."""
 
     def __init__(self, storage: Storage, root: str, dtype: str, keep: int, pinned: int | None,
-                 write: Callable[[Storage, str, str], dict | None],
-                 on_publish: Callable[[int, str, dict, list[int] | None, float], None] | None = None):
+                 write: Callable[..., dict | None],
+                 on_publish: Callable[[int, str, dict, list[int] | None, float], None] | None = None,
+                 fast: "FastPath | None" = None,
+                 on_announce: Callable[[int, str, dict, "Announced"], None] | None = None):
         self.storage, self.root, self.dtype, self.keep, self.pinned = storage, root, dtype, keep, pinned
         self.write, self.on_publish = write, on_publish
+        # Rank 0 on the fast path: `write` gets a `stage` (keyword) and `on_announce` is
+        # called once the version is served from this pod, before its upload ends. An
+        # engine whose export_policy takes no stage (written before it) publishes through S3.
+        if fast is not None and "stage" not in inspect.signature(write).parameters:
+            log.warning("the engine's export_policy takes no `stage`: weights go through S3 only")
+            fast = None
+        self.fast, self.on_announce = fast, on_announce
         self.last_step: int | None = None  # the last version published
         self.last_manifest: dict | None = None  # its manifest (rank 0)
 
@@ -89,8 +115,18 @@ class WeightExporter:
         start = time.perf_counter()
         uri = weights_uri(self.root, step)
         self.last_manifest = None
+        stage = None
+        if self.fast is not None:
+            stage = self.fast.stage(step, lambda m, a: self.on_announce and self.on_announce(step, uri, m, a))
         try:
-            manifest = self.write(self.storage, uri, self.dtype)
+            if stage is None:
+                manifest = self.write(self.storage, uri, self.dtype)
+            else:
+                manifest = self.write(self.storage, uri, self.dtype, stage=stage)
+        except BaseException:
+            if stage is not None:
+                stage.abandon()
+            raise
         finally:
             self.last_step = step
         seconds = time.perf_counter() - start
@@ -108,16 +144,88 @@ class WeightExporter:
         return manifest
 
 
-class _Writer:
-    """Rank 0's side: buckets of tensors -> safetensors files, uploaded as they fill."""
+class Announced(dict):
+    """What a fast-path announcement adds to `status.trainer.latestWeights`:
+    {"peer": the weights server's URL, "manifest": the manifest's digest}."""
 
-    def __init__(self, storage: Storage, dest: str, tmp: Path, max_shard_bytes: int):
+
+class Stage:
+    """One version on the fast path: the local directory export_hf writes it into (kept
+    while it is served), and `announce(manifest)`, which serves it and reports it."""
+
+    def __init__(self, fast: "FastPath", step: int, on_announce: Callable[[dict, Announced], None]):
+        self.fast, self.step, self.on_announce = fast, step, on_announce
+        self.export_id = uuid.uuid4().hex[:16]
+        self.path = fast.root / version_dir_name(step, self.export_id)
+        self.path.mkdir(parents=True)
+        self.announced = False
+
+    def announce(self, manifest: dict) -> None:
+        self.fast.serve(self.path, manifest)
+        self.announced = True
+        self.on_announce(manifest, Announced(peer=self.fast.url, manifest=manifest_digest(manifest)))
+
+    def abandon(self) -> None:
+        """The export failed: stop serving it and free the disk."""
+        self.fast.drop(self.path)
+
+
+class FastPath:
+    """Rank 0's weights server: the newest version's directory, served to the replicas
+    (relay.PeerServer: only the files its manifest lists, each only once complete)."""
+
+    def __init__(self, root: Path, server: PeerServer, url: str):
+        self.root, self.server, self.url = Path(root), server, url
+        self.serving: Path | None = None
+
+    @classmethod
+    def start(cls, env: PodEnv) -> "FastPath | None":
+        """The server on `env.weights_peer_port`, announced at the pod's IP; None when the
+        operator did not ask for it (`sync.fastPath: false`, or not in a pod)."""
+        if not (env.weights_peer_port and env.pod_ip):
+            return None
+        base = env.staging_dir if env.staging_dir and os.path.isdir(env.staging_dir) else None
+        root = Path(tempfile.mkdtemp(prefix="rft-weights-", dir=base))
+        server = PeerServer(root, port=env.weights_peer_port).start()
+        log.info("fast path: serving each exported version on port %d while it uploads", server.port)
+        return cls(root, server, f"http://{url_host(env.pod_ip)}:{server.port}")
+
+    def stage(self, step: int, on_announce: Callable[[dict, Announced], None]) -> Stage:
+        return Stage(self, step, on_announce)
+
+    def serve(self, path: Path, manifest: dict) -> None:
+        """Serve `path` (complete and hashed) instead of the version before it."""
+        self.server.publish(Transfer(path.name, manifest, path, complete=True))
+        old, self.serving = self.serving, path
+        if old is not None and old != path:
+            self.drop(old)  # a replica still reading it gets a short body and reads S3
+
+    def drop(self, path: Path) -> None:
+        self.server.forget(path.name)
+        shutil.rmtree(path, ignore_errors=True)
+        if self.serving == path:
+            self.serving = None
+
+    def stop(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _Writer:
+    """Rank 0's side: buckets of tensors -> safetensors files, uploaded as they fill. On
+    the fast path (`stage`) the files stay in the stage's directory, each hashed there and
+    uploaded on a thread beside the export; `finish` waits for the uploads."""
+
+    def __init__(self, storage: Storage, dest: str, tmp: Path, max_shard_bytes: int, stage: Stage | None = None):
         self.storage, self.dest, self.tmp, self.max = storage, dest, tmp, max_shard_bytes
+        self.stage = stage
         self.bucket: dict[str, torch.Tensor] = {}
         self.bucket_bytes = 0
         self.files: dict[str, dict] = {}
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
+        self._uploads: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-upload") if stage is not None else None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.bucket[name] = tensor.contiguous()
@@ -137,24 +245,48 @@ class _Writer:
         for key in self.bucket:
             self.weight_map[key] = name
         self.upload(path)
-        path.unlink()
+        if self.stage is None:
+            path.unlink()
         self.bucket, self.bucket_bytes = {}, 0
 
     def upload(self, path: Path) -> None:
-        got = upload_file(self.storage, path, join(self.dest, path.name))  # streamed, hashed as it goes
-        self.files[path.name] = {"size": got.size, "sha256": got.sha256}
+        if self._pool is None:
+            got = upload_file(self.storage, path, join(self.dest, path.name))  # streamed, hashed as it goes
+            self.files[path.name] = {"size": got.size, "sha256": got.sha256}
+            return
+        self.files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        self._uploads[path.name] = self._pool.submit(upload_file, self.storage, path, join(self.dest, path.name))
+
+    def finish(self) -> None:
+        """Every upload done, each of the bytes hashed before it (the fast path). Raises the
+        first upload's error, or names a file whose upload does not match the local hash."""
+        if self._pool is None:
+            return
+        try:
+            for name, pending in self._uploads.items():
+                got = pending.result()
+                if (got.size, got.sha256) != (self.files[name]["size"], self.files[name]["sha256"]):
+                    raise RuntimeError(f"{name}: the bytes uploaded differ from the bytes served "
+                                       "(the file changed on local disk)")
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_dir: str | None,
               step: int, dtype: str = "bf16", max_shard_bytes: int = 2 << 30,
-              extra_files: dict[str, bytes] | None = None) -> dict | None:
+              extra_files: dict[str, bytes] | None = None, stage: Stage | None = None) -> dict | None:
     """Collective: every rank must call it. Returns the manifest on rank 0, None elsewhere.
     `extra_files` (rank 0's count): written beside the weights and listed in the manifest
-    (the probe, `probe.json`)."""
+    (the probe, `probe.json`). `stage` (rank 0, the fast path): write into its directory and
+    announce the version there before the upload ends."""
     start = time.perf_counter()
     cast = DTYPES[dtype]
-    tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
-    writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
+    if stage is not None and rt.is_main:
+        tmp = None  # the stage's directory outlives the export (it is served)
+        writer = _Writer(storage, dest, stage.path, max_shard_bytes, stage)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
+        writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
     aliases = tied_parameters(model)
     parameters = {name for name, _ in model.named_parameters()}  # what engines compare (no buffers)
     stats: dict[str, tuple[float, float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
@@ -180,16 +312,22 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
             writer.upload(writer.tmp / name)
         # `id` tells two exports of the same step apart (a resumed attempt re-exports
         # the steps it replays): sync agents reload when (version, id) changes.
-        manifest = {"step": step, "id": uuid.uuid4().hex[:16], "format": "hf-safetensors", "dtype": dtype,
+        export_id = stage.export_id if stage is not None else uuid.uuid4().hex[:16]
+        manifest = {"step": step, "id": export_id, "format": "hf-safetensors", "dtype": dtype,
                     "files": writer.files, "bytes": writer.total_bytes,
                     "created": now_text(),
                     "export_seconds": round(time.perf_counter() - start, 3)}
+        if writer.stage is not None:
+            writer.stage.announce(manifest)  # replicas stream it from here while the uploads run
+        writer.finish()
         # Written last: readers treat a weights directory without it as absent.
         write_manifest(storage, dest, manifest)
         log.info("exported step %d (%s, %.1f MiB) to %s in %.1fs", step, dtype,
                  writer.total_bytes / 2**20, dest, manifest["export_seconds"])
         return manifest
     finally:
+        if writer is not None and writer._pool is not None:
+            writer._pool.shutdown(wait=True, cancel_futures=True)  # nothing reads the files after this
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if dist.is_initialized() and rt.world_size > 1:

@@ -152,11 +152,14 @@ class StatusReporter:
                                          "saveSeconds": round(save_seconds, 3)}}, urgent=True)
 
     def report_weights(self, version: int, uri: str, export_id: str | None = None,
-                       versions: list[int] | None = None) -> None:
-        """A committed weights export; `versions` are all retained committed versions
-        (the operator checks a pinned version against them)."""
+                       versions: list[int] | None = None, peer: str | None = None,
+                       manifest: str | None = None) -> None:
+        """A weights export: committed, or on the fast path (`peer`, `manifest`: the
+        trainer's weights server and the manifest's digest) announced before its upload
+        ends, then reported again once committed. `versions` are all retained committed
+        versions (the operator checks a pinned version against them)."""
         patch: dict[str, Any] = {"latestWeights": {"version": version, "uri": uri, "time": now(),
-                                                   "id": export_id}}
+                                                   "id": export_id, "peer": peer, "manifest": manifest}}
         if versions is not None:
             patch["weightVersions"] = sorted(versions)
         self._submit(patch, urgent=True)

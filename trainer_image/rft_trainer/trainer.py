@@ -36,7 +36,7 @@ from rft_contract.storage import Storage, get_storage
 from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
-from .export import WeightExporter
+from .export import FastPath, WeightExporter
 from .metrics import MetricsLog
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
@@ -101,6 +101,8 @@ class Trainer:
         self.tracker: Tracker | None = None  # rank 0: spec.tracking's experiment trackers
         self.pod_metrics = TrainerMetrics()  # served on rank 0 only (prepare)
         self.last_synced: int | None = None
+        self.fast_path: FastPath | None = None  # rank 0's weights server (export.FastPath)
+        self._announced: tuple[int, dict] | None = None  # the last fast-path announcement
         self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
         self.ended_together = False  # train() returned (finished or an agreed stop) on every rank
 
@@ -114,20 +116,23 @@ class Trainer:
         self.rt = init_distributed(cpu_offload=self.config.fsdp.cpu_offload, env=self.config.env)
         self.engine = self.build_engine(self.config, self.rt)
         self.engine.prepare()
+        self.storage = get_storage(self.config.checkpoint.uri, self.config.env)  # built once: an S3 client is not free
         if self.rt.is_main:
             self.metrics_log = MetricsLog(self.config.checkpoint.uri, attempt=self.config.job.attempt,
-                                          storage=get_storage(self.config.checkpoint.uri, self.config.env))
+                                          storage=self.storage)
             self.tracker = build_tracker(self.config, report=self._report_tracking)
             self.pod_metrics.observe_job(self.config.job.attempt, self.config.trainer.total_steps)
             self.pod_metrics.serve()
-        self.storage = get_storage(self.config.checkpoint.uri, self.config.env)  # built once: an S3 client is not free
         self.checkpointer = build_checkpointer(self.config, self.storage, self.rt, self.engine.checkpoint_roles())
         self.checkpointer.on_commit = self._report_commit
         self.checkpointer.extra_state = self.checkpoint_extra
         sync = self.config.sync
+        if self.rt.is_main:  # the exporting rank serves each version while it uploads (the fast path)
+            self.fast_path = FastPath.start(self.config.env)
         self.checkpointer.weights = WeightExporter(self.storage, self.config.checkpoint.uri, sync.dtype, sync.keep,
                                                    sync.pinned_version, write=self.engine.export_policy,
-                                                   on_publish=self._report_weights)
+                                                   on_publish=self._report_weights, fast=self.fast_path,
+                                                   on_announce=self._announce_weights)
         self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
         b = self.config.buffer
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness,
@@ -321,9 +326,16 @@ class Trainer:
                         seconds: float) -> None:
         """Rank 0, once the weight exporter wrote version `step` and applied sync.keep."""
         self.pod_metrics.observe_weights(step, manifest.get("bytes"), seconds)
-        self.reporter.report_weights(step, uri, manifest.get("id"), versions)
+        announced = self._announced if self._announced and self._announced[0] == step else (step, {})
+        self.reporter.report_weights(step, uri, manifest.get("id"), versions, **announced[1])
         if self.tracker is not None:
             self.tracker.log_tags({"rft.weights.uri": uri, "rft.weights.step": step}, step)
+
+    def _announce_weights(self, step: int, uri: str, manifest: dict, announced: dict) -> None:
+        """Rank 0 on the fast path: version `step` is served from this pod and uploading;
+        the replicas may load it now (the commit's report follows as `_report_weights`)."""
+        self._announced = (step, dict(announced))
+        self.reporter.report_weights(step, uri, manifest.get("id"), None, **announced)
 
     def _report(self, metrics: dict) -> None:
         self.reporter.report_step(self.train_step_num, self.config.trainer.total_steps, metrics)
@@ -352,6 +364,8 @@ class Trainer:
                 self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
             self.reporter.close()
             self.pod_metrics.close()
+            if self.fast_path is not None:  # the final version is committed: replicas read S3
+                self.fast_path.stop()
             if self.metrics_log is not None:
                 self.metrics_log.close()
             if torch.distributed.is_initialized():

@@ -6,8 +6,16 @@ level.
 
     S3 -> replica 0 -> replicas 1, 2 -> replicas 3, 4, 5, 6 -> ...      (fanout 2)
 
-Trust: the manifest comes from S3 (the export's commit), never from a peer, and every hop
-hashes each file as it arrives and keeps it only if size and sha256 match the manifest. A
+On the fast path (rft_trainer.export.FastPath) the root is the trainer's rank 0, which
+serves a fresh version while it is still uploading it to S3:
+
+    trainer -> replica 0 -> replicas 1, 2 -> ...       (S3: the upload, beside it)
+
+Trust: the manifest comes from S3 (the export's commit), or, on the fast path, from a peer
+(`GET /manifest/<version dir>`: the trainer's weights server for replica 0, its parent for
+the others) only if its digest is the one the target names (rft_contract.manifest.
+manifest_digest, announced by the trainer through the job's status). Every hop hashes each
+file as it arrives and keeps it only if size and sha256 match the manifest. A
 parent also holds back the last byte of each file until its own check passed: a child whose
 stream ends short (a parent that found corruption, died or stalled) fails the file and
 reads it, and the rest of the version, from S3. So no peer can make a replica load bytes
@@ -40,12 +48,13 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 from urllib.parse import unquote, urlsplit
 
-log = logging.getLogger("rft_serving.relay")
+log = logging.getLogger("rft_contract.relay")
 
 MANIFEST_COPY = ".manifest.json"  # the S3 manifest, kept beside a verified local copy
 VERIFIED = ".verified"
 _DIR_NAME = re.compile(r"v\d{8,}-[A-Za-z0-9_-]+\Z")  # weights.version_dir's names
 CHUNK = 8 << 20  # bytes per read, write, hash and progress step of a relayed file
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists files: far less than this
 
 
 class PeerError(Exception):
@@ -56,6 +65,15 @@ class PeerError(Exception):
     def __init__(self, message: str, retry: bool = False):
         super().__init__(message)
         self.retry = retry
+
+
+def version_dir_name(version: int, export_id: str | None) -> str:
+    """The directory a version's files live in, on every pod that holds or serves them."""
+    return f"v{version:08d}-{export_id or 'base'}"
+
+
+def url_host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip  # IPv6 pod IPs
 
 
 def parent_index(index: int, fanout: int) -> int | None:
@@ -203,6 +221,11 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
             if urlsplit(self.path).path == "/record" and server.record is not None:
                 return self._json(server.record())
             parts = urlsplit(self.path).path.split("/")
+            if len(parts) == 3 and parts[1] == "manifest":  # what a child checks the files against
+                transfer = server.find(unquote(parts[2]), server.wait_seconds)
+                if transfer is None:
+                    return self._error(404, f"{unquote(parts[2])}: not here")
+                return self._json(transfer.manifest)
             if len(parts) != 4 or parts[:2] != ["", "weights"]:
                 return self._error(404, "not found")
             name, file = unquote(parts[2]), unquote(parts[3])
@@ -296,6 +319,35 @@ class Peer:
 
     pod: str
     url: str
+
+
+def read_manifest_from_peer(peer: Peer, name: str, timeout: float) -> dict:
+    """The manifest the peer has for version directory `name` (`GET /manifest/<name>`).
+    Not trusted by itself: the caller compares its digest with the one the target names.
+    PeerError when the peer does not deliver one."""
+    u = urlsplit(peer.url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 80), timeout=timeout) as sock:
+            sock.sendall(f"GET /manifest/{name} HTTP/1.0\r\nHost: {u.netloc}\r\n\r\n".encode())
+            status, length, body = _read_head(sock)
+            while length is not None and len(body) < length:
+                if len(body) > MAX_MANIFEST_BYTES:
+                    raise ValueError("manifest too large")
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+    except (OSError, ValueError) as e:
+        raise PeerError(f"{type(e).__name__}: {e}"[:200]) from None
+    if status != 200:
+        raise PeerError(f"HTTP {status} {bytes(body[:200]).decode(errors='replace')}")
+    try:
+        manifest = json.loads(body)
+    except ValueError:
+        raise PeerError("the manifest it sent is not JSON") from None
+    if not isinstance(manifest, dict):
+        raise PeerError("the manifest it sent is not an object")
+    return manifest
 
 
 def read_from_peer(peer: Peer, name: str, file: str, size: int, out: BinaryIO,
