@@ -757,7 +757,7 @@ class MemoryEngine:
     def served(self) -> int | None:
         return self.version
 
-    def load(self, path: str, version: int, probe=None, tolerance=None) -> None:
+    def load(self, path: str, version: int, probe=None, tolerance=None, previous=None) -> None:
         self.loads.append((path, version))
         self.version = version
 
@@ -807,7 +807,7 @@ class RecordingEngine(MemoryEngine):
         self.api: FakeJobApi | None = None  # set once the agent has one
         self.entries_at_load, self.fail, self.hook = [], False, None
 
-    def load(self, path: str, version: int, probe=None, tolerance=None) -> None:
+    def load(self, path: str, version: int, probe=None, tolerance=None, previous=None) -> None:
         self.entries_at_load.append(dict(self.api.status["weightSync"]["replicas"]["job-inference-0"]))
         if self.fail:
             raise SyncError("engine refused the weights")
@@ -1287,7 +1287,7 @@ def test_weights_an_engine_refused_for_its_probe_are_not_loaded_again_at_once(tm
     class Refusing(MemoryEngine):
         restartable = False
 
-        def load(self, path, version, probe=None, tolerance=None):
+        def load(self, path, version, probe=None, tolerance=None, previous=None):
             self.loads.append((path, version))
             if version == 3:
                 raise ProbeMismatch("version 3 refused", Verdict(False, 1.0, 1.0, 4, 0.002))
@@ -1564,3 +1564,39 @@ def test_the_explorer_trains_on_the_ids_vllm_ran(vllm, weights, tmp_path, prompt
     assert len(samples) == 4
     assert all(s.prompt_ids == want and s.prompt_ids.count(ENGINE_BOS) == 1 for s in samples)
     assert sorted(s.response_ids for s in samples) == sorted([engine_ids("12"), engine_ids("3")] * 2)
+
+
+def test_a_load_the_engine_refused_and_rolled_back_is_not_restarted_and_the_entry_says_so(tmp_path, weights):
+    """An engine that refuses weights before serving them and goes back in place to the
+    last good version (vLLM's fingerprint check, `previous`): the agent passes it the last
+    good version, does not restart the engine, reports the refusal with the version it
+    serves, and holds the export off; a newer one loads at once."""
+    from rft_serving.engines import Previous
+
+    class RollingBack(MemoryEngine):
+        def load(self, path, version, probe=None, tolerance=None, previous=None):
+            self.loads.append((path, version, previous))
+            if version == 3:
+                self.version = previous.version
+                raise ProbeMismatch("version 3: lm_head.weight differs; serving version 2 again",
+                                    serving=previous.version)
+            self.version = version
+
+        def restart(self, *a, **kw):
+            raise AssertionError("no restart after a roll-back")
+
+    engine = RollingBack()
+    good = {"version": 2, "id": "aaa", "uri": str(weights)}
+    agent, api = make_agent(engine, tmp_path, good)
+    assert agent.converge(good) and engine.loads[0][2] is None  # nothing to go back to yet
+    bad = {"version": 3, "id": "bbb", "uri": str(weights)}
+    with pytest.raises(ProbeMismatch):
+        agent.converge(bad)
+    assert engine.loads[-1][2] == Previous(engine.loads[0][0], 2, None)
+    assert agent.engine_version == 2 and agent.served == good
+    agent.report_error("version 3: lm_head.weight differs; serving version 2 again")
+    entry = api.patches[-1]
+    assert entry["version"] == 2 and "lm_head.weight" in entry["error"]
+    with pytest.raises(SyncError, match="retrying it in"):
+        agent.converge(bad)
+    assert agent.converge({"version": 4, "id": "ccc", "uri": str(weights)}) and engine.version == 4

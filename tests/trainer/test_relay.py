@@ -376,7 +376,7 @@ class Engine:
     def served(self):
         return self.version
 
-    def load(self, path, version, probe=None, tolerance=None):
+    def load(self, path, version, probe=None, tolerance=None, previous=None):
         self.loads.append(path)
         self.version = version
 

@@ -21,7 +21,7 @@ import pytest
 
 from rft_contract.fingerprint import read_fingerprint
 from rft_contract.probe import compare, read_probe
-from rft_serving.engines import ProbeMismatch, VLLMEngine
+from rft_serving.engines import Previous, ProbeMismatch, VLLMEngine
 from tests.fixtures.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.real_vllm
@@ -92,3 +92,33 @@ def test_a_partial_reload_leaves_a_layer_stale_and_the_fingerprint_names_it(engi
         read_fingerprint(old).params[STALE]  # the versions do differ there
     engine._reload(str(new))
     assert engine.check_fingerprint(str(new), 2).ok
+
+
+class PlainReload(VLLMEngine):
+    """An engine whose in-place reload is vLLM's plain `reload_weights` (the stale tied head)
+    while our extension still reports what the worker holds."""
+
+    EXTENSION_METHOD = "reload_weights"
+
+
+@pytest.mark.parametrize("case", ["stale tied head", "stale layer"])
+def test_a_reload_the_fingerprint_refuses_goes_back_to_the_previous_version_before_serving(
+        engine, lr1e6_exports, tmp_path, case):
+    """What the agent asks for (`previous`): refused while paused, the last good version is
+    reloaded in place, checked the same way and served again; no restart, and no request
+    ever answered by the refused weights."""
+    old, new = lr1e6_exports
+    engine.load(str(old), 1, read_probe(old))
+    previous = Previous(str(old), 1, read_probe(old))
+    if case == "stale tied head":
+        loader, files, stale = PlainReload(engine.url), new, "lm_head.weight"
+        loader.extension = True
+    else:
+        loader, files, stale = engine, without(new, tmp_path / "partial", STALE), STALE
+    with pytest.raises(ProbeMismatch) as e:
+        loader.load(str(files), 2, read_probe(new), previous=previous)
+    assert e.value.serving == 1 and stale in str(e.value) and "serving version 1 again" in str(e.value)
+    assert engine.served() == 1 and loader.fingerprint_verdict.ok  # the old version, checked
+    assert engine.check_fingerprint(str(old), 1).ok
+    probe = read_probe(old)
+    assert compare(engine.score(probe.token_ids), probe).ok  # answering again (not paused)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import requests
@@ -56,9 +57,21 @@ class ProbeMismatch(SyncError):
     probe unlike the trainer (`verdict`), or a parameter's fingerprint differs from the
     export's (`verdict` None; the message names the parameters)."""
 
-    def __init__(self, message: str, verdict: Verdict | None = None):
+    def __init__(self, message: str, verdict: Verdict | None = None, serving: int | None = None):
         super().__init__(message)
         self.verdict = verdict
+        # The version the engine went back to and serves (an in-place roll-back); None: the
+        # engine holds the refused weights, paused, until the agent restarts it.
+        self.serving = serving
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The last version that loaded and passed its checks: what a refused load rolls back to."""
+
+    path: str
+    version: int
+    probe: Probe | None
 
 
 class EngineBroken(SyncError):
@@ -83,9 +96,12 @@ class Engine:
         """The version the engine itself reports now; None when it serves none of ours."""
         raise NotImplementedError
 
-    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
+             previous: Previous | None = None) -> Verdict | None:
         """Reload from `path`, check the probe, then label the engine `version`. Returns the
-        probe's verdict (None without a probe)."""
+        probe's verdict (None without a probe). `previous`: where an engine that can tell a
+        wrong reload before serving it (vLLM's fingerprint check, while paused) goes back
+        to, in place, instead of waiting paused for a restart (ProbeMismatch.serving)."""
         raise NotImplementedError
 
     def score(self, token_ids: list[int]) -> list[float]:
@@ -179,7 +195,8 @@ class ReferenceEngine(Engine):
     def served(self) -> int | None:
         return parse_version(self._get("/weights").get("version"))
 
-    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
+             previous: Previous | None = None) -> Verdict | None:
         body: dict[str, Any] = {"path": path, "version": version}
         if probe is not None:
             body["probe"] = {"token_ids": probe.token_ids, "logprobs": probe.logprobs, "dtype": probe.dtype}
@@ -247,7 +264,8 @@ class SGLangEngine(Engine):
     def served(self) -> int | None:
         return parse_version(self._get("/model_info").get("weight_version"))
 
-    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
+             previous: Previous | None = None) -> Verdict | None:
         try:
             out = self._post("/update_weights_from_disk", {
                 "model_path": path, "weight_version": f"reloading-{version}", "abort_all_requests": False})
@@ -334,7 +352,8 @@ class VLLMEngine(Engine):
     def served(self) -> int | None:
         return parse_version(self._get("/weight_info").get("weight_version"))
 
-    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
+    def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
+             previous: Previous | None = None) -> Verdict | None:
         try:
             self._post("/pause", params={"mode": "wait"})
         except SyncError as e:
@@ -354,8 +373,10 @@ class VLLMEngine(Engine):
                                "a fresh start") from None
         try:
             self.fingerprint_verdict = self.check_fingerprint(path, version)  # still paused: never served
-        except ProbeMismatch:
-            raise  # the agent restarts it from the files (still paused until then)
+        except ProbeMismatch as e:
+            if previous is None:
+                raise  # the agent restarts it from the files (still paused until then)
+            self._roll_back(previous, tolerance, e)
         except SyncError as e:  # the check itself failed: not a verdict on the weights
             self.fingerprint_verdict = None
             log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
@@ -367,6 +388,23 @@ class VLLMEngine(Engine):
         verdict = self.check(probe, tolerance, f"version {version} after a reload")
         self.label(version)
         return verdict
+
+    def _roll_back(self, previous: Previous, tolerance: float | None, refused: ProbeMismatch) -> None:
+        """Still paused after a reload the fingerprint refused: reload `previous` in place,
+        check it the same way, resume and label it. Raises ProbeMismatch(serving=its
+        version) naming what was refused; EngineBroken when the roll-back does not hold
+        either (the agent then restarts the engine on the last good version)."""
+        log.warning("%s: going back to version %s in place", refused, previous.version)
+        try:
+            self._reload(previous.path)
+            self.fingerprint_verdict = self.check_fingerprint(previous.path, previous.version)
+        except SyncError as e:  # ProbeMismatch included: not even the old weights load right
+            raise EngineBroken(f"{refused}; going back to version {previous.version} failed too ({e})") from None
+        self._post("/reset_prefix_cache")
+        self._post("/resume")
+        self.check(previous.probe, tolerance, f"version {previous.version} after going back to it")
+        self.label(previous.version)
+        raise ProbeMismatch(f"{refused}; serving version {previous.version} again", serving=previous.version)
 
     def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:
         """The weights every worker holds, as its kernels use them (vllm_worker.fingerprint),

@@ -39,7 +39,14 @@ it is fetching as the bytes arrive, to its children in a tree by replica index (
 reads replica (i - 1) // fanout), and advertises the server's URL in its entry (`peer`).
 So S3 serves a version about once, whatever the number of replicas; a parent that is
 unreachable, slow or corrupt costs its child an S3 read, never a wrong load. The entry's
-`source` says where the last fetch came from.
+`source` says where the last fetch came from. On the fast path (a target with `peer` and
+`manifest`: rft_trainer.export.FastPath) replica 0's parent is the trainer, and every
+replica takes the manifest from its parent when its digest is the target's, else waits for
+the version's commit in S3 (weights.fetch).
+
+A load vLLM's fingerprint check refuses (still paused) goes back in place to the last good
+version (`Previous`), which serves again: the entry's error names the parameters, nothing
+restarts, and the export is held off like a broken one.
 
 vLLM and SGLang start from `<dest>/initial`, a link the init container points at the
 weights it fetched; after each load the agent points it at the weights just loaded (and
@@ -89,7 +96,7 @@ from rft_contract.probe import read_probe
 from rft_contract.podenv import PodEnv
 from rft_contract.storage import get_storage
 
-from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, ProbeMismatch, SyncError
+from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, Previous, ProbeMismatch, SyncError
 from rft_contract.relay import VERIFIED, Peer, PeerServer, parent_index, url_host
 from .weights import Superseded, fetch, version_dir
 
@@ -259,10 +266,19 @@ class SyncAgent:
         if not self._patch({"version": None, "id": None}):
             raise SyncError("could not mark the replica's status entry unsynced before reloading")
         self.engine_version = None  # unknown until the engine says otherwise
+        # What a load the engine refuses before serving it goes back to, in place (vLLM).
+        previous = Previous(str(self.good[1]), self.good[0]["version"], self.good[2]) if self.good else None
         try:
             try:
-                verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance)
+                verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance,
+                                           previous=previous)
             except ProbeMismatch as e:
+                if e.serving is not None:
+                    # Refused before it served a request, and the last good version serves
+                    # again: no restart; the export is not tried again for a while.
+                    self._hold_off(target)
+                    self.served = dict(self.good[0])
+                    raise
                 if not self.engine.restartable:
                     # It refused them and serves what it did before; the export is not
                     # tried again for a while (each try loads a whole model copy).
