@@ -371,7 +371,8 @@ class CheckpointSpec(Model):
         description=(
             "sizeLimit of the emptyDir a resuming trainer pod downloads the checkpoint into "
             "(one copy per node, read by every rank there). Unset: no limit. Size it above "
-            "the largest checkpoint (model + optimizer state)."),
+            "the largest checkpoint (model + optimizer state), plus on rank 0's pod one weights "
+            "export in sync.dtype while sync.fastPath is on (its files are served from there)."),
     )
 
 

@@ -233,8 +233,16 @@ def test_demo_job_trains_checkpoints_and_serves_the_final_weights(job):
     j = job()
     wait_status(j, lambda s: s.get("phase") == "Running", 180, "Running")
     running_at = time.monotonic() - t0
-    s = wait_status(j, lambda s: s.get("phase") == "Succeeded", 600, "Succeeded")
+    sources: set[str] = set()  # where the replicas' loads came from, as their entries said
+
+    def succeeded(s: dict) -> bool:
+        sources.update(str((e or {}).get("source")) for e in ((s.get("weightSync") or {}).get("replicas") or {}).values())
+        return s.get("phase") == "Succeeded"
+
+    s = wait_status(j, succeeded, 600, "Succeeded")
     assert step(s) == STEPS and ckpt_step(s) == STEPS
+    # The fast path (on by default): replica 0 streamed versions from the trainer's pod.
+    assert "peer trainer" in sources, f"no version came from the trainer's weights server: {sources}"
     final = wait_status(j, lambda s: s["weightSync"]["target"]["version"] == STEPS
                         and s["weightSync"]["synced"] == "2/2", 120, "final weights on both replicas")
     assert {e["version"] for e in final["weightSync"]["replicas"].values()} == {STEPS}

@@ -76,3 +76,94 @@ def test_a_corrupted_file_fails_verification(bucket, s3_env, tmp_path):
     S3Storage().write_bytes(f"{dest}/model-00001.safetensors", b"garbage")
     with pytest.raises(ValueError, match="model-00001.safetensors"):
         verify(S3Storage(), dest)
+
+
+# ------------------------------------------------------------------ the fast path
+
+
+class _Uploads:
+    """Local storage whose uploads fail when `fail` is set (an S3 outage mid-export)."""
+
+    def __init__(self, storage):
+        self.storage, self.fail = storage, False
+
+    def upload_file(self, path, uri):
+        if self.fail:
+            raise ConnectionError("S3 is down")
+        return self.storage.upload_file(path, uri)
+
+    def __getattr__(self, name):
+        return getattr(self.storage, name)
+
+
+def _fast(tmp_path):
+    from rft_contract.relay import PeerServer
+    from rft_trainer.export import FastPath
+
+    root = tmp_path / "served"
+    root.mkdir()
+    server = PeerServer(root, host="127.0.0.1").start()
+    return FastPath(root, server, f"http://127.0.0.1:{server.port}")
+
+
+def test_the_fast_path_serves_what_it_then_commits_and_drops_a_failed_export(tmp_path):
+    """Rank 0 on the fast path: the version is served (every file listed, hashed locally)
+    and announced with the manifest's digest before the commit; the committed manifest is
+    the announced one and the uploaded bytes are the served ones. The version before is no
+    longer served. An export whose upload fails is announced but never committed, and
+    neither it nor its files stay on the trainer's disk."""
+    from rft_contract.manifest import manifest_digest
+    from rft_contract.relay import Peer, read_from_peer, read_manifest_from_peer
+    from rft_contract.storage import LocalStorage
+    from rft_trainer.export import WeightExporter, export_hf
+    from rft_trainer.parallelize import Runtime
+
+    model_dir = save_tiny_model(tmp_path / "m", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    storage = _Uploads(LocalStorage())
+    root = str(tmp_path / "s3" / "run")
+    fast = _fast(tmp_path)
+    seen: dict[int, tuple] = {}
+
+    def announce(step, uri, manifest, a):
+        # What a replica sees at this moment: the manifest and a file from the trainer, none in "S3".
+        peer = Peer("trainer", a["peer"])
+        name = f"v{step:08d}-{manifest['id']}"
+        served = read_manifest_from_peer(peer, name, 5)
+        out = tmp_path / f"got-{step}"
+        with open(out, "wb") as f:
+            read_from_peer(peer, name, "config.json", served["files"]["config.json"]["size"], f, lambda _: None, 5)
+        seen[step] = (a, served, os.path.exists(os.path.join(uri, "manifest.json")), out.read_bytes())
+
+    exporter = WeightExporter(storage, root, "fp32", keep=5, pinned=None, fast=fast, on_announce=announce,
+                              write=lambda s, dest, dtype, stage=None: export_hf(
+                                  model, rt, s, dest, str(model_dir), int(dest[-8:]), dtype=dtype, stage=stage))
+    try:
+        committed = exporter.publish(1)
+        announced, served, in_s3_then, config = seen[1]
+        assert announced == {"peer": fast.url, "manifest": manifest_digest(committed)} and served == committed
+        assert not in_s3_then  # announced before the commit
+        assert config == (Path(weights_uri(root, 1)) / "config.json").read_bytes()
+        assert fast.serving is not None and fast.serving.name == f"v00000001-{committed['id']}"
+        first = fast.serving
+
+        storage.fail = True
+        with pytest.raises(ConnectionError):
+            exporter.publish(2)
+        assert 2 in seen and not (Path(weights_uri(root, 2)) / "manifest.json").exists()  # never committed
+        assert fast.serving is None and not first.exists() and list(fast.root.iterdir()) == []
+    finally:
+        fast.stop()
+
+
+def test_an_engine_whose_export_takes_no_stage_publishes_through_s3(tmp_path, caplog):
+    from rft_trainer.export import WeightExporter
+
+    fast = _fast(tmp_path)
+    try:
+        exporter = WeightExporter(None, "s3://b/run", "bf16", 5, None, write=lambda storage, dest, dtype: None,
+                                  fast=fast)
+        assert exporter.fast is None and "takes no `stage`" in caplog.text
+    finally:
+        fast.stop()
