@@ -19,7 +19,7 @@ file as it arrives and keeps it only if size and sha256 match the manifest. A
 parent also holds back the last byte of each file until its own check passed: a child whose
 stream ends short (a parent that found corruption, died or stalled) fails the file and
 reads it, and the rest of the version, from S3. So no peer can make a replica load bytes
-the export did not commit; at worst it costs the S3 read the relay meant to save.
+the export did not write (committed, or announced by its manifest's digest); at worst it costs the S3 read the relay meant to save.
 
 `PeerServer` (in the sync agent, `GET /weights/<version dir>/<file>`) serves only version
 directories it knows the manifest of (a download in progress it published, or a `.verified`
@@ -62,9 +62,10 @@ class PeerError(Exception):
     `retry`: the stream was cut mid-body while bytes flowed, as when the parent restarts
     the file from another source; asking again then gets the restarted stream."""
 
-    def __init__(self, message: str, retry: bool = False):
+    def __init__(self, message: str, retry: bool = False, answered: bool = False):
         super().__init__(message)
         self.retry = retry
+        self.answered = answered  # the peer answered (an HTTP error): it is reachable
 
 
 def version_dir_name(version: int, export_id: str | None) -> str:
@@ -340,7 +341,7 @@ def read_manifest_from_peer(peer: Peer, name: str, timeout: float) -> dict:
     except (OSError, ValueError) as e:
         raise PeerError(f"{type(e).__name__}: {e}"[:200]) from None
     if status != 200:
-        raise PeerError(f"HTTP {status} {bytes(body[:200]).decode(errors='replace')}")
+        raise PeerError(f"HTTP {status} {bytes(body[:200]).decode(errors='replace')}", answered=True)
     try:
         manifest = json.loads(body)
     except ValueError:

@@ -509,8 +509,8 @@ class SyncSpec(Model):
                     "weights after a reload; default by sync.dtype (fp32 0.002, fp16 0.1, bf16 0.25).")
     fast_path: bool = Field(
         default=True,
-        description="Trainer rank 0 serves each exported version to the first replica (port 8471, the "
-                    "relay's) while it uploads it to S3, so replicas load it without waiting for the "
+        description="Trainer rank 0 serves each exported version to the first replica (its `weights` port: "
+                    "8471 unless the pod uses it) while it uploads it to S3, so replicas load it without waiting for the "
                     "upload; every file is still checked against the export's manifest. false: replicas "
                     "read each version from S3 once it is committed (a NetworkPolicy that keeps inference "
                     "pods from reaching trainer pods).")

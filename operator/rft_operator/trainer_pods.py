@@ -12,11 +12,11 @@ from rft_contract import names
 from rft_contract.podenv import VARIABLES
 from rft_contract.spec import RFTJobSpec
 
-WEIGHTS_PORT_NAME = "weights"
-
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
                       build_tracking_env, build_user_env, build_pod_security_context, build_resources, build_s3_env,
                       labels)
+
+WEIGHTS_PORT_NAME = "weights"
 
 
 def build_trainer_env(ref: JobRef, spec: RFTJobSpec, attempt: int) -> list[Obj]:

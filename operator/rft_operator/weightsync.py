@@ -2,10 +2,11 @@
 many do, and the WeightsSynced condition (docs/design.md, "Weight sync"). Pure, no I/O:
 functions over the status subtrees the trainer and the sync agents write.
 
-    status.trainer.latestWeights   {version, uri, id}   trainer rank 0, after each export
+    status.trainer.latestWeights   {version, uri, id, peer, manifest}   trainer rank 0, after
+                                   each export (peer, manifest: announced on the fast path)
     status.trainer.weightVersions  [v, ...]             trainer: committed, retained exports
     status.weightSync.replicas     {pod: {version, id, error, ...}}   one sync agent per pod
-    status.weightSync.target       {version, uri, id}   the operator (this module)
+    status.weightSync.target       {version, uri, id, peer, manifest}   the operator (this module)
 
 Version 0 is the base model (`spec.model.path`): replicas serve it until the first
 export, and `spec.sync.pinnedVersion: 0` rolls back to it.

@@ -62,15 +62,20 @@ def smollm2(s3):
     return MODEL
 
 
-def vllm_job(job, stack, steps: int, replicas: int, extra_args: tuple[str, ...] = (), lr: float = 1.0e-4) -> dict:
+def vllm_job(job, stack, steps: int, replicas: int, extra_args: tuple[str, ...] = (), lr: float = 1.0e-4,
+             dtype: str = "fp32", env: tuple[dict, ...] = ()) -> dict:
+    sync = {"interval": 1, "keep": 3, "dtype": dtype}
+    if dtype == "fp32":
+        sync["probeTolerance"] = 0.002
     return job(steps, model={"path": MODEL},
                algorithm={"name": "grpo", "learningRate": lr, "klCoef": 0.0, "entropyCoef": 0.01,
                           "microBatchSize": 4},
                trainer={"nodes": 1, "batchSize": 8},
                inference={"replicas": replicas, "engine": "vllm", "image": stack["images"]["vllm"],
-                          "gpusPerReplica": 0, "args": VLLM_CPU["args"] + list(extra_args), "env": VLLM_CPU["env"]},
+                          "gpusPerReplica": 0, "args": VLLM_CPU["args"] + list(extra_args),
+                          "env": VLLM_CPU["env"] + list(env)},
                explorer={"rolloutsPerTask": 4, "sampling": {"temperature": 1.0, "maxTokens": 8}},
-               sync={"interval": 1, "keep": 3, "dtype": "fp32", "probeTolerance": 0.002})
+               sync=sync)
 
 
 def wait(j, predicate, timeout: float, what: str) -> dict:
@@ -217,3 +222,27 @@ def test_without_the_extension_the_probe_catches_the_stale_tied_head_and_a_resta
     assert all(p is not None and p["meanDiff"] < 0.002 for _, v, p, _ in reports.seen if v > 0), reports.seen
     RESULTS["vllm_without_extension"] = {"restarts": entry["engineRestarts"], "caught_mean_diff": caught,
                                          "served_mean_diff": entry["probe"]["meanDiff"]}
+
+
+@pytest.mark.timeout(1300)
+def test_bf16_at_lr_1e_6_a_stale_tied_head_is_refused_and_the_previous_version_keeps_serving(job, stack, smollm2):
+    """The RL setting: bf16 exports at lr 1e-6, where the probe cannot tell a stale tied head
+    from the trained one. The engine reloads as vLLM's own reload_weights does
+    (RFTJOB_VLLM_RELOAD=plain: the tied lm_head keeps the old weights); the fingerprint,
+    checked while the engine is still paused, names lm_head.weight, and the engine goes back
+    in place to the version before, which keeps serving: no restart (the workaround of the
+    fp32 test above is not used), the replica never reports version 1, and no sample is
+    attributed to it."""
+    steps = 1
+    j = vllm_job(job, stack, steps, replicas=1, lr=1.0e-6, dtype="bf16",
+                 env=({"name": "RFTJOB_VLLM_RELOAD", "value": "plain"},))
+    refused = lambda s: "lm_head.weight" in str(((s.get("weightSync") or {}).get("replicas") or {}))  # noqa: E731
+    with Reports(j) as reports:
+        s = wait(j, refused, 900, "version 1 refused for its stale lm_head")
+    (entry,) = s["weightSync"]["replicas"].values()
+    assert s["weightSync"]["target"]["version"] == 1, s["weightSync"]
+    assert "serving version 0 again" in entry["error"] and entry["version"] == 0, entry
+    assert entry.get("engineRestarts") == 0 and not entry.get("lastRestart"), entry
+    assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
+    assert sample_versions(j["uri"]) <= {0}
+    RESULTS["vllm_bf16_refused"] = {"error": entry["error"][:300]}

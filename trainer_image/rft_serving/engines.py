@@ -398,12 +398,12 @@ class VLLMEngine(Engine):
         try:
             self._reload(previous.path)
             self.fingerprint_verdict = self.check_fingerprint(previous.path, previous.version)
-        except SyncError as e:  # ProbeMismatch included: not even the old weights load right
+            self._post("/reset_prefix_cache")
+            self._post("/resume")
+            self.check(previous.probe, tolerance, f"version {previous.version} after going back to it")
+            self.label(previous.version)
+        except SyncError as e:  # ProbeMismatch included: not even the old weights serve right
             raise EngineBroken(f"{refused}; going back to version {previous.version} failed too ({e})") from None
-        self._post("/reset_prefix_cache")
-        self._post("/resume")
-        self.check(previous.probe, tolerance, f"version {previous.version} after going back to it")
-        self.label(previous.version)
         raise ProbeMismatch(f"{refused}; serving version {previous.version} again", serving=previous.version)
 
     def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:

@@ -518,9 +518,17 @@ def _chat_prompt(tokenizer, messages) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
+def _pod_ip() -> str | None:
+    try:
+        return PodEnv.read().pod_ip
+    except ValueError as e:  # another knob is bad: the server needs only the IP
+        log.warning("%s", e)
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rft_serving.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--host", default=PodEnv.read().pod_ip or "0.0.0.0")
+    ap.add_argument("--host", default=_pod_ip() or "0.0.0.0")
     ap.add_argument("--port", type=int, default=int(os.environ.get("RFT_INFERENCE_PORT") or 8000))
     ap.add_argument("--model-dir", help="HF model directory to serve at start")
     ap.add_argument("--version", type=int, default=0, help="weights version of --model-dir")

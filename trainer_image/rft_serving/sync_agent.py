@@ -145,6 +145,7 @@ class SyncAgent:
         self.good: tuple[dict, Path, Any] | None = None
         # ((version, id), monotonic time before which that export is not tried again).
         self.broken: tuple[tuple[int, str | None], float] | None = None
+        self.broken_reason = ""  # what the held-off export's last try said
         self.engine_seen: float | None = None  # monotonic time the engine first answered
         # What explorers read around each request (`record()`): the entry's version as last
         # written, and a generation that changes whenever it does. The boot id tells this
@@ -276,13 +277,13 @@ class SyncAgent:
                 if e.serving is not None:
                     # Refused before it served a request, and the last good version serves
                     # again: no restart; the export is not tried again for a while.
-                    self._hold_off(target)
+                    self._hold_off(target, str(e))
                     self.served = dict(self.good[0])
                     raise
                 if not self.engine.restartable:
                     # It refused them and serves what it did before; the export is not
                     # tried again for a while (each try loads a whole model copy).
-                    self._hold_off(target)
+                    self._hold_off(target, str(e))
                     raise
                 verdict = self._restart_on(target, path, probe, str(e))
             except EngineBroken as e:
@@ -336,7 +337,7 @@ class SyncAgent:
         at now), label it, and hold off retrying this export (`broken_retry_seconds`).
         Without one known to this process, on whatever `initial` pointed at `before` this
         attempt (what the engine started with), unlabelled: the entry then says no version."""
-        self._hold_off(target)
+        self._hold_off(target, reason)
         last = self.good
         if last is not None:
             self._link_initial(last[1])
@@ -356,9 +357,11 @@ class SyncAgent:
         self._patch({"lastRestart": f"{now()}: {reason[:300]}"})
         self.engine.restart(reason, self.engine_start_timeout, self._stop.is_set)
 
-    def _hold_off(self, target: dict) -> None:
-        """Do not try this export again for `broken_retry_seconds` (a newer one at once)."""
+    def _hold_off(self, target: dict, reason: str = "") -> None:
+        """Do not try this export again for `broken_retry_seconds` (a newer one at once);
+        `reason` stays in the entry's error meanwhile."""
         self.broken = ((target["version"], target.get("id")), time.monotonic() + self.broken_retry_seconds)
+        self.broken_reason = reason
 
     def _ensure_storage(self, target: dict) -> None:
         if self.storage is None and str(target.get("uri", "")).startswith("s3://"):
@@ -373,8 +376,9 @@ class SyncAgent:
             return
         left = until - time.monotonic()
         if left > 0:
+            last = f". Last time: {self.broken_reason}" if self.broken_reason else ""
             raise SyncError(f"version {target['version']} broke the engine or failed its probe; retrying it "
-                            f"in {left:.0f}s (a newer version is tried at once)")
+                            f"in {left:.0f}s (a newer version is tried at once){last}")
 
     def _ask_engine(self) -> None:
         try:
@@ -557,8 +561,16 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
     if target is None:
         log.error("no status.weightSync.target after %.0fs", timeout)
         return 1
-    agent._ensure_storage(target)
-    path = fetch(target, agent.dest, agent.storage, agent.parent(target), None, agent.peer_timeout).path
+    while True:  # a target announced but never committed is superseded by the next one
+        agent._ensure_storage(target)
+        try:
+            path = fetch(target, agent.dest, agent.storage, agent.parent(target), None, agent.peer_timeout,
+                         wait=agent._superseded(target)).path
+            break
+        except Superseded:
+            if agent._stop.is_set() or agent.target() is None:
+                return 1
+            target = agent.target()
     if out.exists() or out.is_symlink():
         out.unlink() if out.is_symlink() else shutil.rmtree(out)
     out.symlink_to(path.resolve())

@@ -30,8 +30,10 @@ their sources by the agent (`packed`).
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("rft_serving.vllm_worker")
+RELOAD_ENV = "RFTJOB_VLLM_RELOAD"  # "plain": skip the tied heads' refresh (a diagnostic)
 
 
 class RFTWorkerExtension:
@@ -40,8 +42,13 @@ class RFTWorkerExtension:
 
     def rft_reload_weights(self, weights_path: str) -> dict:
         """Reload from `weights_path` in place, then refresh tied output layers.
-        Returns {"retied": [names of the layers refreshed]}."""
+        Returns {"retied": [names of the layers refreshed]}. With RFTJOB_VLLM_RELOAD=plain in
+        the engine's environment (a diagnostic: what vLLM's own reload leaves, checks on)
+        the refresh is skipped."""
         self.reload_weights(weights_path=weights_path)
+        if os.environ.get(RELOAD_ENV) == "plain":
+            log.warning("%s=plain: tied output layers not refreshed (vLLM's own reload)", RELOAD_ENV)
+            return {"retied": []}
         return {"retied": refresh_tied_heads(self.model_runner.get_model())}
 
 

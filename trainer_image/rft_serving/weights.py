@@ -263,7 +263,9 @@ def _announced_manifest(target: dict, storage, uri: str, peer: Peer | None, name
             peer = None
         except PeerError as e:
             log.info("no manifest from peer %s (%s): waiting for version %s in S3", peer.pod, e, target["version"])
-            peer = None
+            if not e.answered:
+                peer = None  # unreachable: not asked for the files either
+            # A peer that answered (not started yet) may still stream the files.
     return await_commit(target, storage, uri, wait, commit_timeout), peer
 
 
@@ -276,6 +278,8 @@ def await_commit(target: dict, storage, uri: str, wait: Callable[[float], bool],
             manifest = _read_manifest(storage, uri)
         except FileNotFoundError:
             manifest = None
+        if manifest is not None and target.get("id") and manifest.get("id") != target["id"]:
+            manifest = None  # the same step exported before (a resumed attempt): not this commit yet
         if manifest is not None:
             if manifest_digest(manifest) != want:
                 raise SyncError(f"the manifest in {uri} is not the one announced for version "

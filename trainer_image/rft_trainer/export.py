@@ -158,11 +158,9 @@ class Stage:
         self.export_id = uuid.uuid4().hex[:16]
         self.path = fast.root / version_dir_name(step, self.export_id)
         self.path.mkdir(parents=True)
-        self.announced = False
 
     def announce(self, manifest: dict) -> None:
         self.fast.serve(self.path, manifest)
-        self.announced = True
         self.on_announce(manifest, Announced(peer=self.fast.url, manifest=manifest_digest(manifest)))
 
     def abandon(self) -> None:
@@ -191,6 +189,11 @@ class FastPath:
         return cls(root, server, f"http://{url_host(env.pod_ip)}:{server.port}")
 
     def stage(self, step: int, on_announce: Callable[[dict, Announced], None]) -> Stage:
+        """A directory for version `step`. The version served until now is committed (the
+        exports run one after the other), so it goes first: one export on disk at a time;
+        a replica still reading it reads the rest from S3."""
+        if self.serving is not None:
+            self.drop(self.serving)
         return Stage(self, step, on_announce)
 
     def serve(self, path: Path, manifest: dict) -> None:

@@ -103,6 +103,7 @@ class Trainer:
         self.last_synced: int | None = None
         self.fast_path: FastPath | None = None  # rank 0's weights server (export.FastPath)
         self._announced: tuple[int, dict] | None = None  # the last fast-path announcement
+        self._last_weights: tuple | None = None  # the last committed version's report
         self.finished = False  # train() ended at totalSteps or a dry buffer, not by a stop
         self.ended_together = False  # train() returned (finished or an agreed stop) on every rank
 
@@ -328,6 +329,7 @@ class Trainer:
         self.pod_metrics.observe_weights(step, manifest.get("bytes"), seconds)
         announced = self._announced if self._announced and self._announced[0] == step else (step, {})
         self.reporter.report_weights(step, uri, manifest.get("id"), versions, **announced[1])
+        self._last_weights = (step, uri, manifest.get("id"), versions)
         if self.tracker is not None:
             self.tracker.log_tags({"rft.weights.uri": uri, "rft.weights.step": step}, step)
 
@@ -362,6 +364,9 @@ class Trainer:
         finally:
             if self.tracker is not None:  # before the reporter: its last state goes out with it
                 self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
+            if self.fast_path is not None and self._last_weights is not None:
+                # This pod's weights server goes: replicas that start later read S3 at once.
+                self.reporter.report_weights(*self._last_weights)
             self.reporter.close()
             self.pod_metrics.close()
             if self.fast_path is not None:  # the final version is committed: replicas read S3
