@@ -145,7 +145,9 @@ def test_the_second_job_waits_for_the_first_and_pods_carry_the_flavor(operator, 
     for rank in (0, 1):
         end_pod(api, namespace, f"first-trainer-1-{rank}", 0)
     wait_phase(api, namespace, "first", names.SUCCEEDED, 60)
-    finished = queueing.find_condition(workload(api, namespace, "first"), queueing.FINISHED)
+    # The Workload's Finished condition is its own write, after the job's status: wait for it.
+    finished = wait_for(lambda: queueing.find_condition(workload(api, namespace, "first"), queueing.FINISHED),
+                        30, "the Workload's Finished condition")
     assert finished["status"] == "True" and finished["reason"] == "Succeeded"
     wait_phase(api, namespace, "second", names.RUNNING, 90)
 
