@@ -45,6 +45,9 @@ class EngineProfile:
     own_image: bool = True  # needs spec.inference.image (else it runs in the trainer image)
     # How its completions carry the weights version (rft_rollout.rollouts reads each shape).
     weights_version: str = ""
+    # The flags that let it take weights over NCCL from trainer rank 0 (sync.transport nccl;
+    # rft_contract.nccl); none: it cannot, and admission refuses that transport with it.
+    nccl_flags: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
@@ -59,7 +62,8 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
     EngineProfile("vllm", ("python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "{initial}",
                            *SERVER_FLAGS, "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"),
                   readiness_path="/health", supervised=True, restartable=True, env=(("VLLM_SERVER_DEV_MODE", "1"),),
-                  weights_version="`choices[i].weight_versions` spans of the output tokens"),
+                  weights_version="`choices[i].weight_versions` spans of the output tokens",
+                  nccl_flags=("--weight-transfer-config", '{"backend":"nccl"}')),
     # SGLang 0.5.23: no --weight-version, so it starts as "default" and the agent reloads
     # (and labels) it. /ready is 200 once up (its /health generates a token and takes over
     # the probe's 1 s timeout).
@@ -70,6 +74,7 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
 
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 TRAINER_IMAGE_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if not p.own_image)
+NCCL_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.nccl_flags)
 # What the operator sets on an engine container and `inference.env` may not set: the
 # helpers' PYTHONPATH of supervised engines and each engine's own variables.
 ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in p.env))

@@ -99,6 +99,8 @@ ENV_POD_NAME = "RFT_POD_NAME"
 ENV_POD_IP = "RFT_POD_IP"
 # Trainer pods: the port rank 0 serves each exported version on (the fast path; podenv).
 ENV_WEIGHTS_PEER_PORT = "RFT_WEIGHTS_PEER_PORT"
+# Trainer pods: "nccl" when rank 0 also sends each version over NCCL (spec.sync.transport; podenv).
+ENV_WEIGHTS_TRANSPORT = "RFT_WEIGHTS_TRANSPORT"
 ENV_INFERENCE_PORT = "RFT_INFERENCE_PORT"
 ENV_INFERENCE_ENDPOINTS = "RFT_INFERENCE_ENDPOINTS"
 ENV_EXPLORER_INDEX = "RFT_EXPLORER_INDEX"

@@ -72,6 +72,8 @@ OPERATOR_ONLY: dict[str, str] = {
     "inference.env": _SENSITIVE,
     "explorer.image": _POD_SPEC,
     "sync.fast_path": "rank 0's weights port and RFT_WEIGHTS_PEER_PORT (trainer_pods.build_weights_env)",
+    "sync.transport": "RFT_WEIGHTS_TRANSPORT on trainer pods, --transport of the sync agents and vLLM's "
+                      "--weight-transfer-config (rollout_pods)",
 }
 
 # Fields added to the config after version 1: (section path, field) -> the version that

@@ -18,7 +18,7 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .names import ENV_POD_IP, ENV_STAGING_DIR, ENV_WEIGHTS_PEER_PORT
+from .names import ENV_POD_IP, ENV_STAGING_DIR, ENV_WEIGHTS_PEER_PORT, ENV_WEIGHTS_TRANSPORT
 
 DEFAULT_S3_RETRY_SECONDS = 300.0
 DEFAULT_MODEL_DOWNLOAD_TIMEOUT = 3600.0
@@ -33,6 +33,7 @@ VARIABLES: dict[str, str] = {
     "s3_addressing": "RFT_S3_ADDRESSING",
     "pod_ip": ENV_POD_IP,
     "weights_peer_port": ENV_WEIGHTS_PEER_PORT,
+    "weights_transport": ENV_WEIGHTS_TRANSPORT,
 }
 
 
@@ -63,6 +64,9 @@ class PodEnv(BaseModel):
     weights_peer_port: int = Field(default=0, ge=0, le=65535, description=(
         "Trainer rank 0 serves each exported version on this port (the fast path) while it "
         "uploads it to S3; 0: off, the replicas read S3 once the upload is committed."))
+    weights_transport: Literal["files", "nccl"] = Field(default="files", description=(
+        "nccl: rank 0's weights server also sends each version to vLLM engines over NCCL "
+        "(spec.sync.transport; rft_trainer.nccl_sender)."))
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> "PodEnv":

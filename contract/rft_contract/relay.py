@@ -55,6 +55,15 @@ VERIFIED = ".verified"
 _DIR_NAME = re.compile(r"v\d{8,}-[A-Za-z0-9_-]+\Z")  # weights.version_dir's names
 CHUNK = 8 << 20  # bytes per read, write, hash and progress step of a relayed file
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists files: far less than this
+MAX_REQUEST_BYTES = 1 << 20  # a POST body of `PeerServer.routes`: small JSON objects
+
+
+class RouteError(Exception):
+    """What a route of `PeerServer.routes` answers instead of 200: `status` and a message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class PeerError(Exception):
@@ -157,6 +166,10 @@ class PeerServer:
         self._thread: threading.Thread | None = None
         # The agent's record for explorers (`GET /record`, SyncAgent.record); None: 404.
         self.record: Callable[[], dict] | None = None
+        # Routes of the process that serves (rank 0's NCCL sender: rft_trainer.nccl_sender):
+        # (method, first path segment) -> handler(the rest of the path, the JSON body or None),
+        # which answers a JSON object or raises RouteError.
+        self.routes: dict[tuple[str, str], Callable[[str, dict | None], dict]] = {}
 
     @property
     def port(self) -> int:
@@ -222,6 +235,8 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
             if urlsplit(self.path).path == "/record" and server.record is not None:
                 return self._json(server.record())
             parts = urlsplit(self.path).path.split("/")
+            if ("GET", parts[1]) in server.routes:
+                return self._route("GET", parts, None)
             if len(parts) == 3 and parts[1] == "manifest":  # what a child checks the files against
                 transfer = server.find(unquote(parts[2]), server.wait_seconds)
                 if transfer is None:
@@ -239,6 +254,34 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
                 self._stream(transfer, file)
             except OSError as e:  # the child went away or stopped reading
                 log.info("%s/%s to %s: %s", name, file, self.client_address[0], type(e).__name__)
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            parts = urlsplit(self.path).path.split("/")
+            if ("POST", parts[1]) not in server.routes:
+                return self._error(404, "not found")
+            try:
+                size = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                size = -1
+            if not 0 <= size <= MAX_REQUEST_BYTES:
+                return self._error(413, f"a request body of at most {MAX_REQUEST_BYTES} bytes, with its length")
+            try:
+                body = json.loads(self.rfile.read(size) or b"{}")
+            except ValueError:
+                return self._error(400, "the body is not JSON")
+            if not isinstance(body, dict):
+                return self._error(400, "the body must be a JSON object")
+            return self._route("POST", parts, body)
+
+        def _route(self, method: str, parts: list[str], body: dict | None) -> None:
+            try:
+                answer = server.routes[(method, parts[1])]("/".join(unquote(p) for p in parts[2:]), body)
+            except RouteError as e:
+                return self._error(e.status, str(e))
+            except Exception as e:  # noqa: BLE001 - the caller gets a 500 that says what failed
+                log.exception("%s %s failed", method, self.path)
+                return self._error(500, f"{type(e).__name__}: {e}"[:1000])
+            self._json(answer)
 
         def _send(self, f, offset: int, count: int) -> int:
             """`count` bytes of `f` from `offset`, in one blocking sendfile where the kernel

@@ -39,7 +39,7 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
-from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, TRAINER_IMAGE_ENGINES
+from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, NCCL_ENGINES, TRAINER_IMAGE_ENGINES
 from .errors import describe
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
@@ -514,6 +514,14 @@ class SyncSpec(Model):
                     "upload; every file is still checked against the export's manifest. false: replicas "
                     "read each version from S3 once it is committed (a NetworkPolicy that keeps inference "
                     "pods from reaching trainer pods).")
+    transport: Literal["files", "nccl"] = Field(
+        default="files",
+        description="How each version reaches the engines. files: the version's files, from the trainer "
+                    "(fastPath) or S3, then the engine reloads them from disk. nccl: vLLM on GPUs takes the "
+                    "weights from trainer rank 0's GPU over NCCL (vLLM's weight-transfer API; the engine is "
+                    "started with its NCCL backend), checked against the export's fingerprint before it "
+                    "serves; the files still follow, for restarts and going back. Needs inference.engine "
+                    "vllm, GPUs on both sides and sync.fastPath.")
 
 
 # The MLflow server's URL: the checkpoint endpoint's rules, with the Secret to name instead.
@@ -621,6 +629,14 @@ class RFTJobSpec(Model):
               lambda s: s.algorithm.name not in GROUP_ALGORITHMS or s.explorer is None or s.explorer.rollouts_per_task >= 2,
               f"{'/'.join(GROUP_ALGORITHMS)} needs spec.explorer.rolloutsPerTask >= 2: its advantage, reward "
               "minus the mean of the task's group, is zero for groups of one", ".explorer.rolloutsPerTask"),
+        Check("self.?sync.?transport.orValue('files') != 'nccl' || (has(self.inference) && "
+              f"self.inference.?engine.orValue('reference') in {list(NCCL_ENGINES)} && "
+              "self.sync.?fastPath.orValue(true))",
+              lambda s: s.sync.transport != "nccl" or (s.inference is not None and s.inference.engine in NCCL_ENGINES
+                                                       and s.sync.fast_path),
+              f"spec.sync.transport nccl needs spec.inference.engine {' or '.join(NCCL_ENGINES)} and "
+              "spec.sync.fastPath true: trainer rank 0 sends each version to the engine's NCCL "
+              "weight-transfer backend from its weights server", ".sync.transport"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,

@@ -63,6 +63,8 @@ def _engine_command(spec: RFTJobSpec) -> list[str]:
     profile = ENGINES[inf.engine]
     command = engine_command(profile, inf.port, names.SERVED_MODEL_NAME, spec.sync.dtype,
                              f"{names.WEIGHTS_MOUNT}/initial")
+    if spec.sync.transport == "nccl":  # its NCCL weight-transfer backend (rft_contract.nccl)
+        command += profile.nccl_flags
     if not profile.supervised:
         return [*command, *inf.args]
     return ["python3", "-m", "rft_serving.supervise", "--control-port", str(supervisor_port(spec)), "--",
@@ -134,6 +136,8 @@ def _sync_agent_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
         extra += ["--supervisor-port", str(supervisor_port(spec))]
     if spec.sync.probe_tolerance is not None:
         extra += ["--probe-tolerance", str(spec.sync.probe_tolerance)]
+    if spec.sync.transport != "files":
+        extra += ["--transport", spec.sync.transport]
     agent = _agent_container(ref, spec, "sync-agent", extra)
     metrics_ports, metrics_env = build_metrics_port({spec.inference.port, port, supervisor_port(spec)})
     agent["ports"] = [{"name": "weights", "containerPort": port}, *metrics_ports]

@@ -53,10 +53,14 @@ def build_weights_port(ports: list[Obj]) -> Obj:
     return {"name": WEIGHTS_PORT_NAME, "containerPort": port}
 
 
-def build_weights_env(port: Obj) -> list[Obj]:
-    """Where rank 0 serves the weights and the address it announces them at."""
-    return [{"name": VARIABLES["weights_peer_port"], "value": str(port["containerPort"])},
-            {"name": VARIABLES["pod_ip"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+def build_weights_env(port: Obj, transport: str = "files") -> list[Obj]:
+    """Where rank 0 serves the weights and the address it announces them at; with
+    `sync.transport: nccl`, that it also sends them over NCCL (rft_trainer.nccl_sender)."""
+    env = [{"name": VARIABLES["weights_peer_port"], "value": str(port["containerPort"])},
+           {"name": VARIABLES["pod_ip"], "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    if transport != "files":  # absent by default: pods of every earlier job keep their spec hash
+        env.append({"name": VARIABLES["weights_transport"], "value": transport})
+    return env
 
 
 def build_torchrun_args(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: int) -> list[str]:
@@ -85,7 +89,7 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
         ports, env = ports + metrics_ports, env + metrics_env
         if spec.sync.fast_path:
             weights = build_weights_port(ports)
-            ports, env = ports + [weights], build_weights_env(weights) + env  # the user's env last
+            ports, env = ports + [weights], build_weights_env(weights, spec.sync.transport) + env  # the user's env last
     container: Obj = {
         "name": "trainer",
         "image": t.image,

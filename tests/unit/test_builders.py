@@ -545,3 +545,22 @@ def test_every_pod_of_a_job_has_distinct_container_ports():
     pods = builders.build_rollout_pods(REF, spec) + builders.build_trainer_pods(REF, spec, 1)
     for pod in pods:
         assert len(_pod_ports(pod)) == len(set(_pod_ports(pod))), pod["metadata"]["name"]
+
+
+def test_weights_over_nccl_start_vllm_with_its_backend_and_tell_rank_0_and_the_agents():
+    """sync.transport nccl: vLLM's --weight-transfer-config before the user's args, rank 0's
+    RFT_WEIGHTS_TRANSPORT, the agents' --transport; none of it by default (no spec hash moves)."""
+    vllm = {**LOOP, "inference": {**LOOP["inference"], "engine": "vllm", "image": "e:1", "args": ["--seed", "1"]}}
+    for sync, on in (({"transport": "nccl"}, True), ({}, False)):
+        spec = parse_spec({**vllm, "sync": sync})
+        (trainer,) = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in trainer["env"]}
+        engine, agent = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"]
+        if on:
+            assert env["RFT_WEIGHTS_TRANSPORT"] == "nccl"
+            i = engine["args"].index("--weight-transfer-config")
+            assert json.loads(engine["args"][i + 1]) == {"backend": "nccl"} and engine["args"][-2:] == ["--seed", "1"]
+            assert agent["args"][agent["args"].index("--transport") + 1] == "nccl"
+        else:
+            assert "RFT_WEIGHTS_TRANSPORT" not in env and "--weight-transfer-config" not in engine["args"]
+            assert "--transport" not in agent["args"]

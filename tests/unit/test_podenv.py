@@ -18,12 +18,12 @@ MINIMAL = {"model": {"path": "/models/tiny"}, "algorithm": {"name": "grpo"},
 def test_each_variable_sets_its_field_and_an_empty_one_is_unset():
     env = {"RFT_CKPT_STAGING": "/save", "RFT_STAGING_DIR": "/staging", "RFT_MODEL_CACHE": "/models",
            "RFT_MODEL_DOWNLOAD_TIMEOUT": "600", "RFT_S3_RETRY_SECONDS": "2.5", "RFT_S3_ADDRESSING": "path",
-           "RFT_POD_IP": "10.0.0.7", "RFT_WEIGHTS_PEER_PORT": "8471"}
+           "RFT_POD_IP": "10.0.0.7", "RFT_WEIGHTS_PEER_PORT": "8471", "RFT_WEIGHTS_TRANSPORT": "nccl"}
     assert set(env) == set(VARIABLES.values())
     got = PodEnv.read(env)
     assert (got.ckpt_staging, got.staging_dir, got.model_cache) == ("/save", "/staging", "/models")
     assert (got.model_download_timeout, got.s3_retry_seconds, got.s3_addressing) == (600.0, 2.5, "path")
-    assert (got.pod_ip, got.weights_peer_port) == ("10.0.0.7", 8471)
+    assert (got.pod_ip, got.weights_peer_port, got.weights_transport) == ("10.0.0.7", 8471, "nccl")
     assert PodEnv.read({"RFT_S3_RETRY_SECONDS": ""}) == PodEnv.read({})
     default = PodEnv.read({})
     assert default.staging_dir is None and default.s3_retry_seconds == 300 and default.s3_addressing == "auto"
@@ -38,6 +38,7 @@ def test_each_variable_sets_its_field_and_an_empty_one_is_unset():
     ("RFT_S3_ADDRESSING", "dns", "'auto', 'path' or 'virtual'"),
     ("RFT_WEIGHTS_PEER_PORT", "http", "not a whole number"),
     ("RFT_WEIGHTS_PEER_PORT", "70000", "less than or equal to 65535"),
+    ("RFT_WEIGHTS_TRANSPORT", "tcp", "'files' or 'nccl'"),
 ])
 def test_a_bad_value_is_named_by_its_variable_in_every_pod(var, raw, words):
     with pytest.raises(ValueError) as e:
