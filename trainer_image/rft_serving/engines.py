@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -341,6 +342,12 @@ class VLLMEngine(Engine):
 
     served: GET /weight_info -> {"weight_version": str}; it starts as "default" and no CLI
     flag sets it.
+
+    Over NCCL (sync.transport nccl; `load(..., incoming=)`, rft_serving.nccl_link): the same
+    steps, with the reload from files replaced by `receive`: POST /start_weight_update, POST
+    /update_weights (while trainer rank 0 broadcasts), POST /finish_weight_update; the
+    communicator was made before the pause (GET /get_world_size, POST
+    /init_weight_transfer_engine).
     """
 
     EXTENSION_METHOD = "rft_reload_weights"
@@ -353,7 +360,10 @@ class VLLMEngine(Engine):
         return parse_version(self._get("/weight_info").get("weight_version"))
 
     def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
-             previous: Previous | None = None) -> Verdict | None:
+             previous: Previous | None = None, incoming: Any = None) -> Verdict | None:
+        """`incoming` (rft_serving.nccl_link.Incoming): the weights come over NCCL from
+        trainer rank 0 instead of from `path`, which then holds the version's other files
+        (the fingerprint they are checked against)."""
         try:
             self._post("/pause", params={"mode": "wait"})
         except SyncError as e:
@@ -366,7 +376,10 @@ class VLLMEngine(Engine):
             self._resume_after_failure(version)  # nothing changed yet
             raise
         try:
-            self._reload(path)
+            if incoming is not None:
+                self.receive(incoming)
+            else:
+                self._reload(path)
         except SyncError as e:
             # Left paused: resumed, the half-loaded engine dies on its next request.
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
@@ -419,10 +432,17 @@ class VLLMEngine(Engine):
             fingerprint = read_fingerprint(path)
         except (OSError, ValueError) as e:
             raise SyncError(f"version {version}: {e}") from None
-        if fingerprint is None or not self.extension:
+        if fingerprint is None or self.extension is False:
             return None
         start = time.perf_counter()
-        out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
+        try:
+            out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
+        except SyncError as e:
+            if self.extension is None and "has no attribute 'rft_fingerprint'" in str(e):
+                self.extension = False  # weights that came over NCCL, into an engine without it
+                log.warning("vLLM runs without rft_serving.vllm_worker.RFTWorkerExtension: no fingerprint check")
+                return None
+            raise
         workers = [r for r in (out or {}).get("results", []) if isinstance(r, dict)]
         if not workers:
             raise SyncError(f"engine /collective_rpc rft_fingerprint: no result in {str(out)[:200]}")
@@ -441,6 +461,41 @@ class VLLMEngine(Engine):
         log.info("version %s: fingerprint checked in %.2fs: %s", version, time.perf_counter() - start,
                  verdict.describe())
         return verdict
+
+    def receive(self, incoming: Any) -> None:
+        """In place of a reload from files, the engine paused: the version over NCCL from
+        trainer rank 0 (rft_contract.nccl). vLLM's /update_weights returns once every byte
+        arrived, so it runs on a thread while rank 0 is asked to broadcast. A failure is a
+        SyncError, and the caller's EngineBroken: the engine may hold part of the version
+        (or wait for bytes that will not come, until the restart ends it)."""
+        start = time.perf_counter()
+        self._post("/start_weight_update")
+        pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-update-weights")
+        try:
+            arriving = pool.submit(self._post, "/update_weights", {"update_info": incoming.update_info})
+            try:
+                sent = incoming.link.send(incoming.name)
+            except SyncError:
+                incoming.link.forget()  # its communicator is unusable after a failed collective
+                raise
+            arriving.result()
+        finally:
+            pool.shutdown(wait=False)
+        self._post("/finish_weight_update")
+        log.info("%s: %s bytes over NCCL from trainer rank 0 in %.2fs", incoming.name, sent.get("bytes"),
+                 time.perf_counter() - start)
+
+    def world_size(self) -> int:
+        """The engine's workers (tensor x pipeline x data parallel): each joins rank 0's
+        communicator."""
+        n = self._get("/get_world_size?include_dp=true").get("world_size")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SyncError(f"engine /get_world_size: {n!r} is not a number of workers")
+        return n
+
+    def init_transfer(self, init_info: dict) -> None:
+        """vLLM's workers join rank 0's communicator (returns once it is up)."""
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def _reload(self, path: str) -> None:
         if self.extension is not False:

@@ -98,7 +98,8 @@ from rft_contract.storage import get_storage
 
 from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, Previous, ProbeMismatch, SyncError
 from rft_contract.relay import VERIFIED, Peer, PeerServer, parent_index, url_host
-from .weights import Superseded, fetch, version_dir
+from .nccl_link import Incoming, NcclLink, NcclUnavailable
+from .weights import Fetched, Superseded, fetch, fetch_head, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
 # Failed attempts before an engine that has never answered is worth a warning.
@@ -123,7 +124,7 @@ class SyncAgent:
                  peer_server: PeerServer | None = None, peer_url: str | None = None, fanout: int = 0,
                  peer_timeout: float = 30.0, probe_tolerance: float | None = None,
                  engine_start_timeout: float = 900.0, broken_retry_seconds: float = 300.0,
-                 env: PodEnv | None = None):
+                 env: PodEnv | None = None, transport: str = "files"):
         self.job, self.namespace, self.pod = job, namespace, pod
         self.env = PodEnv.read() if env is None else env  # the S3 client's knobs
         self.engine, self.dest, self.storage = engine, Path(dest), storage
@@ -154,6 +155,10 @@ class SyncAgent:
         self._record: tuple[int | None, int] = (None, 0)
         self._boot = uuid.uuid4().hex[:12]
         self.metrics = SyncAgentMetrics()  # main() serves it (/metrics, port `metrics`)
+        # spec.sync.transport nccl: the weights of a version rank 0 serves come over NCCL
+        # (vLLM only; rft_serving.nccl_link), its other files and a copy for restarts as usual.
+        self.nccl = NcclLink() if transport == "nccl" and hasattr(engine, "receive") else None
+        self._nccl_said = ""  # the last reason a version came from its files instead
 
     # --- watching the job
     def target(self) -> dict | None:
@@ -254,9 +259,10 @@ class SyncAgent:
         self._check_not_broken(target)
         start = time.perf_counter()
         self._ensure_storage(target)
-        log.info("fetching version %s from %s", target["version"], target.get("uri"))
-        got = fetch(target, self.dest, self.storage, self.parent(target), self.peer_server, self.peer_timeout,
-                    wait=self._superseded(target))
+        incoming, got = self._over_nccl(target)
+        if got is None:
+            log.info("fetching version %s from %s", target["version"], target.get("uri"))
+            got = self._fetch(target)
         path, times = got.path, got.times
         probe = _probe_of(path, target)
         t_reload = time.perf_counter()
@@ -272,7 +278,7 @@ class SyncAgent:
         try:
             try:
                 verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance,
-                                           previous=previous)
+                                           previous=previous, **({"incoming": incoming} if incoming else {}))
             except ProbeMismatch as e:
                 if e.serving is not None:
                     # Refused before it served a request, and the last good version serves
@@ -285,6 +291,8 @@ class SyncAgent:
                     # tried again for a while (each try loads a whole model copy).
                     self._hold_off(target, str(e))
                     raise
+                if incoming is not None:  # the restart starts from the files: get them first
+                    path = self._fetch(target).path
                 verdict = self._restart_on(target, path, probe, str(e))
             except EngineBroken as e:
                 self._fall_back(target, str(e))
@@ -304,15 +312,48 @@ class SyncAgent:
         times["reloadSeconds"] = time.perf_counter() - t_reload
         times["loadSeconds"] = time.perf_counter() - start
         self.served = dict(target)
-        self.good = (dict(target), path, probe)
         self.syncs += 1
         log.info("serving version %s (%s) after %.2fs%s", target["version"], path, times["loadSeconds"],
                  f"; probe: {verdict.describe()}" if verdict else " (no probe to check)")
         self.report_ok(target, times, got.source, verdict, getattr(self.engine, "fingerprint_verdict", None))
         self.metrics.observe_sync(times, got.s3_bytes, got.peer_bytes)
+        if incoming is not None:
+            # Served; now the files, which a restart starts from and a refused later
+            # version goes back to (until then, those of the version before).
+            try:
+                path = self._fetch(target).path
+            except SyncError as e:
+                log.warning("version %s serves (over NCCL), but its files did not arrive (%s): a restart "
+                            "would start from version %s's", target["version"], e,
+                            self.good[0]["version"] if self.good else "the initial")
+                return True
+        self.good = (dict(target), path, probe)
         self._link_initial(path)
         self._cleanup(target)
         return True
+
+    def _fetch(self, target: dict) -> Fetched:
+        """The target's files, checked: from the parent replica (or on the fast path the
+        trainer), else S3; published to this replica's children as they arrive."""
+        return fetch(target, self.dest, self.storage, self.parent(target), self.peer_server, self.peer_timeout,
+                     wait=self._superseded(target))
+
+    def _over_nccl(self, target: dict) -> tuple[Incoming | None, Fetched | None]:
+        """On the NCCL transport, for a version rank 0 serves: its files other than the
+        weights (checked, from rank 0) and the engine's link ready to receive the weights.
+        (None, None): this version loads from its files (said once per reason)."""
+        if self.nccl is None or not target.get("peer") or not target.get("manifest"):
+            return None, None
+        try:
+            got = fetch_head(target, self.dest, self.storage, self.peer_timeout, wait=self._superseded(target))
+            incoming = self.nccl.prepare(self.engine, target["peer"], version_dir(self.dest, target).name)
+        except NcclUnavailable as e:
+            if str(e) != self._nccl_said:
+                log.warning("version %s from its files, not over NCCL: %s", target["version"], e)
+                self._nccl_said = str(e)
+            return None, None
+        self._nccl_said = ""
+        return incoming, Fetched(got.path, got.times, "nccl trainer")
 
     def _restart_on(self, target: dict, path: Path, probe, reason: str):
         """The engine loaded `target` but does not serve it right: restart it from the files
@@ -469,7 +510,7 @@ class SyncAgent:
         self._add_restarts(entry)
         entry.update({k: round(v, 3) for k, v in (times or {}).items()})
         if source is not None:
-            entry["source"] = source  # "s3", "peer <pod>", "peer <pod>, then s3", "local"
+            entry["source"] = source  # "s3", "peer <pod>", "peer <pod>, then s3", "local", "nccl trainer"
         if self.peer_url:
             entry["peer"] = self.peer_url
         self.attempts = 0
@@ -602,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: by the export's dtype, rft_contract.probe)")
     ap.add_argument("--engine-start-timeout", type=float, default=900.0,
                     help="seconds an engine restart may take before the attempt fails")
+    ap.add_argument("--transport", choices=("files", "nccl"), default="files",
+                    help="nccl: a vLLM engine takes the weights of a version trainer rank 0 serves over NCCL "
+                         "(spec.sync.transport; rft_serving.nccl_link), else from the files")
     ap.add_argument("--install-helpers", metavar="DIR",
                     help="with --fetch-only: also copy the engine's helpers (supervise, vllm_worker) to DIR")
     args = ap.parse_args(argv)
@@ -625,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = SyncAgent(args.job, args.namespace, args.pod, engine, args.dest,
                       peer_server=server, peer_url=peer_url, fanout=args.fanout, peer_timeout=args.peer_timeout,
                       probe_tolerance=args.probe_tolerance, engine_start_timeout=args.engine_start_timeout,
-                      env=env)
+                      env=env, transport=args.transport)
     if server is not None:
         server.record = agent.record  # explorers read it around each request: never a 404 from us
         server.start()

@@ -45,6 +45,7 @@ class Fetched:
     source: str = "local"  # "s3", "peer <pod>", "peer <pod>, then s3", or "local" (on disk already)
     s3_bytes: int = 0
     peer_bytes: int = 0
+    manifest: dict | None = None  # fetch_head's: what the weights arriving otherwise must match
 
 
 def fetch(target: dict, dest: Path, storage=None, peer: Peer | None = None,
@@ -111,6 +112,40 @@ def fetch(target: dict, dest: Path, storage=None, peer: Peer | None = None,
     return replace(got, path=out)
 
 
+def fetch_head(target: dict, dest: Path, storage=None, peer_timeout: float = 30.0,
+               wait: Callable[[float], bool] | None = None, commit_timeout: float = 3600.0) -> Fetched:
+    """What a replica needs of an announced version besides its weights, which reach the
+    engine over NCCL (rft_serving.nccl_link): the manifest whose digest the target names
+    and every file it lists except the safetensors (the fingerprint, the probe, the
+    config), each checked, from the trainer's server (`target["peer"]`) or else S3, into
+    `dest/<version dir>.head`. Its `manifest` key: the manifest."""
+    uri = target["uri"]
+    out = version_dir(dest, target).with_suffix(".head")
+    storage = storage or get_storage(uri)
+    tmp = dest / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        peer = Peer("trainer", target["peer"])
+        manifest, peer = _announced_manifest(target, storage, uri, peer, version_dir(dest, target).name,
+                                             peer_timeout, wait or time.sleep, commit_timeout)
+        check_manifest(manifest, target)
+        job = _Fetch(storage, uri, manifest, version_dir(dest, target).name, tmp, peer, None, peer_timeout)
+        if peer is not None:  # S3 may lack the files yet: read it once committed
+            job.before_s3 = lambda: await_commit(target, storage, uri, wait or time.sleep, commit_timeout)
+        got = job.run(only=lambda name: not name.endswith(".safetensors"))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SyncError):
+            raise
+        raise SyncError(f"download of {uri}'s small files failed: {_short(e)}") from None
+    got.times["downloadSeconds"] = time.perf_counter() - start - got.times["verifySeconds"]
+    return replace(got, path=out, manifest=manifest)
+
+
 class _Fetch:
     """One verified download of a manifest's files into `tmp`, published while it runs."""
 
@@ -126,11 +161,14 @@ class _Fetch:
         self.used_peer = self.fell_back = False
         self.before_s3: Callable[[], object] | None = None  # called once, before the first S3 read
 
-    def run(self) -> Fetched:
+    def run(self, only: Callable[[str], bool] | None = None) -> Fetched:
+        """Every file of the manifest (`only`: those it accepts by name)."""
         (self.tmp / MANIFEST_COPY).write_text(json.dumps(self.manifest))
         if self.server is not None:
             self.server.publish(self.transfer)
         for name, meta in sorted(self.manifest["files"].items()):
+            if only is not None and not only(name):
+                continue
             if self.peer is not None and self._from_peer(name, meta):
                 continue
             self._from_s3(name, meta)

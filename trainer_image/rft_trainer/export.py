@@ -175,6 +175,7 @@ class FastPath:
     def __init__(self, root: Path, server: PeerServer, url: str):
         self.root, self.server, self.url = Path(root), server, url
         self.serving: Path | None = None
+        self.manifest: dict | None = None  # the served version's
 
     @classmethod
     def start(cls, env: PodEnv) -> "FastPath | None":
@@ -199,7 +200,7 @@ class FastPath:
     def serve(self, path: Path, manifest: dict) -> None:
         """Serve `path` (complete and hashed) instead of the version before it."""
         self.server.publish(Transfer(path.name, manifest, path, complete=True))
-        old, self.serving = self.serving, path
+        old, self.serving, self.manifest = self.serving, path, manifest
         if old is not None and old != path:
             self.drop(old)  # a replica still reading it gets a short body and reads S3
 
@@ -207,7 +208,7 @@ class FastPath:
         self.server.forget(path.name)
         shutil.rmtree(path, ignore_errors=True)
         if self.serving == path:
-            self.serving = None
+            self.serving = self.manifest = None
 
     def stop(self) -> None:
         self.server.stop()

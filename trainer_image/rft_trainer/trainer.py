@@ -38,6 +38,7 @@ from .engine import TrainEngineWrapper, get_trainer_wrapper
 from .experience import BufferReader, Experiences
 from .export import FastPath, WeightExporter
 from .metrics import MetricsLog
+from .nccl_sender import NcclSender
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
 from .tracking import Tracker, build_tracker
@@ -130,6 +131,8 @@ class Trainer:
         sync = self.config.sync
         if self.rt.is_main:  # the exporting rank serves each version while it uploads (the fast path)
             self.fast_path = FastPath.start(self.config.env)
+            if self.fast_path is not None and self.config.env.weights_transport == "nccl":
+                NcclSender.attach(self.fast_path, self.rt.device)  # and sends it to vLLM over NCCL
         self.checkpointer.weights = WeightExporter(self.storage, self.config.checkpoint.uri, sync.dtype, sync.keep,
                                                    sync.pinned_version, write=self.engine.export_policy,
                                                    on_publish=self._report_weights, fast=self.fast_path,
