@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +48,11 @@ from rft_contract.versions import parse_version
 log = logging.getLogger("rft_serving.engines")
 # What a SyncError says when nothing answers at the engine's URL (yet).
 ENGINE_DOWN = "engine not reachable"
+
+
+# How long the agent watches vLLM's /update_weights for an immediate refusal before asking
+# trainer rank 0 to send (a send that vLLM does not receive waits for the send timeout).
+UPDATE_REFUSAL_SECONDS = 1.0
 
 
 class SyncError(RuntimeError):
@@ -474,7 +480,14 @@ class VLLMEngine(Engine):
         try:
             arriving = pool.submit(self._post, "/update_weights", {"update_info": incoming.update_info})
             try:
-                sent = incoming.link.send(incoming.name)
+                arriving.result(timeout=UPDATE_REFUSAL_SECONDS)  # refused at once (no group, bad info)?
+            except FuturesTimeout:
+                pass  # receiving: rank 0 may send
+            except SyncError:
+                incoming.link.forget()
+                raise
+            try:
+                sent = incoming.link.send(incoming)
             except SyncError:
                 incoming.link.forget()  # its communicator is unusable after a failed collective
                 raise
@@ -492,6 +505,18 @@ class VLLMEngine(Engine):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SyncError(f"engine /get_world_size: {n!r} is not a number of workers")
         return n
+
+    def nccl_version(self) -> list | None:
+        """The NCCL of the engine's workers (our worker extension's `rft_nccl_version`); None
+        when it cannot say (an engine without the extension)."""
+        try:
+            out = self._post("/collective_rpc", {"method": "rft_nccl_version"})
+        except SyncError as e:
+            if "has no attribute 'rft_nccl_version'" in str(e):
+                return None
+            raise
+        results = (out or {}).get("results") or [None]
+        return results[0] if isinstance(results[0], list) else None
 
     def init_transfer(self, init_info: dict) -> None:
         """vLLM's workers join rank 0's communicator (returns once it is up)."""

@@ -2,11 +2,15 @@
 rft_contract.nccl; rank 0's side: rft_trainer.nccl_sender).
 
 `NcclLink` keeps one vLLM engine's communicator with trainer rank 0: made on first use
-(rank 0's `POST /nccl/join`, then vLLM's /init_weight_transfer_engine, which returns once
-both sides are in it) and made again when the engine restarted (its supervisor's count)
-or the trainer moved. `prepare` runs before the engine pauses: a trainer without a GPU,
-an engine started without the NCCL backend or a version rank 0 no longer serves raise
-`NcclUnavailable`, the engine is untouched, and the agent loads the version from its files.
+(rank 0's `POST /nccl/join` with the engine's NCCL version, then vLLM's
+/init_weight_transfer_engine, which returns once both sides are in it) and made again when
+the engine restarted (its supervisor's count; the agent also `forget`s it when it sees the
+engine lost its weights) or the trainer moved. `prepare` runs before the engine pauses and
+ends with rank 0's plan for the version (a ticket that keeps its files open for the send).
+A trainer without a GPU, an engine without the NCCL backend, NCCL versions that differ, or
+a version rank 0 no longer serves raise `NcclUnavailable`: the engine is untouched, and the
+agent loads the version from its files. A join that failed is not tried again for the same
+engine process for JOIN_RETRY_SECONDS (a refused join costs rank 0 a thread).
 Once the engine paused, `VLLMEngine.receive` does the transfer, and a failure there is
 EngineBroken (a half-received model is never served: the agent restarts the engine).
 
@@ -18,6 +22,7 @@ below it stood in for.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, NamedTuple
 
 import requests
@@ -25,6 +30,9 @@ import requests
 from .engines import SyncError
 
 log = logging.getLogger("rft_serving.nccl")
+
+
+JOIN_RETRY_SECONDS = 600.0
 
 
 class NcclUnavailable(SyncError):
@@ -38,6 +46,7 @@ class Incoming(NamedTuple):
     link: "NcclLink"
     name: str
     update_info: dict
+    ticket: str
 
 
 class NcclLink:
@@ -46,23 +55,37 @@ class NcclLink:
         self.peer: str | None = None  # rank 0's weights server the session belongs to
         self.session: str | None = None
         self.restarts: int | None = None  # the engine's restart count when it joined
+        # The last join that failed: (peer, restart count, monotonic time, why).
+        self.failed: tuple[str, int | None, float, str] | None = None
 
     def prepare(self, engine, peer: str, name: str) -> Incoming:
         """The communicator (joined if there is none for this engine process and this
-        trainer) and the version's update_info."""
+        trainer) and rank 0's plan for the version."""
         restarts = engine.restarts()
-        if self.session is None or self.peer != peer or restarts != self.restarts:
-            self._join(engine, peer)
-            self.restarts = restarts
-        info = self._call("GET", f"/nccl/plan/{name}")
-        if not isinstance(info.get("update_info"), dict):
-            raise NcclUnavailable(f"rank 0's plan for {name} has no update_info")
-        return Incoming(self, name, info["update_info"])
+        restarted = restarts is not None and restarts != self.restarts  # None: the supervisor did not say
+        if self.session is None or self.peer != peer or restarted:
+            if self.failed is not None and self.failed[:2] == (peer, restarts) \
+                    and time.monotonic() - self.failed[2] < JOIN_RETRY_SECONDS:
+                raise NcclUnavailable(self.failed[3])
+            try:
+                self._join(engine, peer)
+            except NcclUnavailable as e:
+                self.failed = (peer, restarts, time.monotonic(), str(e))
+                raise
+            self.failed, self.restarts = None, restarts
+        plan = self._call("POST", "/nccl/plan", {"session": self.session, "version": name})
+        if not isinstance(plan.get("update_info"), dict) or not isinstance(plan.get("ticket"), str):
+            raise NcclUnavailable(f"rank 0's plan for {name} has no update_info and ticket")
+        return Incoming(self, name, plan["update_info"], plan["ticket"])
 
     def _join(self, engine, peer: str) -> None:
-        workers = engine.world_size()
+        try:
+            workers, version = engine.world_size(), engine.nccl_version()
+        except SyncError as e:
+            raise NcclUnavailable(f"the engine did not say its workers and NCCL version: {e}") from None
         old, self.session, self.peer = self.session, None, peer
-        answer = self._call("POST", "/nccl/join", {"world_size": 1 + workers, "replaces": old})
+        answer = self._call("POST", "/nccl/join", {"world_size": 1 + workers, "replaces": old,
+                                                   "nccl_version": version})
         if not isinstance(answer.get("init_info"), dict) or not isinstance(answer.get("session"), str):
             raise NcclUnavailable(f"rank 0 answered /nccl/join without a session: {str(answer)[:200]}")
         try:
@@ -72,9 +95,9 @@ class NcclLink:
         self.session = answer["session"]
         log.info("NCCL communicator with trainer rank 0 up (%d engine workers)", workers)
 
-    def send(self, name: str) -> dict:
-        """Rank 0 broadcasts version `name` (while the engine's /update_weights receives)."""
-        return self._call("POST", "/nccl/send", {"session": self.session, "version": name})
+    def send(self, incoming: Incoming) -> dict:
+        """Rank 0 broadcasts the planned version (while the engine's /update_weights receives)."""
+        return self._call("POST", "/nccl/send", {"session": self.session, "ticket": incoming.ticket})
 
     def forget(self) -> None:
         """The engine restarts, or a transfer failed: join again next time."""

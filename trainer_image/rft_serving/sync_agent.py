@@ -244,6 +244,8 @@ class SyncAgent:
             log.warning("engine reports version %s, but version %s was loaded into it "
                         "(engine restarted?): reloading", serving, known.get("version"))
             self.served = None
+            if self.nccl is not None:
+                self.nccl.forget()  # a new engine process: no communicator with rank 0
             self._patch({"version": serving, "id": None, "time": now()})
             known = {}
         if serving == target["version"] and known.get("version") == serving \
@@ -292,7 +294,11 @@ class SyncAgent:
                     self._hold_off(target, str(e))
                     raise
                 if incoming is not None:  # the restart starts from the files: get them first
-                    path = self._fetch(target).path
+                    try:
+                        path = self._fetch(target).path
+                    except SyncError as fetching:
+                        self._fall_back(target, f"{e}; its files for a restart: {fetching}")
+                        raise
                 verdict = self._restart_on(target, path, probe, str(e))
             except EngineBroken as e:
                 self._fall_back(target, str(e))
@@ -395,6 +401,8 @@ class SyncAgent:
         log.error("version %s not served (%s); serving version %s", target["version"], reason, self.engine_version)
 
     def _restart_engine(self, reason: str) -> None:
+        if self.nccl is not None:
+            self.nccl.forget()
         self._patch({"lastRestart": f"{now()}: {reason[:300]}"})
         self.engine.restart(reason, self.engine_start_timeout, self._stop.is_set)
 

@@ -56,6 +56,16 @@ class RFTWorkerExtension:
         """`fingerprint` of this worker's model."""
         return fingerprint(self.model_runner.get_model())
 
+    def rft_nccl_version(self) -> list | None:
+        """The NCCL this worker's torch runs (NCCL refuses a communicator of mixed versions:
+        the sync agent compares it with trainer rank 0's before joining); None without NCCL."""
+        import torch
+
+        try:
+            return list(torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001 - a CPU build, or no NCCL
+            return None
+
 
 IDENTITY_ROWS = 256  # identity rows per pass through a kernel: memory is rows x out_features
 
