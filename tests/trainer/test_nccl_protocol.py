@@ -252,14 +252,19 @@ def test_rank0_refuses_what_it_cannot_send_by_name(rank0):
     assert r.status_code == 404 and "ticket" in r.text
 
 
-def _agent(engine, tmp_path):
+def _agent(url: str, tmp_path, target: dict | None = None):
+    """Replica 0's sync agent with `--transport nccl` on the stand-in engine at `url`, told
+    `target` as its watch would."""
     from tests.trainer.test_engines import FakeJobApi
 
-    api = FakeJobApi()
+    api, engine = FakeJobApi(), VLLMEngine(url, timeout=120)
     agent = SyncAgent("job", "ns", "job-inference-0", engine, tmp_path / "dest", api=api, transport="nccl",
                       fanout=2)  # as pods run it: replica 0 reads the files from rank 0
     api.agent = agent
-    return agent, api
+    if target is not None:
+        api.status = {"weightSync": {"target": target}}
+        agent._update({"status": api.status})
+    return agent, api, engine
 
 
 def _target(fast, manifest) -> dict:
@@ -276,11 +281,8 @@ def test_the_agent_serves_a_version_that_came_over_nccl_only_after_its_fingerpri
     files, for restarts and going back (the start-up copy `good`)."""
     fast, _, directory = rank0
     url, _ = standin
-    engine = VLLMEngine(url, timeout=120)
-    agent, api = _agent(engine, tmp_path)
     target = _target(fast, fast.manifest)
-    api.status = {"weightSync": {"target": target}}
-    agent._update({"status": api.status})
+    agent, api, engine = _agent(url, tmp_path, target)
     assert agent.converge(target)
     assert engine.served() == 3
     calls = requests.get(url + "/standin", timeout=10).json()["calls"]
@@ -302,8 +304,7 @@ def test_a_tensor_damaged_on_the_way_is_named_and_the_previous_version_serves_ag
     to version 3 from its files in place, and version 4 is never labelled nor reported."""
     fast, _, first = rank0
     url, _ = standin
-    engine = VLLMEngine(url, timeout=120)
-    agent, api = _agent(engine, tmp_path)
+    agent, api, engine = _agent(url, tmp_path)
     for step, export_id in ((3, "abc123"), (4, "def456")):
         if step == 4:
             directory, manifest = _version(fast.root, step, export_id)
@@ -330,11 +331,8 @@ def test_an_engine_whose_nccl_differs_from_rank_0s_loads_the_version_from_its_fi
     engine is never asked to join, and the version comes from rank 0's files instead."""
     fast, _, directory = rank0
     url, _ = standin
-    engine = VLLMEngine(url, timeout=120)
-    agent, api = _agent(engine, tmp_path)
     target = _target(fast, fast.manifest)
-    api.status = {"weightSync": {"target": target}}
-    agent._update({"status": api.status})
+    agent, api, engine = _agent(url, tmp_path, target)
     assert agent.converge(target) and engine.served() == 3
     calls = requests.get(url + "/standin", timeout=10).json()["calls"]
     assert "init" not in calls and "update" not in calls and "reload" in calls
