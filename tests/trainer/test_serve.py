@@ -423,3 +423,27 @@ def test_cli_serves_model_dir_and_exits_0_on_sigterm(versions):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("files, limit", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),  # cgroup v2: 2 CPUs
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_the_cpu_limit_is_read_from_either_cgroup_version(tmp_path, files, limit):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert serve.cpu_limit(str(tmp_path)) == limit
+
+
+def test_torch_threads_stay_within_the_containers_cpu_limit():
+    """Sized for the node, 8 engines with 2 threads each on 2 cores took 1.8 s per reload in
+    bench/weightsync.py, against 0.3 s with one each (docs/performance.md)."""
+    assert serve.compute_threads(0, 1.5, 64) == 2
+    assert serve.compute_threads(0, 0.5, 64) == 1
+    assert serve.compute_threads(0, 16, 4) == 4  # never more than torch would take
+    assert serve.compute_threads(0, None, 8) == 8
+    assert serve.compute_threads(3, 1, 8) == 3  # --threads wins

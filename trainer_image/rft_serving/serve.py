@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -526,6 +527,33 @@ def _pod_ip() -> str | None:
         return None
 
 
+def cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The container's CPU limit in cores (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` /
+    `cpu.cfs_period_us`); None without one."""
+    try:
+        quota, period = open(os.path.join(root, "cpu.max")).read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(open(os.path.join(root, "cpu", "cpu.cfs_quota_us")).read())
+        period = int(open(os.path.join(root, "cpu", "cpu.cfs_period_us")).read())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def compute_threads(requested: int, limit: float | None, default: int) -> int:
+    """torch's intra-op threads: `requested` when set, else no more than the container's CPU
+    limit (torch sizes its pool by the node's cores: in a pod limited to 2 CPUs of 64 its 64
+    threads would spin against each other and be throttled), else torch's default."""
+    if requested > 0:
+        return requested
+    if limit is not None:
+        return max(1, min(default, math.ceil(limit)))
+    return default
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rft_serving.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default=_pod_ip() or "0.0.0.0")
@@ -535,12 +563,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default="policy")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--max-concurrency", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's intra-op threads (0: up to the container's CPU limit, else torch's default)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threads = compute_threads(args.threads, cpu_limit(), torch.get_num_threads())
+    if threads != torch.get_num_threads():
+        log.info(json.dumps({"event": "threads", "threads": threads, "was": torch.get_num_threads()}))
+        torch.set_num_threads(threads)
 
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
