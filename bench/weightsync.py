@@ -214,7 +214,8 @@ class Replica:
     reference server (`python -m rft_serving.serve`) and its sync agent (`python -m
     rft_serving.sync_agent --peer-port --fanout`, with a token bound to its pod)."""
 
-    def __init__(self, job: str, i: int, kubeconfig: Path, tmp: Path, fanout: int, stack: contextlib.ExitStack):
+    def __init__(self, job: str, i: int, kubeconfig: Path, tmp: Path, fanout: int, stack: contextlib.ExitStack,
+                 threads: int = 0):
         self.pod = names.inference_pod_name(job, i)
         self.engine_url = f"http://127.0.0.1:{free_port()}"
         self.peer_port, self.metrics_port = free_port(), free_port()
@@ -225,7 +226,8 @@ class Replica:
         logs.mkdir(exist_ok=True)
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "rft_serving.serve", "--host", "127.0.0.1",
-                              "--port", self.engine_url.rsplit(":", 1)[1], "--max-concurrency", "1"],
+                              "--port", self.engine_url.rsplit(":", 1)[1], "--max-concurrency", "1",
+                              "--threads", str(threads)],
                              env=env, stdout=open(logs / f"{self.pod}-engine.log", "wb"), stderr=subprocess.STDOUT),
             subprocess.Popen([sys.executable, "-m", "rft_serving.sync_agent", "--engine", "reference",
                               "--engine-url", self.engine_url, "--dest", str(tmp / job / self.pod), "--job", job,
@@ -391,8 +393,9 @@ def run_replicas(n: int, args, cluster, api, bucket: str, tmp: Path, models: lis
         stack.callback(watch.stop.set)
         reporter = StatusReporter(job, NS, as_role(names.ROLE_TRAINER), min_interval=0)
         stack.callback(reporter.close)
+        threads = args.engine_threads if args.engine_threads >= 0 else max(1, (os.cpu_count() or 1) // n)
         replicas = [Replica(job, i, kubeconfig(names.ROLE_INFERENCE, names.inference_pod_name(job, i)), tmp,
-                            args.fanout, stack) for i in range(n)]
+                            args.fanout, stack, threads) for i in range(n)]
         trainer = Trainer(reporter, f"s3://{bucket}/{job}", args.dtype, tmp, models)
         stack.callback(trainer.close)
         exporters = {p: trainer.exporter(p == "fast") for p in paths}
@@ -467,6 +470,10 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=0, help="default 3 x hidden")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="export dtype")
     ap.add_argument("--timeout", type=float, default=180, help="per sync, seconds")
+    ap.add_argument("--engine-threads", type=int, default=-1,
+                    help="each reference engine's torch threads: -1 (default) this machine's cores / replicas, as "
+                         "pods' CPU limits give them (rft_serving.serve reads the limit); 0 torch's default (every "
+                         "engine sized for the whole machine)")
     ap.add_argument("--fanout", type=int, default=2,
                     help="relay children per replica, as the pods run it (0: every replica reads S3)")
     ap.add_argument("--completions", type=int, default=200,
