@@ -167,9 +167,9 @@ class PeerServer:
         # The agent's record for explorers (`GET /record`, SyncAgent.record); None: 404.
         self.record: Callable[[], dict] | None = None
         # Routes of the process that serves (rank 0's NCCL sender: rft_trainer.nccl_sender):
-        # (method, first path segment) -> handler(the rest of the path, the JSON body or None),
+        # ("POST", first path segment) -> handler(the rest of the path, the JSON body),
         # which answers a JSON object or raises RouteError.
-        self.routes: dict[tuple[str, str], Callable[[str, dict | None], dict]] = {}
+        self.routes: dict[tuple[str, str], Callable[[str, dict], dict]] = {}
 
     @property
     def port(self) -> int:
@@ -235,8 +235,6 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
             if urlsplit(self.path).path == "/record" and server.record is not None:
                 return self._json(server.record())
             parts = urlsplit(self.path).path.split("/")
-            if ("GET", parts[1]) in server.routes:
-                return self._route("GET", parts, None)
             if len(parts) == 3 and parts[1] == "manifest":  # what a child checks the files against
                 transfer = server.find(unquote(parts[2]), server.wait_seconds)
                 if transfer is None:
@@ -273,7 +271,7 @@ def _handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
                 return self._error(400, "the body must be a JSON object")
             return self._route("POST", parts, body)
 
-        def _route(self, method: str, parts: list[str], body: dict | None) -> None:
+        def _route(self, method: str, parts: list[str], body: dict) -> None:
             try:
                 answer = server.routes[(method, parts[1])]("/".join(unquote(p) for p in parts[2:]), body)
             except RouteError as e:

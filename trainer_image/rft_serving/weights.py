@@ -120,7 +120,8 @@ def fetch_head(target: dict, dest: Path, storage=None, peer_timeout: float = 30.
     config), each checked, from the trainer's server (`target["peer"]`) or else S3, into
     `dest/<version dir>.head`. Its `manifest` key: the manifest."""
     uri = target["uri"]
-    out = version_dir(dest, target).with_suffix(".head")
+    name = version_dir(dest, target).name
+    out = dest / f"{name}.head"
     storage = storage or get_storage(uri)
     tmp = dest / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -128,10 +129,10 @@ def fetch_head(target: dict, dest: Path, storage=None, peer_timeout: float = 30.
     start = time.perf_counter()
     try:
         peer = Peer("trainer", target["peer"])
-        manifest, peer = _announced_manifest(target, storage, uri, peer, version_dir(dest, target).name,
-                                             peer_timeout, wait or time.sleep, commit_timeout)
+        manifest, peer = _announced_manifest(target, storage, uri, peer, name, peer_timeout,
+                                             wait or time.sleep, commit_timeout)
         check_manifest(manifest, target)
-        job = _Fetch(storage, uri, manifest, version_dir(dest, target).name, tmp, peer, None, peer_timeout)
+        job = _Fetch(storage, uri, manifest, name, tmp, peer, None, peer_timeout)
         if peer is not None:  # S3 may lack the files yet: read it once committed
             job.before_s3 = lambda: await_commit(target, storage, uri, wait or time.sleep, commit_timeout)
         got = job.run(only=lambda name: not name.endswith(".safetensors"))
