@@ -42,6 +42,10 @@ Columns (medians over the versions; seconds unless said):
   rest       target visible -> its entry visible, less its loadSeconds: the agent's watch
              noticing the target, and its report reaching ours
   count      last entry visible -> operator's synced == "N/N"
+Where the CPU went (per version, t0 -> all serving; CPU seconds from /proc): the agents, the
+engines, this process (the trainer's export, its weights server and upload), the S3 server,
+the operator, and the rest (API server, etcd, KWOK, the kernel's own threads); `busy`: the
+share of the machine's cores in use over the version, near 1.0 when the sync is CPU-bound.
 The explorer's reads: `--completions` requests to replica 0 through rft_rollout's
 InferenceClient, the versions read around each (the engine reports none, as vLLM 0.32),
 once through the agents' records (explorer.ReplicaRecords) and once through the job's
@@ -89,6 +93,48 @@ from tests.fixtures.models import save_tiny_model  # noqa: E402
 
 NS = "bench-ws"
 PHASES = ("announced", "committed", "promote", "download", "verify", "reload", "rest", "count")
+CPU_ROLES = ("agents", "engines", "trainer", "s3", "operator", "rest")
+PIDS: dict[str, int] = {}  # the S3 server's and the operator's, once started
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine so far (/proc/stat), every core."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    total = sum(ticks[:8])  # guest time is counted inside user already
+    hz = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / hz, total / hz
+
+
+class CpuMeter:
+    """CPU seconds by role between `start` and `stop` (CPU_ROLES), and the machine's busy share."""
+
+    def __init__(self, replicas: list["Replica"]):
+        self.pids = {"agents": [r.procs[1].pid for r in replicas], "engines": [r.procs[0].pid for r in replicas],
+                     "trainer": [os.getpid()], "s3": [PIDS["s3"]] if "s3" in PIDS else [],
+                     "operator": [PIDS["operator"]] if "operator" in PIDS else []}
+
+    def _read(self) -> tuple[dict[str, float], tuple[float, float]]:
+        return {role: sum(cpu_seconds(p) for p in pids) for role, pids in self.pids.items()}, machine_cpu()
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> dict:
+        (roles0, (busy0, all0)), (roles1, (busy1, all1)) = self._start, self._read()
+        out = {role: roles1[role] - roles0[role] for role in roles0}
+        out["rest"] = max(0.0, busy1 - busy0 - sum(out.values()))
+        out["busy"] = (busy1 - busy0) / max(1e-9, all1 - all0)
+        return out
 
 
 def start_s3(data_dir: Path) -> S3Server:
@@ -403,6 +449,7 @@ def run_replicas(n: int, args, cluster, api, bucket: str, tmp: Path, models: lis
         watch.wait_synced(0, args.timeout)
         print(f"  {n} replica(s): base model (version 0) served by all after {time.monotonic() - t:.1f}s")
         transfer = S3Storage().transfer
+        cpu = CpuMeter(replicas)
         version = 0
         for k in range(args.versions):
             # The raw baseline right before each pair of timed syncs, under the same load
@@ -412,12 +459,13 @@ def run_replicas(n: int, args, cluster, api, bucket: str, tmp: Path, models: lis
             for path in paths:
                 version += 1
                 fetched_before = [r.fetched() for r in replicas]
+                cpu.start()
                 t0 = time.monotonic()
                 exporters[path].publish(version)
                 t_committed = time.monotonic()
                 t_done = watch.wait_synced(version, args.timeout)
                 row = breakdown(version, t0, t_done, watch, replicas)
-                row.update(path=path, baseline=base, committed=t_committed - t0,
+                row.update(path=path, baseline=base, committed=t_committed - t0, cpu=cpu.stop(),
                            announced=trainer.announced_at.get(version, t_committed) - t0,
                            s3_bytes=fetched_delta(replicas, fetched_before, trainer.bytes[version]))
                 row["bytes"] = trainer.bytes[version]
@@ -498,7 +546,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: shutil.rmtree(tmp, ignore_errors=True) if ok else
                        print(f"logs and state kept in {tmp}"))
-        stack.callback(start_s3(tmp / "s3").stop)
+        s3 = start_s3(tmp / "s3")
+        stack.callback(s3.stop)
+        PIDS["s3"] = s3.pid
         bucket = "rft-bench-ws"
         boto3.client("s3").create_bucket(Bucket=bucket)
         models = save_models(args, tmp, bucket, 3)
@@ -515,6 +565,7 @@ def main() -> None:
         op_kc = cluster.service_account_kubeconfig("rftjob-system", "rftjob-operator", tmp / "op.kubeconfig")
         op = subprocess.Popen([sys.executable, "-m", "rft_operator"], env={**os.environ, "KUBECONFIG": str(op_kc)},
                               stdout=open(tmp / "operator.log", "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+        PIDS["operator"] = op.pid
         stack.callback(op.wait, 30)
         stack.callback(op.terminate)
         api = kubernetes.config.new_client_from_config(kc)
@@ -540,6 +591,15 @@ def main() -> None:
                   + " ".join(f"{med(rows, p):8.2f}" for p in PHASES))
     print("S3 MiB and x model: bytes the agents read from S3 for that version (the largest of the versions; "
           "the goal is <= 1.1x)")
+    print(f"\nwhere the CPU went, CPU seconds per version (medians; {os.cpu_count()} cores), and the machine's "
+          f"busy share over the version")
+    print(f"{'replicas':>8} {'path':>5} {'e2e':>6} " + " ".join(f"{r:>8}" for r in CPU_ROLES) + f" {'total':>6} {'busy':>5}")
+    for n, res in results.items():
+        for path, rows in res["rows"].items():
+            cpu = {k: statistics.median(r["cpu"][k] for r in rows) for k in (*CPU_ROLES, "busy")}
+            total = statistics.median(sum(r["cpu"][k] for k in CPU_ROLES) for r in rows)
+            print(f"{n:>8} {path:>5} {med(rows, 'e2e'):6.2f} " + " ".join(f"{cpu[k]:8.2f}" for k in CPU_ROLES)
+                  + f" {total:6.2f} {cpu['busy']:5.2f}")
     for n, res in results.items():
         if res["api_reads"]:
             a, st = res["api_reads"]["agent"], res["api_reads"]["status"]
