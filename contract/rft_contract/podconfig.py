@@ -28,7 +28,7 @@ CONFIG_VERSION = 1
 _CACHE = {"host_path": True, "persistent_volume_claim": True, "size_limit": True, "download_timeout_seconds": True}
 _FSDP = {"reshard_after_forward": True, "activation_checkpointing": True, "cpu_offload": True, "mixed_precision": True}
 POD_CONFIG: dict[str, Any] = {
-    "model": {"path": True, "tokenizer_path": True, "dtype": True, "cache": _CACHE},
+    "model": {"path": True, "tokenizer_path": True, "dtype": True, "cache": _CACHE, "lora": True},
     "algorithm": {name: True for name in (
         "name", "learning_rate", "critic_learning_rate", "kl_coef", "kl_estimator", "clip_ratio", "clip_ratio_low",
         "clip_ratio_high", "dual_clip_ratio", "entropy_coef", "epochs", "mini_batch_size", "micro_batch_size",
@@ -78,7 +78,7 @@ OPERATOR_ONLY: dict[str, str] = {
 
 # Fields added to the config after version 1: (section path, field) -> the version that
 # added it. Rendered only when set away from the default, so older images keep working.
-ADDED: dict[tuple[str, ...], int] = {}
+ADDED: dict[tuple[str, ...], int] = {("model", "lora"): 1}
 
 
 def reads_operator_only(rule: str) -> bool:

@@ -235,6 +235,33 @@ class ModelCacheSpec(Model):
         description="How long the other ranks wait for local rank 0 to download the model.")
 
 
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+
+
+class LoraSpec(Model):
+    """Low-rank adapters (PEFT's LoRA) on the policy: the base weights stay frozen, only the
+    adapters train. The trainer checks that the target modules exist in the model."""
+
+    rules = (Check(f"!has(self.targetModules) || !('{ALL_LINEAR}' in self.targetModules) || size(self.targetModules) == 1",
+                   lambda s: ALL_LINEAR not in s.target_modules or len(s.target_modules) == 1,
+                   f"spec.model.lora.targetModules: '{ALL_LINEAR}' stands alone (it names every linear layer)",
+                   ".targetModules"),)
+
+    rank: int = Field(ge=1, le=512, description="The adapters' rank (LoRA's r).")
+    alpha: float | None = Field(default=None, gt=0, le=65536, description=(
+        "LoRA's alpha: the adapters' output is scaled by alpha / rank. Default: rank (scale 1)."))
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: unique_list(Annotated[str, Field(min_length=1, max_length=128,
+                                                     pattern=r"^([A-Za-z_][A-Za-z0-9_.]*|all-linear)$")]) = Field(
+        default_factory=lambda: [ALL_LINEAR], min_length=1, max_length=64, description=(
+            f"Module names to adapt (a name matches a module whose name ends with it, e.g. q_proj), or "
+            f"'{ALL_LINEAR}': every linear layer except the output head."))
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
 class ModelSpec(Model):
     path: ImagePath = Field(description="HF-format model directory: an s3:// URI or an absolute path inside the image.")
     tokenizer_path: ImagePath | None = Field(default=None, description="Default: path.")
@@ -242,6 +269,18 @@ class ModelSpec(Model):
     # bf16, while an lr of 1e-6 applied to bf16 weights (8 mantissa bits) rounds to nothing.
     dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="Master weights dtype.")
     cache: ModelCacheSpec = Field(default_factory=ModelCacheSpec)
+    lora: LoraSpec | None = Field(default=None, description=(
+        "Train LoRA adapters instead of every weight (immutable). Checkpoints hold the adapters "
+        "and their optimizer state; each weight version is the base with the adapters merged."))
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_lora(self, handler: Any) -> Any:
+        # Without LoRA the job config (and its hash) stays what it was before the field
+        # existed: running jobs see no drift, older trainer images no unknown key.
+        data = handler(self)
+        if self.lora is None and isinstance(data, dict):
+            data.pop("lora", None)
+        return data
 
 
 class AlgorithmSpec(Model):
@@ -611,6 +650,7 @@ class RFTJobSpec(Model):
         immutable("model.path", "spec.model.path"),
         immutable("model.tokenizerPath", "spec.model.tokenizerPath"),
         immutable("model.dtype", "spec.model.dtype"),
+        immutable("model.lora", "spec.model.lora", "the checkpoints hold these adapters; create a new RFTJob"),
         immutable("algorithm.name", "spec.algorithm.name"),
         immutable("checkpoint.uri", "spec.checkpoint.uri", "resume needs the same location"),
         immutable("buffer.uri", "spec.buffer.uri", "resume needs the same buffer"),

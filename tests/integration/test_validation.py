@@ -140,6 +140,7 @@ def test_valid_minimal_spec_is_accepted_without_defaults_written(installed, api,
 
 ENDPOINT, BUFFER = "http://minio.storage:9000", "s3://ckpts/run-buffer"
 STORAGE = _set(_set(BASE, "spec.checkpoint.endpoint", ENDPOINT), "spec.buffer.uri", BUFFER)
+LORA = _set(BASE, "spec.model.lora", {"rank": 8})
 
 # (case id, object created, merge-patched path, value, expected fragment); None removes.
 IMMUTABLE = [
@@ -156,6 +157,9 @@ IMMUTABLE = [
     ("buffer.uri-changed", STORAGE, "spec.buffer.uri", "s3://ckpts/other-buffer", "spec.buffer.uri is immutable"),
     ("buffer.uri-added", BASE, "spec.buffer.uri", BUFFER, "spec.buffer.uri is immutable"),
     ("buffer.uri-removed", STORAGE, "spec.buffer.uri", None, "spec.buffer.uri is immutable"),
+    ("model.lora-added", BASE, "spec.model.lora", {"rank": 8}, "spec.model.lora is immutable"),
+    ("model.lora-changed", LORA, "spec.model.lora.rank", 16, "spec.model.lora is immutable"),
+    ("model.lora-removed", LORA, "spec.model.lora", None, "spec.model.lora is immutable"),
 ]
 
 
