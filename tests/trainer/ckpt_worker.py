@@ -1,7 +1,7 @@
 """Run under torchrun by tests/trainer/test_checkpoint.py.
 
     ckpt_worker.py MODEL_DIR URI OUT --steps N [--interval I] [--keep K] [--block] [--request-log FILE]
-                  [--micro-batch-size M]
+                  [--micro-batch-size M] [--lora]
 
 Builds a PPO engine (actor + critic) on the tiny model, resumes from the newest verified
 checkpoint under URI (if any) into the engine's `checkpoint_roles()` with the job's
@@ -87,12 +87,15 @@ def main() -> None:
     p.add_argument("--block", action="store_true")
     p.add_argument("--request-log")
     p.add_argument("--micro-batch-size", type=int, default=2)  # must divide 12 / world size
+    p.add_argument("--lora", action="store_true", help="LoRA adapters on the actor, and a KL term (the base)")
     args = p.parse_args()
     if args.request_log:
         log_requests(args.request_log)
+    model = {"path": args.model_dir, **({"lora": {"rank": 4, "alpha": 8}} if args.lora else {})}
     config = load_config({
-        "model": {"path": args.model_dir},
-        "algorithm": {"name": "ppo", "learning_rate": 1e-3, "critic_learning_rate": 1e-3, "kl_coef": 0.0,
+        "model": model,
+        "algorithm": {"name": "ppo", "learning_rate": 1e-3, "critic_learning_rate": 1e-3,
+                      "kl_coef": 0.01 if args.lora else 0.0,
                       "micro_batch_size": args.micro_batch_size, "mini_batch_size": 12, "epochs": 1},
         "optimizer": {"warmup_steps": 3},
         "trainer": {"total_steps": 100, "batch_size": 12, "fsdp": {"mixed_precision": "fp32"}},

@@ -14,8 +14,11 @@ from rft_trainer.engine import FSDPTrainEngine
 
 def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
     checkpointing = "--activation-checkpointing" in flags
+    model = {"path": model_dir}
+    if "--lora" in flags:  # all-linear, scale 2: the adapters alone train
+        model["lora"] = {"rank": 4, "alpha": 8}
     config = load_config({
-        "model": {"path": model_dir},
+        "model": model,
         "algorithm": {"name": algo, "learning_rate": 1e-3, "critic_learning_rate": 1e-3,
                       "kl_coef": 0.01, "micro_batch_size": 2, "mini_batch_size": 8, "epochs": 1},
         "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32",

@@ -137,6 +137,33 @@ def test_two_sharded_ranks_resume_what_one_unsharded_rank_saved(saved, s3_bucket
     assert_same(one["snapshots"][2], two["snapshots"]["resumed"])
 
 
+def test_lora_checkpoints_hold_the_adapters_only_and_two_ranks_resume_on_one(saved, s3_bucket, storage):
+    """spec.model.lora: a checkpoint holds the actor's adapters and their optimizer state,
+    not the frozen base (it comes from model.path); 2 ranks save, 1 rank resumes exactly
+    what they saved, and continues as the uninterrupted 2-rank run does (to float32's
+    reduction order). The critic stays whole."""
+    import pickle
+
+    from rft_trainer import lora
+
+    uri, whole_uri = f"s3://{s3_bucket}/lora", f"s3://{s3_bucket}/lora-whole"
+    whole = run_worker(saved["tmp"], whole_uri, 2, 4, "--lora", "--block")
+    first = run_worker(saved["tmp"], uri, 2, 2, "--lora", "--block")
+    meta = pickle.loads(storage.read_bytes(join(step_uri(uri, 2), ".metadata")))
+    actor = [k for k in meta.state_dict_metadata if k.startswith("app.actor.model.")]
+    assert actor and all(lora.is_adapter_key(k) for k in actor), actor[:4]
+    assert any(k.startswith("app.critic.model.") and "embed_tokens" in k for k in meta.state_dict_metadata)
+    then = run_worker(saved["tmp"], uri, 1, 4, "--lora")
+    assert then["resumed"] == 2 and then["world_size"] == 1
+    assert_same(first["snapshots"][2], then["snapshots"]["resumed"])
+    for step in (3, 4):
+        a, b = whole["snapshots"][step]["actor"]["model"], then["snapshots"][step]["actor"]["model"]
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 1e-5, f"step {step}: largest parameter difference {worst}"
+    moved = [k for k in a if lora.is_adapter_key(k) and not torch.equal(a[k], first["snapshots"][2]["actor"]["model"][k])]
+    assert moved  # the adapters went on training after the resume
+
+
 def test_killed_upload_is_ignored_and_one_rank_resumes_the_previous_step(saved, storage, caplog):
     uri = saved["uri"] + "-killed"
     copy_prefix(storage, saved["uri"], uri)

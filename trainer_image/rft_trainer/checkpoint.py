@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rft_contract import layout
@@ -73,6 +73,7 @@ from rft_contract.podenv import PodEnv
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 
+from . import lora
 from .parallelize import Runtime
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ class AppState(Stateful):
         sd: dict[str, Any] = {"step": self.step, "extra": json.dumps(self.extra, sort_keys=True),
                               "rng": _rng_states(self.group)}
         for name, role in self.roles.items():
-            model_sd, optim_sd = get_state_dict(role.model, role.optimizer)
+            model_sd, optim_sd = get_state_dict(role.model, role.optimizer, options=_options(role.model))
             if (n := self.saved_groups.get(name, len(optim_sd["param_groups"]))) != len(optim_sd["param_groups"]):
                 # DCP loads into this dict's keys: as many groups as were saved, each with
                 # the keys every AdamW group has.
@@ -204,15 +205,24 @@ class AppState(Stateful):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for name, role in self.roles.items():
             part = sd[name]
-            live = get_state_dict(role.model, role.optimizer)[1]["param_groups"]
+            live = get_state_dict(role.model, role.optimizer, options=_options(role.model))[1]["param_groups"]
             optim, picked = regroup(part["optim"], live)
-            set_state_dict(role.model, role.optimizer, model_state_dict=part["model"], optim_state_dict=optim)
+            set_state_dict(role.model, role.optimizer, model_state_dict=part["model"], optim_state_dict=optim,
+                           options=_options(role.model))
             # The scheduler keeps one entry per group too (base_lrs, _last_lr, lr_lambdas).
             n = len(part["optim"]["param_groups"])
             role.scheduler.load_state_dict({k: [v[i] for i in picked] if isinstance(v, list) and len(v) == n else v
                                             for k, v in part["scheduler"].items()})
         self.step, self.extra = int(sd["step"]), json.loads(sd["extra"])
         _restore_rng(sd["rng"], self.rank)
+
+
+def _options(model) -> StateDictOptions | None:
+    """A model with LoRA adapters (rft_trainer.lora) saves and loads its trainable
+    parameters only: the frozen base is `model.path`'s, loaded at build."""
+    if not lora.has_adapters(model):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def regroup(saved: dict, live_groups: list[dict]) -> tuple[dict, list[int]]:

@@ -16,6 +16,7 @@ import torch
 from rft_contract.algorithms import profile as algorithm_profile
 from rft_contract.config import JobConfig
 from rft_contract.probe import PROBE_FILE
+from rft_contract.spec import LoraSpec
 from rft_contract.storage import Storage
 
 from . import models, probe, roles
@@ -138,17 +139,20 @@ class FSDPTrainEngine(TrainEngineWrapper):
                                critic=needs_critic)
         torch.manual_seed(self.config.trainer.seed)
         self.actor = self._build_actor()
-        if a.kl_coef > 0:
+        if a.kl_coef > 0 and self.config.model.lora is not None:
+            # The base model is the reference: the actor's own weights, adapters off.
+            self.ref = roles.Reference(self.actor.model, self.rt, a.micro_batch_size, adapters_off=True)
+        elif a.kl_coef > 0:
             self.ref = roles.Reference(self._build("causal_lm", trains=False), self.rt, a.micro_batch_size)
         if needs_critic:
             self.critic = self._build_critic()
 
-    def _build(self, kind: str, trains: bool = True):
+    def _build(self, kind: str, trains: bool = True, lora: LoraSpec | None = None):
         f = self.config.fsdp
         return build_model(self.config.model.path, self.rt, kind=kind, fsdp_mode=f.mixed_precision,
                            reshard_after_forward=f.reshard_after_forward, cpu_offload=f.cpu_offload,
                            activation_checkpointing=f.activation_checkpointing and trains,
-                           param_dtype=self.config.model.dtype)
+                           param_dtype=self.config.model.dtype, lora=lora, seed=self.config.trainer.seed)
 
     def _optim(self, model, lr: float):
         o, t = self.config.optimizer, self.config.trainer
@@ -156,7 +160,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         return opt, roles.make_scheduler(opt, o.warmup_steps, t.total_steps, o.lr_schedule, o.min_lr_ratio)
 
     def _build_actor(self) -> roles.Actor:
-        model = self._build("causal_lm")
+        model = self._build("causal_lm", lora=self.config.model.lora)
         return roles.Actor(model, self.rt, self.config.algorithm, *self._optim(model, self.config.algorithm.learning_rate))
 
     def _build_critic(self) -> roles.Critic:

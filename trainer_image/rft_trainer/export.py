@@ -54,6 +54,7 @@ from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 from rft_contract.relay import PeerServer, Transfer, url_host, version_dir_name
 
+from . import lora
 from .parallelize import Runtime, tied_parameters
 
 log = logging.getLogger(__name__)
@@ -291,14 +292,16 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
     else:
         tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
         writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
-    aliases = tied_parameters(model)
-    parameters = {name for name, _ in model.named_parameters()}  # what engines compare (no buffers)
+    # Names as the base model has them: LoRA adapters (rft_trainer.lora) are merged in.
+    aliases = {lora.hf_name(a): lora.hf_name(n) for a, n in tied_parameters(model).items()}
+    parameters = {lora.hf_name(name) for name, _ in model.named_parameters()  # what engines compare (no buffers)
+                  if not lora.is_adapter_key(name)}
     stats: dict[str, tuple[float, float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
+    gathered = ((name, value.full_tensor() if hasattr(value, "full_tensor") else value)  # all ranks
+                for name, value in model.state_dict().items()
+                if lora.hf_name(name) not in aliases)  # a tied weight is exported once (HF re-ties on load)
     try:
-        for name, value in model.state_dict().items():
-            if name in aliases:  # a tied weight is exported once (HF re-ties on load)
-                continue
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value  # all ranks
+        for name, full in lora.merged(model, gathered):
             if writer is not None:
                 out = full.detach().to(dtype=cast) if full.is_floating_point() else full.detach()
                 if out.is_floating_point() and name in parameters:

@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rft_contract.podenv import PodEnv
+from rft_contract.spec import LoraSpec
 
+from . import lora as lora_adapters
 from .modelcache import ModelCache
 from .models import (ValueModel, check_supported, decoder_blocks, init_non_persistent_buffers,
                      load_config)
@@ -131,11 +133,12 @@ def apply_fsdp(model: nn.Module, device: torch.device, mode: str = "bf16",
 def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: str = "bf16",
                 reshard_after_forward: bool = True, cpu_offload: bool = False,
                 activation_checkpointing: bool = False, load_weights: bool = True,
-                param_dtype: str = "fp32") -> nn.Module:
+                param_dtype: str = "fp32", lora: LoraSpec | None = None, seed: int = 0) -> nn.Module:
     """Build, shard and load one model. `kind`: "causal_lm" (actor, reference) or
     "critic" (`models.ValueModel`: the backbone and a value head, values 0 at step 0).
-    `param_dtype` is the master weights' dtype (`spec.model.dtype`). A model the trainer
-    cannot train is refused first (`models.check_supported`)."""
+    `param_dtype` is the master weights' dtype (`spec.model.dtype`). `lora`: LoRA
+    adapters on a causal LM (rft_trainer.lora), the base frozen, new adapters drawn from
+    `seed`. A model the trainer cannot train is refused first (`models.check_supported`)."""
     from transformers import AutoModelForCausalLM
 
     path = rt.models.fetch(path, rt)
@@ -148,6 +151,8 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
         model = ValueModel(config) if kind == "critic" else AutoModelForCausalLM.from_config(config)
     # fp32 master weights by default; FSDP's MixedPrecisionPolicy computes in bf16 on GPU.
     model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
+    if lora is not None:
+        lora_adapters.inject(model, lora)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_fsdp(model, rt.device, fsdp_mode, reshard_after_forward, cpu_offload)
@@ -162,7 +167,7 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
         # instead of leaving to_empty's uninitialised memory.
         model.reset_value_head()
     if load_weights:
-        load_full_state_dict(model, path, rt, critic=(kind == "critic"))
+        load_full_state_dict(model, path, rt, critic=(kind == "critic"), seed=seed)
     return model
 
 
@@ -204,15 +209,18 @@ def read_hf_state_dict(path: str, backbone: type | None = None) -> dict[str, tor
     return {f"model.{k}": v for k, v in found[0].state_dict().items()}
 
 
-def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, critic: bool = False) -> None:
+def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, critic: bool = False, seed: int = 0) -> None:
     """Rank 0 reads the HF weights; every rank receives only its shards. A tied model's
     checkpoint holds the shared tensor once (HF drops `lm_head.weight`): the alias is
     filled from it, so the strict load still names every other missing key. The critic's
-    value head is in no LM checkpoint: every other key must be."""
+    value head is in no LM checkpoint: every other key must be. A model with LoRA
+    adapters gets new ones, drawn from `seed` on rank 0 (`lora.initial_state`)."""
     full, error = {}, None
     if rt.is_main:
         try:
             full = read_hf_state_dict(path, model.backbone_type if critic else None)
+            if lora_adapters.has_adapters(model):
+                full = lora_adapters.initial_state(model, full, seed)
             for alias, name in tied_parameters(model).items():
                 if alias not in full and name in full:
                     full[alias] = full[name]

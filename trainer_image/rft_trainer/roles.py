@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import lora
 from .algorithms import losses
 from .experience import Experiences
 from .models import no_weight_decay
@@ -183,10 +184,18 @@ class LogProbRole(_Role):
 
 
 class Reference(LogProbRole):
-    """The frozen initial policy, for the KL term."""
+    """The frozen initial policy, for the KL term: a model of its own, or with LoRA the
+    actor's model with its adapters off (`adapters_off`)."""
+
+    def __init__(self, model: nn.Module, rt: Runtime, micro_batch_size: int, adapters_off: bool = False):
+        super().__init__(model, rt, micro_batch_size)
+        self.adapters_off = adapters_off
 
     def compute_ref_log_prob(self, batch: Experiences) -> torch.Tensor:
-        return self.compute_log_prob(batch)[0]
+        if not self.adapters_off:
+            return self.compute_log_prob(batch)[0]
+        with lora.adapters_off(self.model):
+            return self.compute_log_prob(batch)[0]
 
 
 class Actor(LogProbRole):

@@ -1,0 +1,109 @@
+"""LoRA adapters on the policy (spec.model.lora, rft_trainer.lora) in one process, against
+PEFT and transformers themselves: the reference policy is the base model, each exported
+version is the base with the adapters merged the way PEFT merges them, and target modules
+that name nothing (or no linear layer) are refused by field. 1 against 2 ranks and
+checkpoints: test_fsdp.py and test_checkpoint.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rft_contract.config import load_config
+from rft_contract.spec import LoraSpec
+from rft_contract.storage import LocalStorage
+from rft_trainer import lora
+from rft_trainer.engine import FSDPTrainEngine
+from rft_trainer.export import export_hf
+from rft_trainer.roles import token_logprobs
+from tests.fixtures.batches import synthetic_batch
+from tests.fixtures.models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def trained(tiny, rt, steps: int = 2, **lora_spec) -> tuple[FSDPTrainEngine, object]:
+    config = load_config({
+        "model": {"path": str(tiny), "lora": {"rank": 4, "alpha": 8, **lora_spec}},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-2, "kl_coef": 0.01, "micro_batch_size": 4,
+                      "mini_batch_size": 8, "epochs": 1},
+        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": "s3://unused/x"},
+    })
+    engine = FSDPTrainEngine(config, rt)
+    engine.prepare()
+    batch = synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1)
+    for _ in range(steps):
+        engine.train_step(batch)
+    return engine, batch
+
+
+def test_the_reference_is_the_base_model_and_the_adapters_train_on(tiny, world_of_one):
+    from transformers import AutoModelForCausalLM
+
+    engine, batch = trained(tiny, world_of_one)
+    assert engine.ref.model is engine.actor.model  # no second copy of the weights
+    base = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
+    with torch.no_grad():
+        want, _ = token_logprobs(base(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits, batch.tokens)
+    ref = engine.ref.compute_ref_log_prob(batch)
+    assert (ref - want).abs().max().item() < 1e-5
+    policy, _ = engine.actor.compute_log_prob(batch)
+    assert (policy - want).abs().max().item() > 1e-3  # the adapters changed the policy
+    # The adapters are trainable again after the reference's pass, the base never.
+    named = dict(engine.actor.model.named_parameters())
+    assert all(p.requires_grad == lora.is_adapter_key(n) for n, p in named.items())
+    assert sum(p.numel() for p in engine.actor.optimizer.param_groups[0]["params"]) + sum(
+        p.numel() for g in engine.actor.optimizer.param_groups[1:] for p in g["params"]) == sum(
+        p.numel() for n, p in named.items() if lora.is_adapter_key(n))
+
+
+def test_each_version_is_the_base_with_the_adapters_merged_as_peft_merges_them(tiny, world_of_one, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine, batch = trained(tiny, world_of_one)
+    model = engine.actor.model
+    manifest = export_hf(model, world_of_one, LocalStorage(), str(tmp_path / "v2"), str(tiny), 2, dtype="fp32")
+    exported = load_file(str(tmp_path / "v2" / "model-00001.safetensors"))
+    assert exported.keys() == load_file(str(tiny / "model.safetensors")).keys()  # the base's names, no adapters
+    # PEFT's own merge (lora.Linear.merge: W += B A * scaling) of a copy of the live model.
+    peft_merged = copy.deepcopy(model)
+    for layer in lora.layers(peft_merged).values():
+        layer.merge()
+    want = {lora.hf_name(k): v for k, v in peft_merged.state_dict().items() if not lora.is_adapter_key(k)}
+    worst = max((exported[k] - want[k]).abs().max().item() for k in exported)
+    assert worst < 1e-6, worst
+    assert any(not torch.equal(exported[k], v) for k, v in load_file(str(tiny / "model.safetensors")).items())
+    # And the export is a plain HF model that computes what the trainer's policy does.
+    served = AutoModelForCausalLM.from_pretrained(str(tmp_path / "v2")).eval()
+    with torch.no_grad():
+        got, _ = token_logprobs(served(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits, batch.tokens)
+    policy, _ = engine.actor.compute_log_prob(batch)
+    assert (got - policy).abs().max().item() < 1e-5
+    assert manifest["format"] == "hf-safetensors"
+
+
+@pytest.mark.parametrize("targets, says", [
+    (["no_such_proj"], "spec.model.lora.targetModules ['no_such_proj']"),
+    (["embed_tokens"], "not linear layers: model.embed_tokens"),
+])
+def test_target_modules_that_name_no_linear_layer_are_refused_by_field(tiny, targets, says):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny))
+    with pytest.raises(ValueError) as e:
+        lora.inject(model, LoraSpec(rank=4, target_modules=targets))
+    assert says in str(e.value)
+
+
+def test_named_target_modules_adapt_those_layers_only(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = lora.inject(AutoModelForCausalLM.from_pretrained(str(tiny)), LoraSpec(rank=2, target_modules=["q_proj", "v_proj"]))
+    assert sorted(lora.layers(model)) == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]

@@ -1,0 +1,144 @@
+"""LoRA adapters on the policy (`spec.model.lora`), with PEFT.
+
+PEFT's `inject_adapter_in_model` puts its LoRA layers into the model in place: the model
+stays the transformers model it was (its config, blocks, tying and `fully_shard` wrapping
+unchanged), each adapted linear layer becomes a `peft.tuners.lora.Linear` holding the
+frozen original as `base_layer` and the trainable `lora_A` / `lora_B`, and every other
+parameter is frozen. So in the model's state dict an adapted weight `...q_proj.weight`
+reads `...q_proj.base_layer.weight`, next to `...q_proj.lora_A.default.weight` and
+`...q_proj.lora_B.default.weight`.
+
+What the rest of the trainer does with it:
+- build (parallelize.build_model): adapters injected on the meta device, before sharding;
+  rank 0 fills the base weights from the checkpoint and the adapters from `initial_state`
+  (PEFT's initialisation: A Kaiming-uniform, B zero, so step 0 is the base model), seeded
+  by the trainer's seed on rank 0 alone: 1 and N ranks start from the same adapters;
+- the optimizer holds the trainable parameters only (roles.make_optimizer);
+- the reference policy for the KL term is the same model with its adapters off
+  (`adapters_off`), as verl does: no second copy of the weights;
+- checkpoints hold the trainable parameters and their optimizer state only
+  (checkpoint.AppState: `ignore_frozen_params`), the base comes from `model.path`;
+- each weight version is the base with the adapters merged (`merged`), a plain HF model
+  every engine loads: W + (alpha / rank) B A, computed in fp32.
+The critic (PPO) stays fully trained: its value head is new and its backbone learns a
+different function from the policy's.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rft_contract.spec import ALL_LINEAR, LoraSpec
+
+ADAPTER = "default"  # PEFT's adapter name: one adapter per model
+BASE = ".base_layer."
+
+
+def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """The model with LoRA layers in place (on its device, meta included), base frozen.
+    ValueError naming spec.model.lora.targetModules when they match no linear layer, or
+    match a module that is not one."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    targets = ALL_LINEAR if spec.target_modules == [ALL_LINEAR] else list(spec.target_modules)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
+                        lora_dropout=spec.dropout, target_modules=targets, bias="none")
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model ..."
+        raise ValueError(f"spec.model.lora.targetModules {spec.target_modules}: {str(e).splitlines()[0]}") from None
+    others = sorted(name for name, m in model.named_modules()
+                    if isinstance(m, BaseTunerLayer) and not isinstance(m, LoraLinear))
+    if others:
+        raise ValueError(f"spec.model.lora.targetModules {spec.target_modules} match modules that are not "
+                         f"linear layers: {', '.join(others[:4])}; name linear layers (e.g. q_proj, v_proj)")
+    return model
+
+
+def layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's LoRA layers by module name."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return bool(layers(model))
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint's name of a parameter of the adapted model: `base_layer` removed."""
+    return name.replace(BASE, ".")
+
+
+def initial_state(model: nn.Module, hf: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Rank 0: the adapted model's full state dict from the HF checkpoint's tensors `hf`,
+    with new adapters as PEFT initialises them (A Kaiming-uniform, B zero), drawn from
+    `seed` in module order, whatever the world size."""
+    gen = torch.Generator().manual_seed(seed)
+    adapted = layers(model)
+    out = {}
+    for name in model.state_dict().keys():
+        if is_adapter_key(name):
+            continue
+        if hf_name(name) in hf:
+            out[name] = hf[hf_name(name)]
+    for prefix, m in adapted.items():
+        a, b = m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight
+        dtype = m.base_layer.weight.dtype
+        init_a = torch.empty(a.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(init_a, a=math.sqrt(5), generator=gen)  # peft lora.layer.reset_lora_parameters
+        out[f"{prefix}.lora_A.{ADAPTER}.weight"] = init_a.to(dtype)
+        out[f"{prefix}.lora_B.{ADAPTER}.weight"] = torch.zeros(b.shape, dtype=dtype)
+    return out
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model (the reference policy): every adapter off, then on again."""
+    adapted = list(layers(model).values())
+    for m in adapted:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.enable_adapters(True)  # and requires_grad back on the adapters (peft set_adapter)
+
+
+def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, full tensor) pairs of the model's state dict as the base model names
+    them, each adapted weight merged with its adapter: W + (alpha / rank) B A, in fp32,
+    back in W's dtype. `items` in state-dict order (a layer's base weight before its
+    adapters); the adapters themselves are not yielded."""
+    roles: dict[str, tuple[str, str]] = {}  # state-dict key -> (layer, W | A | B)
+    for prefix, m in layers(model).items():
+        roles[f"{prefix}{BASE}weight"] = (prefix, "W")
+        roles[f"{prefix}.lora_A.{ADAPTER}.weight"] = (prefix, "A")
+        roles[f"{prefix}.lora_B.{ADAPTER}.weight"] = (prefix, "B")
+    scale = {prefix: m.scaling[ADAPTER] for prefix, m in layers(model).items()}
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in items:
+        if name not in roles:
+            yield hf_name(name), value
+            continue
+        prefix, kind = roles[name]
+        parts = held.setdefault(prefix, {})
+        parts[kind] = value
+        if len(parts) == 3:
+            w, a, b = parts["W"], parts["A"], parts["B"]
+            del held[prefix]
+            yield f"{prefix}.weight", (w.float() + scale[prefix] * (b.float() @ a.float())).to(w.dtype)
+    if held:
+        raise RuntimeError(f"adapted layers without their base weight or adapters in the state dict: {sorted(held)[:4]}")
