@@ -107,3 +107,28 @@ def test_named_target_modules_adapt_those_layers_only(tiny):
 
     model = lora.inject(AutoModelForCausalLM.from_pretrained(str(tiny)), LoraSpec(rank=2, target_modules=["q_proj", "v_proj"]))
     assert sorted(lora.layers(model)) == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+
+
+def test_bf16_master_weights_at_lr_1e_5_train_the_adapters_and_every_version_shows_it(tiny, world_of_one, tmp_path):
+    """At the settings users run (bf16 master weights, lr 1e-5) the adapters train (every
+    B leaves zero after one step), and the merged bf16 version differs from the base in
+    every adapted weight, so the replicas' exact check (the fingerprint) tells it from the
+    version before."""
+    config = load_config({
+        "model": {"path": str(tiny), "dtype": "bf16", "lora": {"rank": 8, "alpha": 16}},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-5, "kl_coef": 0.001, "micro_batch_size": 8,
+                      "mini_batch_size": 8, "epochs": 1},
+        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
+        "checkpoint": {"uri": "s3://unused/x"},
+    })
+    engine = FSDPTrainEngine(config, world_of_one)
+    engine.prepare()
+    engine.train_step(synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1))
+    state = engine.actor.model.state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in state.values())
+    assert all(state[k].abs().max().item() > 0 for k in state if ".lora_B." in k)
+    export_hf(engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "v1"), str(tiny), 1, dtype="bf16")
+    exported = load_file(str(tmp_path / "v1" / "model-00001.safetensors"))
+    base = load_file(str(tiny / "model.safetensors"))
+    adapted = [f"{name}.weight" for name in lora.layers(engine.actor.model)]
+    assert [k for k in adapted if torch.equal(exported[k], base[k].to(torch.bfloat16))] == []
