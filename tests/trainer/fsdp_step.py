@@ -17,6 +17,8 @@ def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
     model = {"path": model_dir}
     if "--lora" in flags:  # all-linear, scale 2: the adapters alone train
         model["lora"] = {"rank": 4, "alpha": 8}
+    if "--bf16" in flags:  # bf16 master weights (the adapters stay fp32)
+        model["dtype"] = "bf16"
     config = load_config({
         "model": model,
         "algorithm": {"name": algo, "learning_rate": 1e-3, "critic_learning_rate": 1e-3,

@@ -65,27 +65,31 @@ def tiny_llama_tied(tmp_path_factory):
     return save_tiny("llama", tmp_path_factory.mktemp("llama") / "model", tie=True)
 
 
-@pytest.mark.parametrize("family, algo", [("qwen2", "grpo"), ("qwen2", "ppo"), ("llama-tied", "grpo")])
+@pytest.mark.parametrize("family, algo", [("qwen2", "grpo"), ("qwen2", "ppo"), ("llama-tied", "grpo"),
+                                           ("qwen2-bf16", "grpo")])
 def test_lora_two_ranks_match_one_process_and_only_the_adapters_train(tiny, tiny_llama_tied, tmp_path, family, algo):
     """spec.model.lora: the adapters of every linear layer train, sharded like the rest;
     the base stays what the checkpoint holds, bit for bit (the reference for the KL term
     is the base with the adapters off); 2 ranks give 1 process's step. PPO's critic stays
     fully trained. Qwen2 with its own lm_head, Llama with the embeddings tied to it (the
-    head is not adapted: `all-linear` leaves the output layer out)."""
+    head is not adapted: `all-linear` leaves the output layer out); bf16 master weights
+    with the adapters in fp32, both sharded in the same groups."""
     from safetensors.torch import load_file
 
     from rft_trainer import lora
 
-    model = tiny if family == "qwen2" else tiny_llama_tied
-    one = run_step(model, tmp_path / "one.pt", 1, algo, "--lora")
-    two = run_step(model, tmp_path / "two.pt", 2, algo, "--lora")
+    model = tiny_llama_tied if family == "llama-tied" else tiny
+    flags = ("--lora", "--bf16") if family.endswith("-bf16") else ("--lora",)
+    one = run_step(model, tmp_path / "one.pt", 1, algo, *flags)
+    two = run_step(model, tmp_path / "two.pt", 2, algo, *flags)
     assert one["params"].keys() == two["params"].keys()
     worst = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
     assert worst < 1e-5, f"largest parameter difference {worst}"
     adapters = [k for k in one["params"] if lora.is_adapter_key(k)]
     # Every linear layer of the 2 decoder blocks (q, k, v, o, gate, up, down), not lm_head.
     assert len(adapters) == 2 * 7 * 2 and not any("lm_head" in k for k in adapters)
-    init = load_file(str(model / "model.safetensors"))
+    dtype = torch.bfloat16 if family.endswith("-bf16") else torch.float32
+    init = {k: v.to(dtype) for k, v in load_file(str(model / "model.safetensors")).items()}
     base = {lora.hf_name(k): v for k, v in one["params"].items() if not lora.is_adapter_key(k)}
     assert base.keys() - init.keys() == ({"lm_head.weight"} if family == "llama-tied" else set())
     assert all(torch.equal(base[k], v) for k, v in init.items())

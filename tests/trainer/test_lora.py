@@ -89,17 +89,47 @@ def test_each_version_is_the_base_with_the_adapters_merged_as_peft_merges_them(t
     assert manifest["format"] == "hf-safetensors"
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_tied(tmp_path_factory):
+    from tests.fixtures.architectures import save_tiny
+
+    return save_tiny("llama", tmp_path_factory.mktemp("llama") / "model", tie=True)
+
+
 @pytest.mark.parametrize("targets, says", [
     (["no_such_proj"], "spec.model.lora.targetModules ['no_such_proj']"),
+    (["q_proj", "v_porj"], "spec.model.lora.targetModules ['q_proj', 'v_porj']: v_porj matched no linear layer"),
     (["embed_tokens"], "not linear layers: model.embed_tokens"),
+    (["lm_head"], "adapt lm_head, whose weight is tied to another"),
 ])
-def test_target_modules_that_name_no_linear_layer_are_refused_by_field(tiny, targets, says):
+def test_target_modules_that_name_no_linear_layer_or_a_tied_one_are_refused_by_field(tiny_llama_tied, targets, says):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_tied))
     with pytest.raises(ValueError) as e:
         lora.inject(model, LoraSpec(rank=4, target_modules=targets))
     assert says in str(e.value)
+
+
+def test_a_layer_stored_in_by_out_merges_transposed_as_peft_does(tmp_path):
+    """GPT-2's Conv1D layers keep their weight (in, out): PEFT's delta is (B A)^T there."""
+    from tests.fixtures.architectures import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    model = lora.inject(AutoModelForCausalLM.from_pretrained(str(save_tiny("gpt2", tmp_path / "gpt2"))),
+                        LoraSpec(rank=4, alpha=8))
+    assert any(m.fan_in_fan_out for m in lora.layers(model).values())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in lora.layers(model).values():
+            m.lora_B[lora.ADAPTER].weight.normal_()  # PEFT starts B at zero: no delta to see
+    got = dict(lora.merged(model, model.state_dict().items()))
+    peft_merged = copy.deepcopy(model)
+    for layer in lora.layers(peft_merged).values():
+        layer.merge()
+    want = {lora.hf_name(k): v for k, v in peft_merged.state_dict().items() if not lora.is_adapter_key(k)}
+    assert got.keys() == want.keys()
+    assert max((got[k] - want[k]).abs().max().item() for k in got) < 1e-5
 
 
 def test_named_target_modules_adapt_those_layers_only(tiny):
@@ -110,9 +140,10 @@ def test_named_target_modules_adapt_those_layers_only(tiny):
 
 
 def test_bf16_master_weights_at_lr_1e_5_train_the_adapters_and_every_version_shows_it(tiny, world_of_one, tmp_path):
-    """At the settings users run (bf16 master weights, lr 1e-5) the adapters train (every
-    B leaves zero after one step), and the merged bf16 version differs from the base in
-    every adapted weight, so the replicas' exact check (the fingerprint) tells it from the
+    """At the settings users run (bf16 master weights, lr 1e-5) the adapters train: they
+    are kept in fp32 (as PEFT's PeftModel keeps them), so every A moves after one step
+    and every B leaves zero; and the merged bf16 version differs from the base in every
+    adapted weight, so the replicas' exact check (the fingerprint) tells it from the
     version before."""
     config = load_config({
         "model": {"path": str(tiny), "dtype": "bf16", "lora": {"rank": 8, "alpha": 16}},
@@ -123,10 +154,14 @@ def test_bf16_master_weights_at_lr_1e_5_train_the_adapters_and_every_version_sho
     })
     engine = FSDPTrainEngine(config, world_of_one)
     engine.prepare()
+    before = {k: v.clone() for k, v in engine.actor.model.state_dict().items() if ".lora_A." in k}
     engine.train_step(synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1))
     state = engine.actor.model.state_dict()
-    assert all(v.dtype == torch.bfloat16 for v in state.values())
+    # The base in bf16, the adapters in fp32: a step of 1e-5 would round away in bf16's A.
+    assert {v.dtype for k, v in state.items() if lora.is_adapter_key(k)} == {torch.float32}
+    assert {v.dtype for k, v in state.items() if not lora.is_adapter_key(k)} == {torch.bfloat16}
     assert all(state[k].abs().max().item() > 0 for k in state if ".lora_B." in k)
+    assert all(not torch.equal(state[k], v) for k, v in before.items())
     export_hf(engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "v1"), str(tiny), 1, dtype="bf16")
     exported = load_file(str(tmp_path / "v1" / "model-00001.safetensors"))
     base = load_file(str(tiny / "model.safetensors"))

@@ -301,7 +301,7 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
                 for name, value in model.state_dict().items()
                 if lora.hf_name(name) not in aliases)  # a tied weight is exported once (HF re-ties on load)
     try:
-        for name, full in lora.merged(model, gathered):
+        for name, full in lora.merged(model, gathered, compute=writer is not None):
             if writer is not None:
                 out = full.detach().to(dtype=cast) if full.is_floating_point() else full.detach()
                 if out.is_floating_point() and name in parameters:

@@ -54,11 +54,28 @@ def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model ..."
         raise ValueError(f"spec.model.lora.targetModules {spec.target_modules}: {str(e).splitlines()[0]}") from None
+    field = f"spec.model.lora.targetModules {spec.target_modules}"
     others = sorted(name for name, m in model.named_modules()
                     if isinstance(m, BaseTunerLayer) and not isinstance(m, LoraLinear))
     if others:
-        raise ValueError(f"spec.model.lora.targetModules {spec.target_modules} match modules that are not "
-                         f"linear layers: {', '.join(others[:4])}; name linear layers (e.g. q_proj, v_proj)")
+        raise ValueError(f"{field} match modules that are not linear layers: {', '.join(others[:4])}; "
+                         "name linear layers (e.g. q_proj, v_proj)")
+    adapted = layers(model)
+    if targets != ALL_LINEAR:  # PEFT refuses only when no name matched: a typo beside a good name passed
+        if unmatched := [t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted)]:
+            raise ValueError(f"{field}: {', '.join(unmatched)} matched no linear layer of the model")
+    shared: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        shared[id(p)] = shared.get(id(p), 0) + 1
+    if tied := sorted(n for n, m in adapted.items() if shared.get(id(m.base_layer.weight), 0) > 1):
+        raise ValueError(f"{field} adapt {', '.join(tied)}, whose weight is tied to another (the embeddings): "
+                         "the engines re-tie it on load, so its adapter would be lost; leave it out")
+    for m in adapted.values():
+        # fp32 adapters whatever the base's dtype (PEFT's PeftModel does the same): with bf16
+        # master weights an Adam step of lr 1e-5 is below half an ulp of A's values and would
+        # round away. The forward casts the input to the adapters' dtype and the result back.
+        m.lora_A.float()
+        m.lora_B.float()
     return model
 
 
@@ -96,38 +113,43 @@ def initial_state(model: nn.Module, hf: dict[str, torch.Tensor], seed: int) -> d
             out[name] = hf[hf_name(name)]
     for prefix, m in adapted.items():
         a, b = m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight
-        dtype = m.base_layer.weight.dtype
         init_a = torch.empty(a.shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(init_a, a=math.sqrt(5), generator=gen)  # peft lora.layer.reset_lora_parameters
-        out[f"{prefix}.lora_A.{ADAPTER}.weight"] = init_a.to(dtype)
-        out[f"{prefix}.lora_B.{ADAPTER}.weight"] = torch.zeros(b.shape, dtype=dtype)
+        out[f"{prefix}.lora_A.{ADAPTER}.weight"] = init_a.to(a.dtype)
+        out[f"{prefix}.lora_B.{ADAPTER}.weight"] = torch.zeros(b.shape, dtype=b.dtype)
     return out
 
 
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The base model (the reference policy): every adapter off, then on again."""
+    """The base model (the reference policy): every adapter off, then on again. Only the
+    flag PEFT's forward reads (`disable_adapters`) is set: PEFT's `enable_adapters` also
+    flips the adapters' requires_grad, on whichever parameters FSDP2 has registered at
+    that moment (sharded or unsharded), which could leave the sharded ones frozen."""
     adapted = list(layers(model).values())
     for m in adapted:
-        m.enable_adapters(False)
+        m._disable_adapters = True
     try:
         yield
     finally:
         for m in adapted:
-            m.enable_adapters(True)  # and requires_grad back on the adapters (peft set_adapter)
+            m._disable_adapters = False
 
 
-def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]],
+           compute: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, full tensor) pairs of the model's state dict as the base model names
-    them, each adapted weight merged with its adapter: W + (alpha / rank) B A, in fp32,
-    back in W's dtype. `items` in state-dict order (a layer's base weight before its
-    adapters); the adapters themselves are not yielded."""
+    them, each adapted weight merged with its adapter as PEFT's `get_delta_weight` has it:
+    W + (alpha / rank) B A (transposed for a layer stored (in, out), GPT-2's Conv1D), in
+    fp32, back in W's dtype; the adapters themselves are not yielded. `compute` False (the
+    ranks that write nothing): every item is still consumed, the merge skipped."""
     roles: dict[str, tuple[str, str]] = {}  # state-dict key -> (layer, W | A | B)
     for prefix, m in layers(model).items():
         roles[f"{prefix}{BASE}weight"] = (prefix, "W")
         roles[f"{prefix}.lora_A.{ADAPTER}.weight"] = (prefix, "A")
         roles[f"{prefix}.lora_B.{ADAPTER}.weight"] = (prefix, "B")
-    scale = {prefix: m.scaling[ADAPTER] for prefix, m in layers(model).items()}
+    adapted = layers(model)
+    scale = {prefix: m.scaling[ADAPTER] for prefix, m in adapted.items()}
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in items:
         if name not in roles:
@@ -139,6 +161,12 @@ def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Itera
         if len(parts) == 3:
             w, a, b = parts["W"], parts["A"], parts["B"]
             del held[prefix]
-            yield f"{prefix}.weight", (w.float() + scale[prefix] * (b.float() @ a.float())).to(w.dtype)
+            if not compute:
+                yield f"{prefix}.weight", w
+                continue
+            delta = b.float() @ a.float()
+            if adapted[prefix].fan_in_fan_out:
+                delta = delta.T
+            yield f"{prefix}.weight", (w.float() + scale[prefix] * delta).to(w.dtype)
     if held:
         raise RuntimeError(f"adapted layers without their base weight or adapters in the state dict: {sorted(held)[:4]}")
