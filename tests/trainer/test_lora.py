@@ -132,6 +132,17 @@ def test_a_layer_stored_in_by_out_merges_transposed_as_peft_does(tmp_path):
     assert max((got[k] - want[k]).abs().max().item() for k in got) < 1e-5
 
 
+def test_a_checkpoint_of_a_tied_model_holds_the_adapters_alone(tiny_llama_tied, world_of_one):
+    """Tied embeddings: `ignore_frozen_params` drops the frozen embedding but not the head's
+    alias of it (the embedding matrix again, 2/3 of SmolLM2-135M's LoRA checkpoint)."""
+    from rft_trainer.checkpoint import AppState
+
+    engine, _ = trained(tiny_llama_tied, world_of_one, steps=1)
+    saved = AppState({"actor": engine.actor}).state_dict()["actor"]
+    assert saved["model"] and all(lora.is_adapter_key(k) for k in saved["model"]), sorted(saved["model"])[:4]
+    assert len(saved["optim"]["state"]) == len(saved["model"])
+
+
 def test_named_target_modules_adapt_those_layers_only(tiny):
     from transformers import AutoModelForCausalLM
 

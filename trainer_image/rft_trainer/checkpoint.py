@@ -195,6 +195,8 @@ class AppState(Stateful):
                               "rng": _rng_states(self.group)}
         for name, role in self.roles.items():
             model_sd, optim_sd = get_state_dict(role.model, role.optimizer, options=_options(role.model))
+            if lora.has_adapters(role.model):  # a tied head's alias of the frozen embeddings stays in otherwise
+                model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter_key(k)}
             if (n := self.saved_groups.get(name, len(optim_sd["param_groups"]))) != len(optim_sd["param_groups"]):
                 # DCP loads into this dict's keys: as many groups as were saved, each with
                 # the keys every AdamW group has.
@@ -218,8 +220,9 @@ class AppState(Stateful):
 
 
 def _options(model) -> StateDictOptions | None:
-    """A model with LoRA adapters (rft_trainer.lora) saves and loads its trainable
-    parameters only: the frozen base is `model.path`'s, loaded at build."""
+    """A model with LoRA adapters (rft_trainer.lora) saves and loads its adapters only
+    (`AppState.state_dict` drops any other key left): the frozen base is `model.path`'s,
+    loaded at build."""
     if not lora.has_adapters(model):
         return None
     return StateDictOptions(ignore_frozen_params=True, strict=False)
