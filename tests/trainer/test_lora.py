@@ -28,16 +28,21 @@ def tiny(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def trained(tiny, rt, steps: int = 2, **lora_spec) -> tuple[FSDPTrainEngine, object]:
+def prepared(tiny, rt, dtype: str = "fp32", lr: float = 1e-2, **lora_spec) -> FSDPTrainEngine:
     config = load_config({
-        "model": {"path": str(tiny), "lora": {"rank": 4, "alpha": 8, **lora_spec}},
-        "algorithm": {"name": "grpo", "learning_rate": 1e-2, "kl_coef": 0.01, "micro_batch_size": 4,
+        "model": {"path": str(tiny), "dtype": dtype, "lora": {"rank": 4, "alpha": 8, **lora_spec}},
+        "algorithm": {"name": "grpo", "learning_rate": lr, "kl_coef": 0.01, "micro_batch_size": 4,
                       "mini_batch_size": 8, "epochs": 1},
         "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": "s3://unused/x"},
     })
     engine = FSDPTrainEngine(config, rt)
     engine.prepare()
+    return engine
+
+
+def trained(tiny, rt, steps: int = 2, **kw) -> tuple[FSDPTrainEngine, object]:
+    engine = prepared(tiny, rt, **kw)
     batch = synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1)
     for _ in range(steps):
         engine.train_step(batch)
@@ -156,15 +161,7 @@ def test_bf16_master_weights_at_lr_1e_5_train_the_adapters_and_every_version_sho
     and every B leaves zero; and the merged bf16 version differs from the base in every
     adapted weight, so the replicas' exact check (the fingerprint) tells it from the
     version before."""
-    config = load_config({
-        "model": {"path": str(tiny), "dtype": "bf16", "lora": {"rank": 8, "alpha": 16}},
-        "algorithm": {"name": "grpo", "learning_rate": 1e-5, "kl_coef": 0.001, "micro_batch_size": 8,
-                      "mini_batch_size": 8, "epochs": 1},
-        "trainer": {"total_steps": 10, "batch_size": 8, "fsdp": {"mixed_precision": "fp32"}},
-        "checkpoint": {"uri": "s3://unused/x"},
-    })
-    engine = FSDPTrainEngine(config, world_of_one)
-    engine.prepare()
+    engine = prepared(tiny, world_of_one, dtype="bf16", lr=1e-5, rank=8, alpha=16)
     before = {k: v.clone() for k, v in engine.actor.model.state_dict().items() if ".lora_A." in k}
     engine.train_step(synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1))
     state = engine.actor.model.state_dict()
