@@ -160,7 +160,7 @@ def test_a_high_priority_job_preempts_a_low_one_which_resumes_later(operator, ap
     create_job(api, namespace, queued("high", queue["queue"], queue["high"]))
     status = wait_status(api, namespace, "low", lambda s: s.get("disruptions") == 1, 60, "low evicted")
     assert status["phase"] == names.PENDING and status["restarts"] == 0 and status["attempt"] == 2
-    assert names.REASON_EVICTED in events(api, namespace, "low")
+    wait_for(lambda: names.REASON_EVICTED in events(api, namespace, "low"), 30, "the Evicted event")
     wait_phase(api, namespace, "high", names.RUNNING, 90)
     assert not live_pods(api, namespace, "low")  # the low job's gang is gone before the high one runs
     wl = workload(api, namespace, "low")

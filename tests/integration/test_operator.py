@@ -74,7 +74,8 @@ def test_pod_failure_restarts_the_gang_as_attempt_2(operator, api, namespace):
     old = {p.metadata.name: p.status.phase for p in pods(api, namespace, "retry")
            if p.metadata.labels[names.LABEL_ATTEMPT] == "1"}
     assert old == {"retry-trainer-1-1": "Failed"}
-    assert names.REASON_RESTARTING in events(api, namespace, "retry")
+    # The Event is its own write, after the status: wait for it (read once, it raced under load).
+    wait_for(lambda: names.REASON_RESTARTING in events(api, namespace, "retry"), 30, "the Restarting event")
 
 
 def test_the_attempt_history_tells_where_each_attempt_started_and_ended(operator, api, namespace):
@@ -129,7 +130,7 @@ def test_all_pods_succeeding_completes_the_job(operator, api, namespace):
     end_pod(api, namespace, "done-trainer-1-1", 0)
     status = wait_phase(api, namespace, "done", names.SUCCEEDED, 60)
     assert status["completionTime"] >= status["startTime"]
-    assert names.REASON_SUCCEEDED in events(api, namespace, "done")
+    wait_for(lambda: names.REASON_SUCCEEDED in events(api, namespace, "done"), 30, "the Succeeded event")
 
 
 def test_suspend_and_resume(operator, api, namespace):
@@ -245,7 +246,7 @@ def test_progress_deadline_restarts_a_gang_that_never_steps(operator, api, names
     progressing = {x["type"]: x for x in status["conditions"]}[names.COND_PROGRESSING]
     assert (progressing["status"], progressing["reason"]) == ("False", names.REASON_PROGRESS_DEADLINE)
     assert progressing["message"] == failure["message"]
-    assert names.REASON_PROGRESS_DEADLINE in events(api, namespace, "stall")
+    wait_for(lambda: names.REASON_PROGRESS_DEADLINE in events(api, namespace, "stall"), 30, "the deadline's event")
 
     # Turn the deadline off during the backoff: attempt 2 then runs and stays.
     patch_spec(api, namespace, "stall", {"failurePolicy": {"progressDeadlineSeconds": 0}})
