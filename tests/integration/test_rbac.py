@@ -85,8 +85,12 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
     unbound = client_as(cluster, tmp_path, namespace, f"{job}-rft-inference")
     own, other = f"{job}-inference-0", f"{job}-inference-1"
 
-    # The trainer: status.trainer, nothing else, and not another job's.
-    assert refusal(patch_status_as(trainer, namespace, job, {"trainer": {"step": 3, "progress": "3/100"}})) == (200, "")
+    # The trainer: status.trainer, nothing else, and not another job's. The API server's
+    # RBAC authorizer reads RoleBindings from its own cache: a binding the operator just
+    # created may take a moment to be in force (under load, the first patch saw a 403).
+    wait_for(lambda: refusal(patch_status_as(trainer, namespace, job,
+                                             {"trainer": {"step": 3, "progress": "3/100"}})) == (200, ""),
+             30, "the trainer's RoleBinding in force")
     assert get_job(api, namespace, job)["status"]["trainer"]["step"] == 3
     for status in ({"phase": "Succeeded"}, {"restarts": 7}, {"conditions": []},
                    {"weightSync": {"replicas": {own: {"version": 9}}}}, {"weightSync": {"lagSteps": 0}}):
@@ -100,7 +104,9 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
     assert "extra" not in stored and "extra" not in (stored.get("weightSync") or {})
 
     # A sync agent: its own pod's replica entry only.
-    assert refusal(patch_status_as(sync0, namespace, job, {"weightSync": {"replicas": {own: {"version": 1}}}})) == (200, "")
+    wait_for(lambda: refusal(patch_status_as(sync0, namespace, job,
+                                             {"weightSync": {"replicas": {own: {"version": 1}}}})) == (200, ""),
+             30, "the inference RoleBinding in force")
     assert get_job(api, namespace, job)["status"]["weightSync"]["replicas"][own]["version"] == 1
     patch_status_as(api, namespace, job, {"weightSync": {"replicas": {other: {"version": 1}}}})()  # as admin
     for status in ({"weightSync": {"replicas": {other: {"version": 2}}}}, {"weightSync": {"replicas": {other: None}}},
@@ -111,6 +117,8 @@ def test_each_pod_identity_writes_only_its_own_part(operator, api, namespace, cl
     assert code == 403 and "bound token" in message, message
 
     # An explorer reads its job and writes nothing.
+    wait_for(lambda: refusal(lambda: kubernetes.client.CustomObjectsApi(explorer).get_namespaced_custom_object(
+        names.GROUP, names.VERSION, namespace, names.PLURAL, job)) == (200, ""), 30, "the explorer's RoleBinding in force")
     read = kubernetes.client.CustomObjectsApi(explorer).get_namespaced_custom_object(
         names.GROUP, names.VERSION, namespace, names.PLURAL, job)
     assert read["metadata"]["name"] == job
