@@ -48,6 +48,9 @@ class EngineProfile:
     # The flags that let it take weights over NCCL from trainer rank 0 (sync.transport nccl;
     # rft_contract.nccl); none: it cannot, and admission refuses that transport with it.
     nccl_flags: tuple[str, ...] = ()
+    # Loads a LoRA adapter (PEFT's format) onto the base it serves, at run time: a LoRA job
+    # (spec.model.lora) then syncs the adapter alone; else each version is the merged model.
+    lora_adapters: bool = False
 
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
@@ -55,7 +58,7 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
     EngineProfile("reference", ("python", "-m", "rft_serving.serve", "--port", "{port}", "--served-model-name",
                                 "{served}"),
                   readiness_path="/health", supervised=False, restartable=False, own_image=False,
-                  weights_version="`weights_version` in the body"),
+                  weights_version="`weights_version` in the body", lora_adapters=True),
     # vLLM 0.32.0: the module (the CPU wheel's `vllm serve` cannot find its own package
     # name), dev-mode routes for the reload, our worker extension (vllm_worker.py). It
     # starts labelled "default" (no flag sets the label), so the agent reloads it once.

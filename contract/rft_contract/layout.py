@@ -1,7 +1,11 @@
 """Where one job's data lives, under `spec.checkpoint.uri` (docs/design.md, "S3 layout"):
 
     <root>/ckpt/step-NNNNNNNN/      DCP checkpoint files + manifest.json (the commit)
-    <root>/weights/step-NNNNNNNN/   HF safetensors export + manifest.json (the commit)
+    <root>/weights/step-NNNNNNNN/   HF safetensors export + manifest.json (the commit); a LoRA
+                                    job's engines that load adapters: PEFT's adapter files
+                                    (ADAPTER_CONFIG, adapter_model.safetensors) instead
+    <root>/merged/step-NNNNNNNN/    a LoRA job with adapter versions, at its end: the base with
+                                    the adapter merged (HF safetensors + manifest.json)
     <root>/buffer/                  experience shards `<seq>-e<idx>` (default buffer.uri)
     <root>/metrics/attempt-NNN.jsonl  the trainer's per-step metrics, one file per attempt
 
@@ -17,8 +21,11 @@ from .storage import Storage, join
 
 CHECKPOINTS = "ckpt"
 WEIGHTS = "weights"
+MERGED = "merged"
 BUFFER = "buffer"
 METRICS = "metrics"
+# What makes a weights version a LoRA adapter (PEFT's saved format), not a whole model.
+ADAPTER_CONFIG = "adapter_config.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -32,6 +39,10 @@ def checkpoint_uri(root: str, step: int) -> str:
 
 def weights_uri(root: str, version: int) -> str:
     return step_dir(join(root, WEIGHTS), version)
+
+
+def merged_uri(root: str, step: int) -> str:
+    return step_dir(join(root, MERGED), step)
 
 
 def buffer_uri(root: str) -> str:

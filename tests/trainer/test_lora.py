@@ -17,7 +17,7 @@ from rft_contract.spec import LoraSpec
 from rft_contract.storage import LocalStorage
 from rft_trainer import lora
 from rft_trainer.engine import FSDPTrainEngine
-from rft_trainer.export import export_hf
+from rft_trainer.export import ADAPTER_FORMAT, export_adapter, export_hf
 from rft_trainer.roles import token_logprobs
 from tests.fixtures.batches import synthetic_batch
 from tests.fixtures.models import save_tiny_model
@@ -28,8 +28,9 @@ def tiny(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def prepared(tiny, rt, dtype: str = "fp32", lr: float = 1e-2, **lora_spec) -> FSDPTrainEngine:
-    config = load_config({
+def prepared(tiny, rt, dtype: str = "fp32", lr: float = 1e-2, inference: dict | None = None,
+             **lora_spec) -> FSDPTrainEngine:
+    config = load_config({**({"inference": inference} if inference else {}),
         "model": {"path": str(tiny), "dtype": dtype, "lora": {"rank": 4, "alpha": 8, **lora_spec}},
         "algorithm": {"name": "grpo", "learning_rate": lr, "kl_coef": 0.01, "micro_batch_size": 4,
                       "mini_batch_size": 8, "epochs": 1},
@@ -92,6 +93,54 @@ def test_each_version_is_the_base_with_the_adapters_merged_as_peft_merges_them(t
     policy, _ = engine.actor.compute_log_prob(batch)
     assert (got - policy).abs().max().item() < 1e-5
     assert manifest["format"] == "hf-safetensors"
+
+
+def test_an_adapter_version_is_peft_s_format_and_peft_on_the_base_computes_the_trainer_s_policy(
+        tiny, world_of_one, tmp_path):
+    """The adapter-only version (engines that load adapters): PeftModel.from_pretrained on
+    the base model reads it and computes the trainer's log-probs; the fingerprint covers
+    exactly the file's tensors; and it is a small fraction of the merged version."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    engine, batch = trained(tiny, world_of_one)
+    model = engine.actor.model
+    spec = engine.config.model.lora
+    manifest = export_adapter(model, world_of_one, LocalStorage(), str(tmp_path / "v2"), spec, str(tiny), 2,
+                              dtype="fp32", extra_files={"probe.json": b"{}"})
+    assert manifest["format"] == ADAPTER_FORMAT
+    assert sorted(manifest["files"]) == ["adapter_config.json", "adapter_model.safetensors", "fingerprint.json",
+                                         "probe.json"]
+    tensors = load_file(str(tmp_path / "v2" / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * len(lora.layers(model)) and all(lora.is_adapter_key(k) for k in tensors)
+    fingerprint = json.loads((tmp_path / "v2" / "fingerprint.json").read_text())
+    assert fingerprint["params"].keys() == tensors.keys()
+    config = json.loads((tmp_path / "v2" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]  # all-linear as resolved on this model
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny)), str(tmp_path / "v2")).eval()
+    with torch.no_grad():
+        got, _ = token_logprobs(served(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits,
+                                batch.tokens)
+    policy, _ = engine.actor.compute_log_prob(batch)
+    assert (got - policy).abs().max().item() < 1e-5
+    base = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
+    with torch.no_grad():
+        unadapted, _ = token_logprobs(base(input_ids=batch.tokens, attention_mask=batch.attention_mask.long()).logits,
+                                      batch.tokens)
+    assert (got - unadapted).abs().max().item() > 1e-3  # the adapter is in what PEFT serves
+    merged = export_hf(model, world_of_one, LocalStorage(), str(tmp_path / "m2"), str(tiny), 2, dtype="fp32")
+    assert manifest["bytes"] < merged["bytes"] / 4, (manifest["bytes"], merged["bytes"])
+
+
+def test_a_lora_job_syncs_the_adapter_alone_when_its_engine_loads_adapters(tiny, world_of_one):
+    assert prepared(tiny, world_of_one, inference={"engine": "reference"}).adapter_versions
+    assert not prepared(tiny, world_of_one, inference={"engine": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
+                        ).adapter_versions  # merged until vLLM loads adapters
+    assert not prepared(tiny, world_of_one).adapter_versions  # no engines: a plain HF model
 
 
 @pytest.fixture(scope="module")

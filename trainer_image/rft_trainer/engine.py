@@ -15,6 +15,7 @@ import torch
 
 from rft_contract.algorithms import profile as algorithm_profile
 from rft_contract.config import JobConfig
+from rft_contract.engines import ENGINES
 from rft_contract.probe import PROBE_FILE
 from rft_contract.spec import LoraSpec
 from rft_contract.storage import Storage
@@ -23,7 +24,7 @@ from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
 from .experience import Experiences
-from .export import Stage, export_hf
+from .export import Stage, export_adapter, export_hf
 from .modelcache import fetch_model
 from .parallelize import Runtime, build_model, init_distributed
 
@@ -127,6 +128,11 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.ref: roles.Reference | None = None
         self.critic: roles.Critic | None = None
         self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
+        # A LoRA job whose engine loads adapters syncs each version as the adapter alone
+        # (export_adapter); else as the base with the adapter merged (export_hf).
+        inference = config.inference
+        self.adapter_versions = config.model.lora is not None and inference is not None \
+            and ENGINES[inference.engine].lora_adapters
 
     # ------------------------------------------------------------ setup
 
@@ -251,8 +257,19 @@ class FSDPTrainEngine(TrainEngineWrapper):
         model = self.actor.model
         tokens = self.probe_tokens or probe.fallback_tokens(model.config.get_text_config().vocab_size)
         check = probe.build_probe(model, self.rt.device, tokens, dtype, self.step)
+        if self.adapter_versions:
+            return export_adapter(model, self.rt, storage, dest, self.config.model.lora, self.config.model.path,
+                                  self.step, dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()},
+                                  stage=stage)
         return export_hf(model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt), self.step,
                          dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()}, stage=stage)
+
+
+    def export_merged(self, storage: Storage, dest: str, dtype: str) -> dict | None:
+        """The policy as a plain HF model (the base with the adapters merged): what a LoRA
+        job whose versions are adapters leaves at its end, for serving elsewhere. Collective."""
+        return export_hf(self.actor.model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt),
+                         self.step, dtype=dtype)
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:

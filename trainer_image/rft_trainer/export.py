@@ -37,7 +37,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,12 +53,14 @@ from rft_contract.podenv import PodEnv
 from rft_contract.storage import Storage, join, upload_file
 from rft_contract.times import now_text
 from rft_contract.relay import PeerServer, Transfer, url_host, version_dir_name
+from rft_contract.spec import LoraSpec
 
 from . import lora
 from .parallelize import Runtime, tied_parameters
 
 log = logging.getLogger(__name__)
 
+ADAPTER_FORMAT = "peft-lora"  # the manifest's `format` of an adapter-only version (export_adapter)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
@@ -221,9 +223,11 @@ class _Writer:
     the fast path (`stage`) the files stay in the stage's directory, each hashed there and
     uploaded on a thread beside the export; `finish` waits for the uploads."""
 
-    def __init__(self, storage: Storage, dest: str, tmp: Path, max_shard_bytes: int, stage: Stage | None = None):
+    def __init__(self, storage: Storage, dest: str, tmp: Path, max_shard_bytes: int, stage: Stage | None = None,
+                 file_name: Callable[[int], str] | None = None):
         self.storage, self.dest, self.tmp, self.max = storage, dest, tmp, max_shard_bytes
         self.stage = stage
+        self.file_name = file_name or (lambda i: f"model-{i:05d}.safetensors")  # i: 1, 2, ...
         self.bucket: dict[str, torch.Tensor] = {}
         self.bucket_bytes = 0
         self.files: dict[str, dict] = {}
@@ -244,7 +248,7 @@ class _Writer:
 
         if not self.bucket:
             return
-        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        name = self.file_name(len(self.files) + 1)
         path = self.tmp / name
         save_file(self.bucket, str(path), metadata={"format": "pt"})
         for key in self.bucket:
@@ -253,6 +257,11 @@ class _Writer:
         if self.stage is None:
             path.unlink()
         self.bucket, self.bucket_bytes = {}, 0
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """A small file of the version (JSON), written beside the tensors and uploaded."""
+        (self.tmp / name).write_bytes(data)
+        self.upload(self.tmp / name)
 
     def upload(self, path: Path) -> None:
         if self._pool is None:
@@ -284,24 +293,77 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
     `extra_files` (rank 0's count): written beside the weights and listed in the manifest
     (the probe, `probe.json`). `stage` (rank 0, the fast path): write into its directory and
     announce the version there before the upload ends."""
-    start = time.perf_counter()
-    cast = DTYPES[dtype]
-    if stage is not None and rt.is_main:
-        tmp = None  # the stage's directory outlives the export (it is served)
-        writer = _Writer(storage, dest, stage.path, max_shard_bytes, stage)
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
-        writer = _Writer(storage, dest, tmp, max_shard_bytes) if rt.is_main else None
     # Names as the base model has them: LoRA adapters (rft_trainer.lora) are merged in.
     aliases = {lora.hf_name(a): lora.hf_name(n) for a, n in tied_parameters(model).items()}
     parameters = {lora.hf_name(name) for name, _ in model.named_parameters()  # what engines compare (no buffers)
                   if not lora.is_adapter_key(name)}
+    gathered = _gathered(model, lambda name: lora.hf_name(name) not in aliases)  # a tied weight once (HF re-ties it)
+
+    def small_files(writer: _Writer) -> None:
+        index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": writer.weight_map}
+        writer.add_file("model.safetensors.index.json", json.dumps(index, indent=1).encode())
+        config = model.config
+        config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+        config.save_pretrained(str(writer.tmp))  # tie_word_embeddings as trained
+        writer.upload(writer.tmp / "config.json")
+        for name in TOKENIZER_FILES:
+            if model_dir and name != "config.json" and os.path.exists(os.path.join(model_dir, name)):
+                shutil.copy(os.path.join(model_dir, name), writer.tmp / name)
+                writer.upload(writer.tmp / name)
+
+    return _export(rt, storage, dest, step, dtype, "hf-safetensors",
+                   lambda compute: lora.merged(model, gathered, compute=compute), parameters, aliases,
+                   small_files, max_shard_bytes, extra_files, stage)
+
+
+def export_adapter(model: nn.Module, rt: Runtime, storage: Storage, dest: str, spec: LoraSpec, base: str | None,
+                   step: int, dtype: str = "bf16", extra_files: dict[str, bytes] | None = None,
+                   stage: Stage | None = None) -> dict | None:
+    """The LoRA adapters alone, as PEFT saves them (`adapter_config.json`,
+    `adapter_model.safetensors`; rft_trainer.lora), for engines that load an adapter onto
+    the base they serve; the fingerprint covers the adapters, the probe the base with them.
+    Collective, like `export_hf` (every rank gathers each adapter)."""
+    parameters = {lora.peft_name(name) for name, _ in model.named_parameters() if lora.is_adapter_key(name)}
+
+    def small_files(writer: _Writer) -> None:
+        lora.adapter_config(model, spec, base).save_pretrained(str(writer.tmp))
+        writer.upload(writer.tmp / layout.ADAPTER_CONFIG)
+
+    def tensors(compute: bool):
+        return lora.adapter_items(_gathered(model, lora.is_adapter_key))
+
+    return _export(rt, storage, dest, step, dtype, ADAPTER_FORMAT, tensors, parameters, {}, small_files,
+                   None, extra_files, stage, file_name=lambda i: lora.ADAPTER_FILE)
+
+
+def _gathered(model: nn.Module, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of the state dict's entries `keep` takes, on every rank (each
+    sharded one is all-gathered: a collective)."""
+    return ((name, value.full_tensor() if hasattr(value, "full_tensor") else value)
+            for name, value in model.state_dict().items() if keep(name))
+
+
+def _export(rt: Runtime, storage: Storage, dest: str, step: int, dtype: str, fmt: str,
+            tensors: Callable[[bool], Iterable[tuple[str, torch.Tensor]]], parameters: set[str],
+            aliases: dict[str, str], small_files: Callable[["_Writer"], None], max_shard_bytes: int | None,
+            extra_files: dict[str, bytes] | None, stage: Stage | None,
+            file_name: Callable[[int], str] | None = None) -> dict | None:
+    """The export both formats share: `tensors(compute)` (every rank consumes it; rank 0,
+    `compute` True, keeps the values) cast to `dtype` into safetensors files, uploaded as
+    they fill; then `small_files`, the fingerprint of `parameters` and `extra_files`; the
+    manifest last."""
+    start = time.perf_counter()
+    cast = DTYPES[dtype]
+    max_bytes = max_shard_bytes if max_shard_bytes is not None else 1 << 62  # None: one file
+    if stage is not None and rt.is_main:
+        tmp = None  # the stage's directory outlives the export (it is served)
+        writer = _Writer(storage, dest, stage.path, max_bytes, stage, file_name)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="rft-export-")) if rt.is_main else None
+        writer = _Writer(storage, dest, tmp, max_bytes, file_name=file_name) if rt.is_main else None
     stats: dict[str, tuple[float, float, float]] = {}  # the fingerprint (rft_contract.fingerprint)
-    gathered = ((name, value.full_tensor() if hasattr(value, "full_tensor") else value)  # all ranks
-                for name, value in model.state_dict().items()
-                if lora.hf_name(name) not in aliases)  # a tied weight is exported once (HF re-ties on load)
     try:
-        for name, full in lora.merged(model, gathered, compute=writer is not None):
+        for name, full in tensors(writer is not None):
             if writer is not None:
                 out = full.detach().to(dtype=cast) if full.is_floating_point() else full.detach()
                 if out.is_floating_point() and name in parameters:
@@ -312,15 +374,14 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
         if writer is None:
             return None
         writer.flush()
-        _write_small_files(writer, model, model_dir, dtype)
+        small_files(writer)
         fingerprint = {FINGERPRINT_FILE: Fingerprint(stats, dtype, step, aliases).to_json().encode()}
         for name, data in {**fingerprint, **(extra_files or {})}.items():
-            (writer.tmp / name).write_bytes(data)
-            writer.upload(writer.tmp / name)
+            writer.add_file(name, data)
         # `id` tells two exports of the same step apart (a resumed attempt re-exports
         # the steps it replays): sync agents reload when (version, id) changes.
         export_id = stage.export_id if stage is not None else uuid.uuid4().hex[:16]
-        manifest = {"step": step, "id": export_id, "format": "hf-safetensors", "dtype": dtype,
+        manifest = {"step": step, "id": export_id, "format": fmt, "dtype": dtype,
                     "files": writer.files, "bytes": writer.total_bytes,
                     "created": now_text(),
                     "export_seconds": round(time.perf_counter() - start, 3)}
@@ -329,7 +390,7 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
         writer.finish()
         # Written last: readers treat a weights directory without it as absent.
         write_manifest(storage, dest, manifest)
-        log.info("exported step %d (%s, %.1f MiB) to %s in %.1fs", step, dtype,
+        log.info("exported step %d (%s, %s, %.1f MiB) to %s in %.1fs", step, fmt, dtype,
                  writer.total_bytes / 2**20, dest, manifest["export_seconds"])
         return manifest
     finally:
@@ -339,20 +400,6 @@ def export_hf(model: nn.Module, rt: Runtime, storage: Storage, dest: str, model_
             shutil.rmtree(tmp, ignore_errors=True)
         if dist.is_initialized() and rt.world_size > 1:
             dist.barrier()
-
-
-def _write_small_files(writer: _Writer, model: nn.Module, model_dir: str | None, dtype: str) -> None:
-    index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": writer.weight_map}
-    (writer.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    writer.upload(writer.tmp / "model.safetensors.index.json")
-    config = model.config
-    config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
-    config.save_pretrained(str(writer.tmp))  # tie_word_embeddings as trained
-    writer.upload(writer.tmp / "config.json")
-    for name in TOKENIZER_FILES:
-        if model_dir and name != "config.json" and os.path.exists(os.path.join(model_dir, name)):
-            shutil.copy(os.path.join(model_dir, name), writer.tmp / name)
-            writer.upload(writer.tmp / name)
 
 
 def verify(storage: Storage, dest: str) -> dict:

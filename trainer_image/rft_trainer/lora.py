@@ -18,8 +18,11 @@ What the rest of the trainer does with it:
   (`adapters_off`), as verl does: no second copy of the weights;
 - checkpoints hold the trainable parameters and their optimizer state only
   (checkpoint.AppState: `ignore_frozen_params`), the base comes from `model.path`;
-- each weight version is the base with the adapters merged (`merged`), a plain HF model
-  every engine loads: W + (alpha / rank) B A, computed in fp32.
+- each weight version is the adapter alone, in PEFT's format (`adapter_items`,
+  `adapter_config`: what `PeftModel.from_pretrained` and vLLM's `load_lora_adapter` read)
+  when the job's engine serves adapters (`EngineProfile.lora_adapters`); else the base
+  with the adapters merged (`merged`), a plain HF model every engine loads:
+  W + (alpha / rank) B A, computed in fp32.
 The critic (PPO) stays fully trained: its value head is new and its backbone learns a
 different function from the policy's.
 """
@@ -37,6 +40,10 @@ from rft_contract.spec import ALL_LINEAR, LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per model
 BASE = ".base_layer."
+# PEFT's saved adapter (PeftModel.save_pretrained): the config and one safetensors file,
+# whose keys are the wrapped model's without the adapter's name.
+ADAPTER_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
 
 
 def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -97,6 +104,34 @@ def is_adapter_key(name: str) -> bool:
 def hf_name(name: str) -> str:
     """The checkpoint's name of a parameter of the adapted model: `base_layer` removed."""
     return name.replace(BASE, ".")
+
+
+def peft_name(name: str) -> str:
+    """An adapter parameter's key in PEFT's saved file: `...q_proj.lora_A.default.weight`
+    -> `base_model.model....q_proj.lora_A.weight`."""
+    return PEFT_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+
+
+def adapter_items(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters of (name, tensor) pairs of the adapted model's state dict, named as
+    PEFT saves them (`peft_name`); every other pair is left out."""
+    return ((peft_name(name), value) for name, value in items if is_adapter_key(name))
+
+
+def adapter_config(model: nn.Module, spec: LoraSpec, base: str | None = None):
+    """PEFT's `LoraConfig` of the model's adapters (save it with `save_pretrained`): the
+    spec's rank, alpha and dropout, its target modules (`all-linear` as the names of the
+    layers it adapted here, which engines that do not resolve it read), `base` as
+    `base_model_name_or_path`."""
+    from peft import LoraConfig
+
+    adapted = layers(model)
+    targets = sorted({name.rsplit(".", 1)[-1] for name in adapted}) if spec.target_modules == [ALL_LINEAR] \
+        else list(spec.target_modules)
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
+                      lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM", target_modules=targets,
+                      fan_in_fan_out=any(m.fan_in_fan_out for m in adapted.values()),
+                      base_model_name_or_path=base)
 
 
 def initial_state(model: nn.Module, hf: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
