@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,17 +15,26 @@ import torch
 from rft_trainer.parallelize import init_distributed
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
+@contextmanager
+def one_process_group():
     """A one-process gloo group (fully_shard needs a process group); its Runtime."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    yield init_distributed()
-    torch.distributed.destroy_process_group()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                     "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(k, v)
+        try:
+            yield init_distributed()
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_one():
+    with one_process_group() as rt:
+        yield rt
 
 
 @pytest.fixture(scope="session")

@@ -97,7 +97,7 @@ def test_not_ready_until_weights_load_then_ready(server, versions):
     status, _, body = call(server.url, "/v1/completions", {"prompt": "1"})
     assert status == 503 and "no weights" in body["error"]["message"]
     assert call(server.url, "/weights")[2] == {"version": None, "path": None, "loaded_at": None,
-                                                "load_seconds": None, "loading": False}
+                                                "load_seconds": None, "loading": False, "adapter": False, "base": None}
 
     status, _, body = call(server.url, "/weights/load", {"path": versions[0][0], "version": 0})
     assert status == 200 and body["version"] == 0 and body["load_seconds"] > 0

@@ -203,8 +203,12 @@ class ReferenceEngine(Engine):
         return parse_version(self._get("/weights").get("version"))
 
     def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
-             previous: Previous | None = None) -> Verdict | None:
+             previous: Previous | None = None, base: str | None = None) -> Verdict | None:
+        """`base`: for a LoRA adapter version, the base model's directory (loaded first
+        by a server that does not serve it already, e.g. after a restart)."""
         body: dict[str, Any] = {"path": path, "version": version}
+        if base is not None:
+            body["base"] = base
         if probe is not None:
             body["probe"] = {"token_ids": probe.token_ids, "logprobs": probe.logprobs, "dtype": probe.dtype}
             body["tolerance"] = tolerance

@@ -8,6 +8,15 @@ only that snapshot, so a request in flight during a reload finishes on the old w
 reports the old version; the old model is freed by refcounting once no request holds it.
 Loads build a new model off the event loop and are serialized by a lock.
 
+LoRA adapters (a version that is PEFT's saved adapter: `adapter_config.json`, as a LoRA
+job's trainer exports them) load onto the base model the server serves, with PEFT: the
+first adapter wraps a fresh copy of the base in a `PeftModel` (the model a request in
+flight holds is never changed in place), later ones are added beside it, and every
+forward names its snapshot's adapter per row (PEFT's `adapter_names`; `__base__` for the
+base), so requests on the old and the new adapter run side by side. An adapter no
+snapshot holds any more is deleted at the next load. One copy of the base, whatever the
+number of versions.
+
 Sampling is our own loop (not `model.generate`) for two reasons the RL trainer depends on:
 a per-request `torch.Generator` makes `seed` reproducible even with concurrent requests,
 and the returned logprobs are log_softmax of the raw logits (before temperature/top-p).
@@ -19,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -28,6 +38,7 @@ import signal
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -37,6 +48,7 @@ from aiohttp import web
 
 from rft_contract.fingerprint import FingerprintVerdict, model_stats, read_fingerprint
 from rft_contract.fingerprint import compare as compare_fingerprint
+from rft_contract.layout import ADAPTER_CONFIG  # a version that is an adapter (PEFT's)
 from rft_contract.podenv import PodEnv
 from rft_contract.probe import FORMAT as PROBE_FORMAT
 from rft_contract.probe import Probe, Verdict, compare, parse_probe
@@ -67,14 +79,42 @@ class RequestError(Exception):
         return web.json_response({"error": err}, status=self.status)
 
 
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+
+
 @dataclass(frozen=True)
 class Weights:
-    model: torch.nn.Module
+    model: torch.nn.Module  # a transformers model, or a PeftModel around one (LoRA adapters)
     tokenizer: object
     version: int
     path: str
     loaded_at: str
     load_seconds: float
+    adapter: str | None = None  # the PeftModel's adapter this snapshot serves; None: the base
+
+    def __call__(self, **kwargs):
+        """The model's forward with this snapshot's adapter (a PeftModel: named per row)."""
+        if self.is_peft:
+            kwargs["adapter_names"] = [self.adapter or BASE_ADAPTER] * kwargs["input_ids"].shape[0]
+        return self.model(**kwargs)
+
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.model, "peft_config") and hasattr(self.model, "get_base_model")
+
+    @property
+    def causal_lm(self) -> torch.nn.Module:
+        """The transformers model (under the PeftModel, if any)."""
+        return self.model.get_base_model() if self.is_peft else self.model
+
+    def parameters_served(self):
+        """(name, tensor) of the weights this snapshot serves, named as its export names
+        them: the adapter's as PEFT saves them (`...lora_A.weight`), else the model's."""
+        if self.adapter is None:
+            return self.causal_lm.named_parameters()
+        a, b = f".lora_A.{self.adapter}.", f".lora_B.{self.adapter}."
+        return ((n.replace(a, ".lora_A.").replace(b, ".lora_B."), t) for n, t in self.model.named_parameters()
+                if a in n or b in n)
 
 
 @dataclass(frozen=True)
@@ -142,13 +182,13 @@ def choose_tokens(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> to
 @torch.inference_mode()
 def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Generator) -> list[dict]:
     """n samples of one prompt, batched as n identical rows sharing one KV cache."""
-    model, tok = w.model, w.tokenizer
+    model, tok = w.causal_lm, w.tokenizer
     config_eos = model.generation_config.eos_token_id  # None, an id, or a list of ids
     eos = {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])} - {None}
     # transformers 5 renamed `past_key_values` to `cache`; the old name still works but warns.
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.tensor([prompt_ids] * s.n, device=model.device)
-    out = model(input_ids=ids, use_cache=True)
+    out = w(input_ids=ids, use_cache=True)
     rows = [{"token_ids": [], "logprobs": [], "finish_reason": None, "stop_token": None} for _ in range(s.n)]
     for _ in range(s.max_tokens):
         logits = out.logits[:, -1, :].float()
@@ -168,7 +208,7 @@ def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Gen
                 row["finish_reason"] = "stop"
         if all(r["finish_reason"] for r in rows):
             break
-        out = model(input_ids=nxt[:, None], use_cache=True, **{cache: out[cache]})
+        out = w(input_ids=nxt[:, None], use_cache=True, **{cache: out[cache]})
     for row in rows:
         text = tok.decode(row["token_ids"], skip_special_tokens=True)
         cuts = [text.find(x) for x in s.stop if x in text]
@@ -181,9 +221,9 @@ def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Gen
 
 def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int]], list[dict]]:
     """Runs in a worker thread. Returns per-prompt ids and the choices, prompt-major."""
-    gen = torch.Generator(device=w.model.device)
+    gen = torch.Generator(device=w.causal_lm.device)
     gen.manual_seed(s.seed % 2**63 if s.seed is not None else secrets.randbits(63))
-    limit = getattr(w.model.config, "max_position_embeddings", None)
+    limit = getattr(w.causal_lm.config, "max_position_embeddings", None)
     prompt_ids, choices = [], []
     for p in prompts:
         ids = w.tokenizer(p, add_special_tokens=s.add_special_tokens is not False)["input_ids"]
@@ -200,8 +240,8 @@ def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int
 @torch.inference_mode()
 def score_tokens(w: Weights, token_ids: list[int]) -> list[float]:
     """log p(token_ids[i+1] | token_ids[:i+1]) for every i (the weight-sync probe)."""
-    ids = torch.tensor([token_ids], device=w.model.device)
-    logits = w.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    ids = torch.tensor([token_ids], device=w.causal_lm.device)
+    logits = w(input_ids=ids, use_cache=False).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
 
@@ -240,6 +280,11 @@ class ReferenceServer:
         self.current: Weights | None = None  # the snapshot requests read, swapped whole
         self.loading = False
         self.fingerprint: FingerprintVerdict | None = None  # the current weights' check
+        # What adapters load onto: the last full model loaded (served as version `base.version`).
+        self.base: Weights | None = None
+        self._peft = None  # the PeftModel around a copy of the base, once an adapter loaded
+        self._adapter_names = itertools.count(1)
+        self._retired: list[str] = []  # adapters no snapshot holds (weakref.finalize appends)
         self._load_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rft-generate")
         # Set by start(): the semaphore must be created on the server's own loop.
@@ -251,23 +296,32 @@ class ReferenceServer:
 
     # -- weights -------------------------------------------------------------------------
     def load(self, path: str, version: int, probe: Probe | None = None,
-             tolerance: float | None = None) -> tuple[float, Verdict | None]:
-        """Validate, load into a new model, check the probe on it, swap. Same path as POST
-        /weights/load. A probe mismatch is a 409 and the old weights keep serving."""
+             tolerance: float | None = None, base: str | None = None) -> tuple[float, Verdict | None]:
+        """Validate, load into a new model (or an adapter beside the others), check the
+        fingerprint and probe on it, swap. Same path as POST /weights/load. A mismatch is a
+        409 and the old weights keep serving. `base` (an adapter's): the base model's
+        directory, loaded first (as version 0) unless it is the base served already."""
         if not isinstance(path, str) or not path:
             raise RequestError(400, "path is required (a local HF model directory)", "path")
         if not os.path.isdir(path):
             raise RequestError(400, f"path {path!r} is not a directory", "path")
         if not _is_int(version) or version < 0:
             raise RequestError(400, "version must be an integer >= 0", "version")
+        if base is not None and not (isinstance(base, str) and os.path.isdir(base)):
+            raise RequestError(400, f"base {base!r} is not a directory", "base")
         path = os.path.abspath(path)
+        adapter = os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
         with self._load_lock:
             cur = self.current
             if cur is not None and (cur.version, cur.path) == (version, path):
                 return 0.0, _check(cur, probe, tolerance, version)
             self.loading = True
             try:
-                new = load_weights(path, version, self.device)
+                if adapter and base is not None and (self.base is None or self.base.path != os.path.abspath(base)):
+                    self._set_base(load_weights(os.path.abspath(base), 0, self.device))
+                new = self._load_adapter(path, version) if adapter else load_weights(path, version, self.device)
+            except RequestError:
+                raise
             except Exception as e:
                 log.error(json.dumps({"event": "load_failed", "version": version, "path": path,
                                       "error": f"{type(e).__name__}: {e}"[:500]}))
@@ -278,10 +332,48 @@ class ReferenceServer:
             checked = _check_fingerprint(new, path, version)  # exact, before anyone can read it
             verdict = _check(new, probe, tolerance, version)
             self.current, self.fingerprint = new, checked
-        log.info(json.dumps({"event": "weights_loaded", "version": version, "path": path,
+            if not adapter:
+                self._set_base(new)
+        log.info(json.dumps({"event": "weights_loaded", "version": version, "path": path, "adapter": new.adapter,
                              "load_seconds": round(new.load_seconds, 3),
                              "probe": verdict.record() if verdict else None}))
         return new.load_seconds, verdict
+
+    def _set_base(self, base: Weights) -> None:
+        """Adapters load onto `base` from now on (a new PeftModel at the next one)."""
+        self.base, self._peft = base, None
+
+    def _load_adapter(self, path: str, version: int) -> Weights:
+        """The adapter at `path` beside the others on the base's PeftModel (made on a fresh
+        copy of the base at the first one), as a snapshot of its own; then the adapters no
+        snapshot holds are deleted. Under the load lock."""
+        from peft import PeftModel
+
+        if self.base is None:
+            raise RequestError(409, "an adapter loads onto a base model, and none is loaded: load the base "
+                               "first or name its directory in `base`", "base", "no_base")
+        t0 = time.monotonic()
+        name = f"v{version}-{next(self._adapter_names)}"
+        if self._peft is None:
+            # A fresh copy: a request in flight on the base's snapshot keeps its model unchanged.
+            fresh = load_weights(self.base.path, self.base.version, self.device)
+            self._peft = PeftModel.from_pretrained(fresh.model, path, adapter_name=name).eval()
+            self.base = dataclasses.replace(fresh, model=self._peft)  # the base, served as `__base__`
+        else:
+            try:
+                self._peft.load_adapter(path, adapter_name=name)
+            except Exception:
+                self._retired.append(name)  # whatever part of it loaded
+                raise
+            self._peft.eval()
+        new = Weights(self._peft, self.base.tokenizer, version, path, datetime.now(timezone.utc).isoformat(),
+                      time.monotonic() - t0, adapter=name)
+        weakref.finalize(new, self._retired.append, name)  # once no request and no snapshot holds it
+        while self._retired:
+            old = self._retired.pop()
+            if old in self._peft.peft_config and old != name:
+                self._peft.delete_adapter(old)
+        return new
 
     # -- HTTP ----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -304,12 +396,14 @@ class ReferenceServer:
         w = self.current
         return web.json_response({
             "version": w and w.version, "path": w and w.path, "loaded_at": w and w.loaded_at,
+            "adapter": w is not None and w.adapter is not None, "base": self.base and self.base.path,
             "load_seconds": w and w.load_seconds, "loading": self.loading})
 
     async def load_endpoint(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         probe, tolerance = parse_probe_request(body)
-        seconds, verdict = await asyncio.to_thread(self.load, body.get("path"), body.get("version"), probe, tolerance)
+        seconds, verdict = await asyncio.to_thread(self.load, body.get("path"), body.get("version"), probe, tolerance,
+                                                   body.get("base"))
         fingerprint = self.fingerprint
         return web.json_response({"version": body["version"], "load_seconds": seconds,
                                   "probe": verdict.record() if verdict else None,
@@ -321,7 +415,7 @@ class ReferenceServer:
         if w is None:
             raise RequestError(503, "no weights loaded yet (POST /weights/load first)", None, "service_unavailable")
         ids = body.get("token_ids")
-        vocab = w.model.config.get_text_config().vocab_size
+        vocab = w.causal_lm.config.get_text_config().vocab_size
         if not (isinstance(ids, list) and len(ids) >= 2 and all(_is_int(t) and 0 <= t < vocab for t in ids)):
             raise RequestError(400, f"token_ids must be a list of at least 2 token ids below {vocab}", "token_ids")
         logprobs = await asyncio.get_running_loop().run_in_executor(self._pool, score_tokens, w, ids)
@@ -439,7 +533,7 @@ def _check_fingerprint(w: Weights, path: str, version: int) -> FingerprintVerdic
         raise RequestError(400, f"version {version}: {e}", "path") from None
     if fingerprint is None:
         return None
-    verdict = compare_fingerprint(model_stats(w.model.named_parameters()), fingerprint)
+    verdict = compare_fingerprint(model_stats(w.parameters_served()), fingerprint)
     if not verdict.ok:
         log.error(json.dumps({"event": "fingerprint_mismatch", "version": version, "fingerprint": verdict.record()}))
         raise FingerprintRefused(verdict)

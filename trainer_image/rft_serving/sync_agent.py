@@ -78,6 +78,7 @@ costs requests (dropped), never labels. The operator counts a null entry as not 
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import shutil
@@ -99,7 +100,7 @@ from rft_contract.storage import get_storage
 from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, Previous, ProbeMismatch, SyncError
 from rft_contract.relay import VERIFIED, Peer, PeerServer, parent_index, url_host
 from .nccl_link import Incoming, NcclLink, NcclUnavailable
-from .weights import Fetched, Superseded, fetch, fetch_head, version_dir
+from .weights import Fetched, Superseded, fetch, fetch_head, is_adapter, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
 # Failed attempts before an engine that has never answered is worth a warning.
@@ -137,6 +138,10 @@ class SyncAgent:
         self._changed = threading.Event()
         self._stop = threading.Event()
         self.served: dict | None = None  # the target we last loaded: {version, id, uri}
+        # A LoRA job's adapter versions load onto the base model (spec.model.path, version 0):
+        # its local copy, kept while adapters serve (a restarted engine loads it again).
+        self.base: Path | None = None
+        self.model_path: str | None = None  # spec.model.path, from the watched job
         self.engine_version: int | None = None  # what the engine last reported
         self.attempts = 0
         self.syncs = 0
@@ -176,6 +181,7 @@ class SyncAgent:
 
     def _update(self, obj: dict) -> None:
         status = obj.get("status") or {}
+        self.model_path = ((obj.get("spec") or {}).get("model") or {}).get("path") or self.model_path
         changed = (status.get("weightSync") or {}).get("target") != self.target()
         self._status = status
         if changed:
@@ -277,10 +283,13 @@ class SyncAgent:
         self.engine_version = None  # unknown until the engine says otherwise
         # What a load the engine refuses before serving it goes back to, in place (vLLM).
         previous = Previous(str(self.good[1]), self.good[0]["version"], self.good[2]) if self.good else None
+        extra: dict[str, Any] = {"incoming": incoming} if incoming else {}
+        if is_adapter(path):
+            extra["base"] = str(self._base(target))
         try:
             try:
                 verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance,
-                                           previous=previous, **({"incoming": incoming} if incoming else {}))
+                                           previous=previous, **extra)
             except ProbeMismatch as e:
                 if e.serving is not None:
                     # Refused before it served a request, and the last good version serves
@@ -334,9 +343,27 @@ class SyncAgent:
                             self.good[0]["version"] if self.good else "the initial")
                 return True
         self.good = (dict(target), path, probe)
+        if not is_adapter(path):
+            self.base = path  # what adapters load onto from now on
         self._link_initial(path)
         self._cleanup(target)
         return True
+
+    def _base(self, target: dict) -> Path:
+        """The base model's local copy, for an adapter version (`target`): the last full
+        version loaded, else version 0 (spec.model.path) fetched now."""
+        if "base" not in inspect.signature(self.engine.load).parameters:
+            raise SyncError(f"version {target['version']} is a LoRA adapter, and this engine loads whole "
+                            "models only")
+        if self.base is not None and self.base.is_dir():
+            return self.base
+        if not self.model_path:
+            raise SyncError(f"version {target['version']} is a LoRA adapter and the base model's path "
+                            "(spec.model.path) is not known yet")
+        log.info("fetching the base model %s for the adapter of version %s", self.model_path, target["version"])
+        self.base = fetch({"version": 0, "uri": self.model_path}, self.dest, self.storage,
+                          wait=self._superseded(target)).path
+        return self.base
 
     def _fetch(self, target: dict) -> Fetched:
         """The target's files, checked: from the parent replica (or on the fast path the
@@ -500,7 +527,7 @@ class SyncAgent:
         link = self.dest / INITIAL_LINK
         start_up = link.resolve() if link.is_symlink() else None
         for d in self.dest.iterdir():
-            if d.is_dir() and not d.is_symlink() and d.name.startswith("v") \
+            if d.is_dir() and not d.is_symlink() and d.name.startswith("v") and d != self.base \
                     and d != version_dir(self.dest, keep) and d.resolve() != start_up:
                 shutil.rmtree(d, ignore_errors=True)
                 if self.peer_server is not None:
