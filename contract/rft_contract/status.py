@@ -104,6 +104,9 @@ class TrainerStatus(Model):
     progress: str | None = Field(default=None, description="step/totalSteps, for kubectl")
     last_checkpoint: CheckpointRef | None = None
     latest_weights: WeightsRef | None = None
+    merged_weights: WeightsRef | None = Field(default=None, description=(
+        "A LoRA job whose versions are adapters, once finished: the base with the final adapter merged, "
+        "a plain HF model for serving elsewhere"))
     weight_versions: list[int] | None = Field(default=None, description="Committed, retained exports")
     metrics: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}

@@ -266,12 +266,13 @@ def test_demo_job_trains_checkpoints_and_serves_the_final_weights(job):
                        "reward_first3": round(first, 3), "reward_last3": round(last, 3)}
 
 
-def test_a_lora_job_trains_its_adapters_and_both_replicas_serve_the_merged_versions(job):
+def test_a_lora_job_trains_its_adapters_and_both_replicas_serve_each_adapter_version(job):
     """spec.model.lora on the real node, the trainer image's PEFT: the sample job with LoRA
     adapters on every linear layer (a larger learning rate, as adapters need) runs to
     Succeeded; its checkpoints hold the actor's adapters and their optimizer state, not
-    the base; both replicas load every version (the base with the adapters merged),
-    checked by the fingerprint; and the reward rises."""
+    the base; each version is the adapter alone (PEFT's format), which both reference
+    replicas load onto the base they serve, checked by the fingerprint and the probe; and
+    the reward rises; at the end the merged model is written too."""
     import pickle
 
     from rft_trainer import lora
@@ -283,6 +284,7 @@ def test_a_lora_job_trains_its_adapters_and_both_replicas_serve_the_merged_versi
     final = wait_status(j, lambda s: s["weightSync"]["target"]["version"] == STEPS
                         and s["weightSync"]["synced"] == "2/2", 120, "final weights on both replicas")
     assert not any(e.get("error") for e in final["weightSync"]["replicas"].values())
+    assert all((e.get("fingerprint") or {}).get("params") for e in final["weightSync"]["replicas"].values()), final
     storage = S3Storage()
     prefix, _ = list_steps(storage, j["uri"])[STEPS]
     saved = pickle.loads(storage.read_bytes(f"{prefix}/.metadata")).state_dict_metadata
@@ -290,6 +292,12 @@ def test_a_lora_job_trains_its_adapters_and_both_replicas_serve_the_merged_versi
     assert actor and all(lora.is_adapter_key(k) for k in actor), actor[:4]
     ckpt = json.loads(storage.read_bytes(f"{prefix}/manifest.json"))
     model = json.loads(storage.read_bytes(f"{final['weightSync']['target']['uri']}/manifest.json"))
+    assert model["format"] == "peft-lora" and "adapter_config.json" in model["files"], model
+    # And at the end the fine-tuned model whole, for serving elsewhere.
+    merged_ref = s["trainer"]["mergedWeights"]
+    assert merged_ref["version"] == STEPS, merged_ref
+    merged = json.loads(storage.read_bytes(f"{merged_ref['uri']}/manifest.json"))
+    assert merged["format"] == "hf-safetensors" and merged["bytes"] > model["bytes"], (merged, model)
     ckpt_bytes = sum(f["size"] for f in ckpt["files"].values())
     rewards = [r["critic/rewards/mean"] for r in read_metrics(j["uri"])]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

@@ -170,3 +170,33 @@ def test_the_sync_agent_loads_each_adapter_onto_the_base_even_after_both_restart
     agent._update({"spec": {"model": {"path": base}}, "status": api.status})
     assert agent.converge(target) and engine.served() == 2
     assert server.base.path == base and close(scored(server), peft_logprobs(base, adapters[2]))
+
+
+def test_an_adapter_the_server_refuses_leaves_the_previous_serving_and_the_entry_says_why(server, exported, tmp_path):
+    import shutil
+
+    from rft_serving.engines import ProbeMismatch, ReferenceEngine
+    from tests.trainer.test_engines import make_agent
+
+    base, adapters = exported
+    engine = ReferenceEngine(server.url)
+    agent, api = make_agent(engine, tmp_path, {"version": 0, "uri": base})
+    assert agent.converge({"version": 0, "uri": base})
+    good = {"version": 1, "id": json.load(open(f"{adapters[1]}/manifest.json"))["id"], "uri": adapters[1]}
+    assert agent.converge(good)
+    bad = tmp_path / "v2-bad"
+    shutil.copytree(adapters[2], bad)
+    fingerprint = json.loads((bad / "fingerprint.json").read_text())
+    name = sorted(k for k in fingerprint["params"] if ".lora_A." in k)[0]
+    fingerprint["params"][name][0] += 1.0  # the export says otherwise than the file: not the export
+    (bad / "fingerprint.json").write_text(json.dumps(fingerprint))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["files"].pop("fingerprint.json")  # (so the manifest still verifies the rest)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ProbeMismatch, match=name.split(".lora_A")[0]) as refused:
+        agent.converge({"version": 2, "id": manifest["id"], "uri": str(bad)})
+    assert engine.served() == 1 and close(scored(server), peft_logprobs(base, adapters[1]))
+    agent.report_error(str(refused.value))  # what run() does with a failed attempt
+    entry = api.status["weightSync"]["replicas"]["job-inference-0"]
+    assert entry["version"] == 1 and name in entry["error"], entry
+    assert agent.broken is not None  # and the export is held off, not tried again at once

@@ -164,6 +164,10 @@ class StatusReporter:
             patch["weightVersions"] = sorted(versions)
         self._submit(patch, urgent=True)
 
+    def report_merged(self, step: int, uri: str, export_id: str | None) -> None:
+        """The final policy with its adapters merged (a LoRA job's last export)."""
+        self._submit({"mergedWeights": {"version": step, "uri": uri, "time": now(), "id": export_id}}, urgent=True)
+
     def report_buffer(self, consumed: dict[str, int], dropped_stale: int, samples: int) -> None:
         """What the trainer took from the buffer (explorers throttle on it); coalesced."""
         self._submit({"buffer": {"consumed": dict(consumed), "droppedStale": dropped_stale,

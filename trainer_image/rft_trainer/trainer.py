@@ -30,6 +30,7 @@ import torch.distributed as dist
 from rft_contract import names
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
+from rft_contract.layout import merged_uri
 from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
 
@@ -172,6 +173,8 @@ class Trainer:
         if not self.stopping and self.last_synced != self.train_step_num and self.train_step_num:
             self.sync_weight()  # the inference pods end on the final policy
         self.save_final_checkpoint()
+        if not self.stopping and self.train_step_num and getattr(self.engine, "adapter_versions", False):
+            self.export_merged()  # the versions were adapters: the fine-tuned model, whole
         self.finished = not self.stopping
         self.ended_together = True  # every rank is here, at the same step
         return "stopped" if self.stopping else "finished"
@@ -325,6 +328,15 @@ class Trainer:
         `status.trainer.latestWeights`, which the operator promotes to the sync target."""
         self.engine.sync_weight()
         self.last_synced = self.train_step_num
+
+    def export_merged(self) -> None:
+        """All ranks: the final policy with its adapters merged, under `<root>/merged/`, and
+        (rank 0) `status.trainer.mergedWeights`. A failure ends the attempt like a failed
+        export; the next one resumes at the last step and writes it again."""
+        step, uri = self.train_step_num, merged_uri(self.config.checkpoint.uri, self.train_step_num)
+        manifest = self.engine.export_merged(self.storage, uri, self.config.sync.dtype)
+        if manifest is not None:
+            self.reporter.report_merged(step, uri, manifest.get("id"))
 
     def _report_weights(self, step: int, uri: str, manifest: dict, versions: list[int] | None,
                         seconds: float) -> None:
