@@ -81,6 +81,26 @@ class Model(BaseModel):
         return run_checks(type(self).rules, self)
 
 
+
+class OmitUnset(Model):
+    """A spec object with `omit_unset`: optional fields added after jobs already ran, left
+    out of the serialized spec while unset, so a running job's config (and its hash) stays
+    what it was before the field existed (no drift) and an older trainer image meets no
+    unknown key."""
+
+    omit_unset: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in type(self).omit_unset:
+                if getattr(self, name) is None:
+                    data.pop(name, None)
+                    data.pop(to_camel(name), None)
+        return data
+
+
 def no_gpu_resources(owner: str, instead: str) -> tuple[Check, ...]:
     """GPUs are counted by a field of their own (`instead`), which the operator turns into
     both the request and the limit, and the scheduler's gang accounting reads."""
@@ -238,9 +258,11 @@ class ModelCacheSpec(Model):
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 
 
-class LoraSpec(Model):
+class LoraSpec(OmitUnset):
     """Low-rank adapters (PEFT's LoRA) on the policy: the base weights stay frozen, only the
     adapters train. The trainer checks that the target modules exist in the model."""
+
+    omit_unset = ("adapter_path",)
 
     rules = (Check(f"!has(self.targetModules) || !('{ALL_LINEAR}' in self.targetModules) || size(self.targetModules) == 1",
                    lambda s: ALL_LINEAR not in s.target_modules or len(s.target_modules) == 1,
@@ -256,9 +278,13 @@ class LoraSpec(Model):
         default_factory=lambda: [ALL_LINEAR], min_length=1, max_length=64, description=(
             f"Module names to adapt (a name matches a module whose name ends with it, e.g. q_proj), or "
             f"'{ALL_LINEAR}': every linear layer except the output head."))
+    adapter_path: ImagePath | None = Field(default=None, description=(
+        "A LoRA adapter to start from (PEFT's saved format: adapter_config.json and "
+        "adapter_model.safetensors): an s3:// URI or an absolute path inside the image. Its rank "
+        "and target modules must be these; a new job's adapters start as it is, not as zero."))
 
-
-class ModelSpec(Model):
+class ModelSpec(OmitUnset):
+    omit_unset = ("lora",)
     path: ImagePath = Field(description="HF-format model directory: an s3:// URI or an absolute path inside the image.")
     tokenizer_path: ImagePath | None = Field(default=None, description="Default: path.")
     # fp32 master weights by default: FSDP's MixedPrecisionPolicy already computes in
@@ -267,16 +293,8 @@ class ModelSpec(Model):
     cache: ModelCacheSpec = Field(default_factory=ModelCacheSpec)
     lora: LoraSpec | None = Field(default=None, description=(
         "Train LoRA adapters instead of every weight (immutable). Checkpoints hold the adapters "
-        "and their optimizer state; each weight version is the base with the adapters merged."))
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_lora(self, handler: Any) -> Any:
-        # Without LoRA the job config (and its hash) stays what it was before the field
-        # existed: running jobs see no drift, older trainer images no unknown key.
-        data = handler(self)
-        if self.lora is None and isinstance(data, dict):
-            data.pop("lora", None)
-        return data
+        "and their optimizer state; each weight version is the adapter alone where the engine loads "
+        "adapters (reference), else the base with the adapters merged."))
 
 
 class AlgorithmSpec(Model):
@@ -640,7 +658,8 @@ BATCH_LAYOUT = (
 )
 
 
-class RFTJobSpec(Model):
+class RFTJobSpec(OmitUnset):
+    omit_unset = ("tracking",)
     rules = (
         # What the checkpoints were trained from; the cache settings may change.
         immutable("model.path", "spec.model.path"),
@@ -698,15 +717,6 @@ class RFTJobSpec(Model):
     ) = Field(default_factory=dict, max_length=16, description=(
         "Annotations on the ServiceAccounts the operator creates for the job's pods, e.g. "
         "eks.amazonaws.com/role-arn for IRSA or iam.gke.io/gcp-service-account."))
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_tracking(self, handler: Any) -> Any:
-        # Without trackers the job config (and its hash) stays what it was before the
-        # field existed: running jobs see no drift, older trainer images no unknown key.
-        data = handler(self)
-        if self.tracking is None and isinstance(data, dict):
-            data.pop("tracking", None)
-        return data
 
 
 # Validations on the whole object (only metadata.name/generateName are visible to CEL).

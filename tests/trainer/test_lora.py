@@ -143,6 +143,43 @@ def test_a_lora_job_syncs_the_adapter_alone_when_its_engine_loads_adapters(tiny,
     assert not prepared(tiny, world_of_one).adapter_versions  # no engines: a plain HF model
 
 
+def test_a_job_starts_from_the_adapter_at_adapter_path(tiny, world_of_one, tmp_path):
+    """spec.model.lora.adapterPath: a new job's policy is the base with that adapter (here
+    one this trainer exported after two steps, as PEFT saves it), its reference the base."""
+    trained_engine, batch = trained(tiny, world_of_one)
+    export_adapter(trained_engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "a"),
+                   trained_engine.config.model.lora, str(tiny), 2, dtype="fp32")
+    want, _ = trained_engine.actor.compute_log_prob(batch)
+    base = trained_engine.ref.compute_ref_log_prob(batch)
+    started = prepared(tiny, world_of_one, adapter_path=str(tmp_path / "a"))
+    got, _ = started.actor.compute_log_prob(batch)
+    assert (got - want).abs().max().item() < 1e-6
+    assert (started.ref.compute_ref_log_prob(batch) - base).abs().max().item() < 1e-6
+    fresh, _ = prepared(tiny, world_of_one).actor.compute_log_prob(batch)
+    assert (fresh - want).abs().max().item() > 1e-3  # not the zero adapter of a new job
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"rank": 8, "alpha": 16}, "rank 4 and alpha 8.0 are not spec.model.lora's (8, 16)"),
+    ({"target_modules": ["q_proj", "v_proj"]}, "adapts what spec.model.lora.targetModules does not"),
+    ({"target_modules": ["q_proj", "v_proj"], "_keep": ".q_proj."}, "no adapter for 2 layers"),  # v_proj x 2
+])
+def test_a_starting_adapter_that_does_not_fit_the_spec_is_refused_naming_the_field(tiny, world_of_one, tmp_path,
+                                                                                  spec, says):
+    from safetensors.torch import save_file
+
+    engine = prepared(tiny, world_of_one)
+    export_adapter(engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "a"), engine.config.model.lora,
+                   str(tiny), 1, dtype="fp32")
+    spec = dict(spec)
+    if keep := spec.pop("_keep", None):  # an adapter of fewer layers than the spec's
+        tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+        save_file({k: v for k, v in tensors.items() if keep in k}, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="spec.model.lora.adapterPath") as e:
+        prepared(tiny, world_of_one, adapter_path=str(tmp_path / "a"), **spec)
+    assert says in str(e.value), str(e.value)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_tied(tmp_path_factory):
     from tests.fixtures.architectures import save_tiny

@@ -134,10 +134,59 @@ def adapter_config(model: nn.Module, spec: LoraSpec, base: str | None = None):
                       base_model_name_or_path=base)
 
 
-def initial_state(model: nn.Module, hf: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def read_adapter(model: nn.Module, spec: LoraSpec, path: str) -> dict[str, torch.Tensor]:
+    """The starting adapter (`spec.adapter_path`, fetched to the directory `path`: PEFT's
+    saved format) under the model's state-dict keys. ValueError naming
+    spec.model.lora.adapterPath when it is not a LoRA adapter of this rank and alpha that
+    adapts exactly the layers the spec adapts, in their shapes."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from rft_contract.layout import ADAPTER_CONFIG
+
+    field = f"spec.model.lora.adapterPath {spec.adapter_path}"
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            config = json.load(f)
+        tensors = load_file(os.path.join(path, ADAPTER_FILE))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: not a PEFT adapter ({ADAPTER_CONFIG} and {ADAPTER_FILE}): "
+                         f"{type(e).__name__}: {e}") from None
+    alpha = spec.alpha if spec.alpha is not None else spec.rank
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError(f"{field}: peft_type {config.get('peft_type') if isinstance(config, dict) else None!r} "
+                         "is not LORA")
+    if (config.get("r"), float(config.get("lora_alpha") or 0)) != (spec.rank, float(alpha)):
+        raise ValueError(f"{field}: its rank {config.get('r')} and alpha {config.get('lora_alpha')} are not "
+                         f"spec.model.lora's ({spec.rank}, {alpha:g})")
+    keys = {peft_name(f"{prefix}.lora_{x}.{ADAPTER}.weight"): f"{prefix}.lora_{x}.{ADAPTER}.weight"
+            for prefix in layers(model) for x in ("A", "B")}
+    if missing := sorted({k.rsplit(".lora_", 1)[0] for k in keys.keys() - tensors.keys()}):
+        raise ValueError(f"{field}: no adapter for {len(missing)} layers spec.model.lora.targetModules adapts: "
+                         f"{', '.join(m.removeprefix(PEFT_PREFIX) for m in missing[:4])}")
+    if extra := sorted(tensors.keys() - keys.keys()):
+        raise ValueError(f"{field}: adapts what spec.model.lora.targetModules does not: "
+                         f"{', '.join(e.removeprefix(PEFT_PREFIX) for e in extra[:4])}")
+    state = model.state_dict()
+    out = {}
+    for name, key in keys.items():
+        if tuple(tensors[name].shape) != tuple(state[key].shape):
+            raise ValueError(f"{field}: {name.removeprefix(PEFT_PREFIX)} is {tuple(tensors[name].shape)}, "
+                             f"the model's {tuple(state[key].shape)}")
+        out[key] = tensors[name].to(state[key].dtype)
+    return out
+
+
+def initial_state(model: nn.Module, hf: dict[str, torch.Tensor], seed: int,
+                  start: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Rank 0: the adapted model's full state dict from the HF checkpoint's tensors `hf`,
-    with new adapters as PEFT initialises them (A Kaiming-uniform, B zero), drawn from
-    `seed` in module order, whatever the world size."""
+    with the adapters of `start` (`read_adapter`), else new adapters as PEFT initialises
+    them (A Kaiming-uniform, B zero), drawn from `seed` in module order, whatever the world
+    size."""
+    if start is not None:
+        return {**{k: v for k, v in initial_state(model, hf, seed).items() if not is_adapter_key(k)}, **start}
     gen = torch.Generator().manual_seed(seed)
     adapted = layers(model)
     out = {}

@@ -167,7 +167,9 @@ def build_model(path: str, rt: Runtime, *, kind: str = "causal_lm", fsdp_mode: s
         # instead of leaving to_empty's uninitialised memory.
         model.reset_value_head()
     if load_weights:
-        load_full_state_dict(model, path, rt, critic=(kind == "critic"), seed=seed)
+        start = rt.models.fetch(lora.adapter_path, rt) if lora is not None and lora.adapter_path else None
+        load_full_state_dict(model, path, rt, critic=(kind == "critic"), seed=seed,
+                             adapter=(lora, start) if start else None)
     return model
 
 
@@ -209,18 +211,21 @@ def read_hf_state_dict(path: str, backbone: type | None = None) -> dict[str, tor
     return {f"model.{k}": v for k, v in found[0].state_dict().items()}
 
 
-def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, critic: bool = False, seed: int = 0) -> None:
+def load_full_state_dict(model: nn.Module, path: str, rt: Runtime, critic: bool = False, seed: int = 0,
+                         adapter: tuple[LoraSpec, str] | None = None) -> None:
     """Rank 0 reads the HF weights; every rank receives only its shards. A tied model's
     checkpoint holds the shared tensor once (HF drops `lm_head.weight`): the alias is
     filled from it, so the strict load still names every other missing key. The critic's
     value head is in no LM checkpoint: every other key must be. A model with LoRA
-    adapters gets new ones, drawn from `seed` on rank 0 (`lora.initial_state`)."""
+    adapters gets new ones, drawn from `seed` on rank 0 (`lora.initial_state`), or those
+    of `adapter` (the spec and the starting adapter's local directory)."""
     full, error = {}, None
     if rt.is_main:
         try:
             full = read_hf_state_dict(path, model.backbone_type if critic else None)
             if lora_adapters.has_adapters(model):
-                full = lora_adapters.initial_state(model, full, seed)
+                start = lora_adapters.read_adapter(model, *adapter) if adapter else None
+                full = lora_adapters.initial_state(model, full, seed, start)
             for alias, name in tied_parameters(model).items():
                 if alias not in full and name in full:
                     full[alias] = full[name]
