@@ -1,5 +1,6 @@
 """LoRA against full fine-tuning of the same model, in the same run: the trainer's peak
-memory, checkpoint bytes, bytes per weight version, and step time.
+memory, checkpoint bytes, bytes per weight version, the time to export and load one, and
+step time.
 
     python bench/lora.py [--model smollm2|tiny] [--rank 16] [--steps 4] [--batch 8]
                          [--prompt 16] [--response 48] [--out .local/bench/lora.json]
@@ -10,12 +11,16 @@ policy, fp32 master weights), fixed synthetic batches. Full fine-tuning holds a 
 model for the reference and AdamW state for every weight; LoRA (rank --rank, alpha 2 x
 rank, all-linear) holds the adapters' AdamW state and uses the base with its adapters off
 as the reference. After the steps: a checkpoint (CheckpointManager, local disk) and a weight
-version (export_hf in bf16, the default sync.dtype), their bytes counted.
+version in bf16 (the default sync.dtype) as a job with the reference engine syncs it: the
+whole model (export_hf) against the adapter alone (export_adapter); then the reference
+server (in this process) loads it, as a replica's engine does after the download: the whole
+model into a new model, the adapter onto the base it serves already (loaded before the clock
+starts). The bytes of a version are what each replica downloads (the relay moves each byte
+once per replica).
 
-Columns: peak RSS (MiB, the process's maximum), trainable parameters, checkpoint MiB, bytes
-per weight version (MiB), and the median step time after the first step (s); `lora / full`
-the ratios. A weight version is the merged model either way until adapter-only sync lands
-(docs/trainer.md, LoRA).
+Columns: peak RSS of the trainer (MiB, the process's maximum before the server loads
+anything), trainable parameters, checkpoint MiB, bytes per weight version (MiB), its export
+and its load (s), and the median step time after the first step (s); `lora / full` the ratios.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def side(args) -> dict:
     from rft_contract.storage import LocalStorage
     from rft_trainer.checkpoint import CheckpointManager
     from rft_trainer.engine import FSDPTrainEngine
-    from rft_trainer.export import export_hf
+    from rft_serving.serve import ReferenceServer
+    from rft_trainer.export import export_adapter, export_hf
     from rft_trainer.parallelize import init_distributed
     from tests.fixtures.batches import synthetic_batch
 
@@ -77,17 +83,31 @@ def side(args) -> dict:
     roles = engine.checkpoint_roles()
     CheckpointManager(LocalStorage(), str(work / "run"), rt, roles={k: v for k, v in roles.items() if v},
                       staging_dir=str(work / "staging")).save(engine.step, {})
-    manifest = export_hf(engine.actor.model, rt, LocalStorage(), str(work / "weights"), str(model_dir), engine.step,
-                         dtype="bf16")
+    version = str(work / "weights")
+    if args.side == "lora":
+        manifest = export_adapter(engine.actor.model, rt, LocalStorage(), version, config.model.lora,
+                                  str(model_dir), engine.step, dtype="bf16")
+    else:
+        manifest = export_hf(engine.actor.model, rt, LocalStorage(), version, str(model_dir), engine.step,
+                             dtype="bf16")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     trainable = sum(p.numel() for p in engine.actor.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in engine.actor.model.parameters())
-    out = {"side": args.side, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "trainable": trainable, "parameters": total,
-           "checkpoint_bytes": sum(f.stat().st_size for f in (work / "run").rglob("*") if f.is_file()),
-           "version_bytes": manifest["bytes"], "step_seconds": statistics.median(times[1:] or times),
-           "first_step_seconds": times[0], "torch_threads": torch.get_num_threads()}
     torch.distributed.destroy_process_group()
-    return out
+    del engine
+    server = ReferenceServer()
+    if args.side == "lora":
+        server.load(str(model_dir), 0)  # the base the replica serves already
+        server.load(version, 1)  # the first adapter wraps a copy of the base (once per server)
+    t = time.perf_counter()
+    server.load(version, 2)  # a version as every later sync loads it
+    load_seconds = time.perf_counter() - t
+    return {"side": args.side, "peak_rss_mib": peak, "trainable": trainable, "parameters": total,
+            "checkpoint_bytes": sum(f.stat().st_size for f in (work / "run").rglob("*") if f.is_file()),
+            "version_bytes": sum(f["size"] for f in manifest["files"].values()),
+            "export_seconds": manifest["export_seconds"], "load_seconds": load_seconds,
+            "step_seconds": statistics.median(times[1:] or times),
+            "first_step_seconds": times[0], "torch_threads": torch.get_num_threads()}
 
 
 def model_path(name: str) -> tuple[Path, int]:
@@ -131,11 +151,12 @@ def main() -> None:
           f"tokens, {args.steps} steps; LoRA rank {args.rank}, alpha {2 * args.rank}, all-linear")
     rows = [("peak RSS (MiB)", "peak_rss_mib", "{:.0f}"), ("trainable parameters", "trainable", "{:,}"),
             ("checkpoint (MiB)", "checkpoint_bytes", "mib"), ("weight version (MiB)", "version_bytes", "mib"),
+            ("export a version (s)", "export_seconds", "{:.2f}"), ("load a version (s)", "load_seconds", "{:.3f}"),
             ("step (s, median after the first)", "step_seconds", "{:.2f}")]
     print(f"{'':34} {'full':>12} {'lora':>12} {'lora / full':>12}")
     for label, key, fmt in rows:
         a, b = full[key], lora[key]
-        show = (lambda v: f"{v / 2**20:.1f}") if fmt == "mib" else fmt.format
+        show = (lambda v: f"{v / 2**20:.2f}") if fmt == "mib" else fmt.format
         print(f"{label:34} {show(a):>12} {show(b):>12} {b / a:12.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
