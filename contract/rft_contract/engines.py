@@ -78,6 +78,7 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 TRAINER_IMAGE_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if not p.own_image)
 NCCL_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.nccl_flags)
+LORA_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.lora_adapters)
 # What the operator sets on an engine container and `inference.env` may not set: the
 # helpers' PYTHONPATH of supervised engines and each engine's own variables.
 ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in p.env))

@@ -39,7 +39,7 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
-from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, NCCL_ENGINES, TRAINER_IMAGE_ENGINES
+from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, NCCL_ENGINES, TRAINER_IMAGE_ENGINES
 from .errors import describe
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
@@ -692,6 +692,13 @@ class RFTJobSpec(OmitUnset):
               f"spec.sync.transport nccl needs spec.inference.engine {' or '.join(NCCL_ENGINES)} and "
               "spec.sync.fastPath true: trainer rank 0 sends each version to the engine's NCCL "
               "weight-transfer backend from its weights server", ".sync.transport"),
+        Check("!has(self.model.lora) || !has(self.model.lora.adapterPath) || !has(self.inference) || "
+              f"self.inference.?engine.orValue('reference') in {list(LORA_ENGINES)}",
+              lambda s: s.model.lora is None or s.model.lora.adapter_path is None or s.inference is None
+              or s.inference.engine in LORA_ENGINES,
+              f"spec.model.lora.adapterPath needs spec.inference.engine {' or '.join(LORA_ENGINES)}: the "
+              "inference pods serve version 0 as the base with that adapter, which only an engine that "
+              "loads adapters can", ".model.lora.adapterPath"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,

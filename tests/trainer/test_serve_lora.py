@@ -200,3 +200,23 @@ def test_an_adapter_the_server_refuses_leaves_the_previous_serving_and_the_entry
     entry = api.status["weightSync"]["replicas"]["job-inference-0"]
     assert entry["version"] == 1 and name in entry["error"], entry
     assert agent.broken is not None  # and the export is held off, not tried again at once
+
+
+def test_a_job_that_starts_from_an_adapter_serves_version_0_as_the_base_with_it(server, exported, tmp_path):
+    """spec.model.lora.adapterPath: version 0 is the policy the trainer starts from, the
+    base with that adapter, not the bare base; later versions load onto the same base."""
+    from rft_serving.engines import ReferenceEngine
+    from tests.trainer.test_engines import make_agent
+
+    base, adapters = exported
+    engine = ReferenceEngine(server.url)
+    version0 = {"version": 0, "uri": base}
+    agent, api = make_agent(engine, tmp_path, version0)
+    agent._update({"spec": {"model": {"path": base, "lora": {"rank": 4, "adapterPath": adapters[1]}}},
+                   "status": api.status})
+    assert agent.converge(version0) and engine.served() == 0
+    assert close(scored(server), peft_logprobs(base, adapters[1]))
+    assert not agent.converge(version0)  # in sync
+    v2 = {"version": 2, "id": json.load(open(f"{adapters[2]}/manifest.json"))["id"], "uri": adapters[2]}
+    assert agent.converge(v2) and engine.served() == 2
+    assert close(scored(server), peft_logprobs(base, adapters[2])) and server.base.path == base

@@ -115,6 +115,9 @@ HELPER_FILES = ("__init__.py", "supervise.py", "cpu_isa.py", "vllm_worker.py")
 # ------------------------------------------------------------------ the agent
 
 
+START_ADAPTER_DIR = "start-adapter"  # under the agent's dest: spec.model.lora.adapterPath's copy
+
+
 class SyncAgent:
     """`peer_server`/`peer_url`: serve this replica's weights to its children in the tree
     (rft_contract.relay) and advertise where, in its status entry (`peer`); `fanout`: children per
@@ -142,6 +145,7 @@ class SyncAgent:
         # its local copy, kept while adapters serve (a restarted engine loads it again).
         self.base: Path | None = None
         self.model_path: str | None = None  # spec.model.path, from the watched job
+        self.start_adapter: str | None = None  # spec.model.lora.adapterPath: version 0 is the base with it
         self.engine_version: int | None = None  # what the engine last reported
         self.attempts = 0
         self.syncs = 0
@@ -181,7 +185,10 @@ class SyncAgent:
 
     def _update(self, obj: dict) -> None:
         status = obj.get("status") or {}
-        self.model_path = ((obj.get("spec") or {}).get("model") or {}).get("path") or self.model_path
+        model = (obj.get("spec") or {}).get("model") or {}
+        if model:
+            self.model_path = model.get("path") or self.model_path
+            self.start_adapter = (model.get("lora") or {}).get("adapterPath")
         changed = (status.get("weightSync") or {}).get("target") != self.target()
         self._status = status
         if changed:
@@ -272,6 +279,9 @@ class SyncAgent:
             log.info("fetching version %s from %s", target["version"], target.get("uri"))
             got = self._fetch(target)
         path, times = got.path, got.times
+        if target["version"] == 0 and self.start_adapter and not is_adapter(path):
+            # A job that starts from an adapter: its version 0 is the base with that adapter.
+            self.base, path = path, self._start(target)
         probe = _probe_of(path, target)
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
@@ -364,6 +374,13 @@ class SyncAgent:
         self.base = fetch({"version": 0, "uri": self.model_path}, self.dest, self.storage,
                           wait=self._superseded(target)).path
         return self.base
+
+    def _start(self, target: dict) -> Path:
+        """The starting adapter (spec.model.lora.adapterPath), fetched beside the versions
+        (unverified, like a base model without a manifest)."""
+        log.info("version 0 is the base with the adapter %s", self.start_adapter)
+        return fetch({"version": 0, "uri": self.start_adapter}, self.dest / START_ADAPTER_DIR, self.storage,
+                     wait=self._superseded(target)).path
 
     def _fetch(self, target: dict) -> Fetched:
         """The target's files, checked: from the parent replica (or on the fast path the
