@@ -37,6 +37,17 @@ def world_of_one():
         yield rt
 
 
+@pytest.fixture
+def server():
+    """A reference inference server (rft_serving.serve) on loopback, no weights loaded."""
+    from rft_serving.serve import ReferenceServer
+
+    s = ReferenceServer(max_concurrency=4)
+    s.start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def lr1e6_exports(tmp_path_factory) -> tuple[Path, Path]:
     """Two versions of SmolLM2-135M (tied embeddings) one GRPO step apart at lr 1e-6, fp32

@@ -22,7 +22,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rft_serving import serve
-from rft_serving.serve import ReferenceServer
 from tests.fixtures.models import save_tiny_model
 
 torch.set_num_threads(1)
@@ -39,14 +38,6 @@ def versions(tmp_path_factory):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         out[v] = (str(path), model, AutoTokenizer.from_pretrained(str(path)))
     return out
-
-
-@pytest.fixture
-def server():
-    s = ReferenceServer(max_concurrency=4)
-    s.start()
-    yield s
-    s.stop()
 
 
 def call(url, path, body=None, raw=None):

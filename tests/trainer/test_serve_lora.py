@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from rft_contract.probe import PROBE_FILE
 from rft_contract.storage import LocalStorage
 from rft_serving import serve
-from rft_serving.serve import ReferenceServer
 from rft_trainer import probe as trainer_probe
 from rft_trainer.export import export_adapter
 from tests.fixtures.batches import synthetic_batch
@@ -46,14 +45,6 @@ def exported(tmp_path_factory):
                            extra_files={PROBE_FILE: check.to_json().encode()})
             out[version] = str(root / f"v{version}")
     return str(base), out
-
-
-@pytest.fixture
-def server():
-    s = ReferenceServer(max_concurrency=2)
-    s.start()
-    yield s
-    s.stop()
 
 
 def peft_logprobs(base: str, adapter: str | None) -> list[float]:
