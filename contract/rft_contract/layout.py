@@ -26,6 +26,7 @@ BUFFER = "buffer"
 METRICS = "metrics"
 # What makes a weights version a LoRA adapter (PEFT's saved format), not a whole model.
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_KEY_PREFIX = "base_model.model."  # what PEFT's saved tensor names start with
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 

@@ -211,3 +211,50 @@ def test_a_job_that_starts_from_an_adapter_serves_version_0_as_the_base_with_it(
     v2 = {"version": 2, "id": json.load(open(f"{adapters[2]}/manifest.json"))["id"], "uri": adapters[2]}
     assert agent.converge(v2) and engine.served() == 2
     assert close(scored(server), peft_logprobs(base, adapters[2])) and server.base.path == base
+
+
+def test_concurrent_requests_on_the_base_and_two_adapters_each_get_their_own_while_adapters_load(server, exported):
+    """The model holding the adapters serves one per forward: requests on the base, v1
+    and v2 in threads, sampling and scoring, while versions keep loading (and old
+    adapters are deleted), each get exactly their own snapshot's log-probs."""
+    import threading
+
+    base, adapters = exported
+    assert load(server, base, 0)[0] == 200
+    snapshots = {"base": server.current}
+    assert load(server, adapters[1], 1)[0] == 200
+    snapshots["v1"] = server.current
+    assert load(server, adapters[2], 2)[0] == 200
+    snapshots["v2"] = server.current
+    want = {"base": peft_logprobs(base, None), "v1": peft_logprobs(base, adapters[1]),
+            "v2": peft_logprobs(base, adapters[2])}
+    bad, errors, stop = [], [], threading.Event()
+
+    def score(name):
+        while not stop.is_set():
+            try:
+                if not close(serve.score_tokens(snapshots[name], TOKENS), want[name]):
+                    bad.append(name)
+            except Exception as e:  # noqa: BLE001 - counted, asserted below
+                errors.append(f"{name}: {type(e).__name__}: {e}"[:200])
+
+    def sample():
+        s = serve.Sampling(max_tokens=6, n=3, temperature=1.0, seed=1)
+        while not stop.is_set():
+            try:
+                serve.generate(snapshots["v1"], ["1+2="], s)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"sample: {type(e).__name__}: {e}"[:200])
+
+    threads = [threading.Thread(target=score, args=(n,)) for n in want] + [threading.Thread(target=sample)]
+    for t in threads:
+        t.start()
+    try:
+        for version in range(3, 13):  # loads (and deletions of unheld adapters) meanwhile
+            assert load(server, adapters[1 + version % 2], version)[0] == 200
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors and not bad, (errors[:3], len(bad))
+    assert len(server._peft.peft_config) <= 4, list(server._peft.peft_config)  # v1, v2, the newest (+ one)

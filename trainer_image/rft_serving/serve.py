@@ -10,12 +10,13 @@ Loads build a new model off the event loop and are serialized by a lock.
 
 LoRA adapters (a version that is PEFT's saved adapter: `adapter_config.json`, as a LoRA
 job's trainer exports them) load onto the base model the server serves, with PEFT: the
-first adapter wraps a fresh copy of the base in a `PeftModel` (the model a request in
-flight holds is never changed in place), later ones are added beside it, and every
-forward names its snapshot's adapter per row (PEFT's `adapter_names`; `__base__` for the
-base), so requests on the old and the new adapter run side by side. An adapter no
-snapshot holds any more is deleted at the next load. One copy of the base, whatever the
-number of versions.
+first adapter's layers are injected into the base's model in place, later adapters are
+added beside it, and each snapshot names its adapter. A model that holds adapters serves
+one per forward (the selection is the model's state), so its forwards take it alone
+(`Gate`), each selecting its snapshot's adapter first: requests on the old and the new
+version interleave forward by forward, never mixing. Injecting, adding and deleting take
+it alone too. An adapter no snapshot holds any more is deleted at the next load. One copy
+of the base, whatever the number of versions.
 
 Sampling is our own loop (not `model.generate`) for two reasons the RL trainer depends on:
 a per-request `torch.Generator` makes `seed` reproducible even with concurrent requests,
@@ -40,15 +41,17 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Iterator
 
 import torch
 from aiohttp import web
 
 from rft_contract.fingerprint import FingerprintVerdict, model_stats, read_fingerprint
 from rft_contract.fingerprint import compare as compare_fingerprint
-from rft_contract.layout import ADAPTER_CONFIG  # a version that is an adapter (PEFT's)
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_KEY_PREFIX  # a version that is an adapter (PEFT's)
 from rft_contract.podenv import PodEnv
 from rft_contract.probe import FORMAT as PROBE_FORMAT
 from rft_contract.probe import Probe, Verdict, compare, parse_probe
@@ -79,42 +82,96 @@ class RequestError(Exception):
         return web.json_response({"error": err}, status=self.status)
 
 
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+class Gate:
+    """Who may run a model now. Forwards of a model without LoRA adapters share it; a
+    model with adapters serves one adapter per forward (the selection is the model's own
+    state), so each of its forwards has it alone, as has every change of its adapters
+    (injecting, adding, deleting). Writers first: a waiting one holds off new readers."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+LORA_LAYERS = "_rft_lora_layers"  # a model's attribute: its PEFT LoRA layers, once adapters are in it
+SELECTED = "_rft_selected"  # a model's attribute: the adapter its LoRA layers serve now (None: none)
 
 
 @dataclass(frozen=True)
 class Weights:
-    model: torch.nn.Module  # a transformers model, or a PeftModel around one (LoRA adapters)
+    model: torch.nn.Module  # a transformers model; LoRA adapters are injected into it in place (PEFT)
     tokenizer: object
     version: int
     path: str
     loaded_at: str
     load_seconds: float
-    adapter: str | None = None  # the PeftModel's adapter this snapshot serves; None: the base
+    adapter: str | None = None  # the LoRA adapter this snapshot serves; None: the model without one
+    gate: Gate = field(default_factory=Gate, compare=False, repr=False)  # the model's (shared by its snapshots)
 
     def __call__(self, **kwargs):
-        """The model's forward with this snapshot's adapter (a PeftModel: named per row)."""
-        if self.is_peft:
-            kwargs["adapter_names"] = [self.adapter or BASE_ADAPTER] * kwargs["input_ids"].shape[0]
-        return self.model(**kwargs)
-
-    @property
-    def is_peft(self) -> bool:
-        return hasattr(self.model, "peft_config") and hasattr(self.model, "get_base_model")
-
-    @property
-    def causal_lm(self) -> torch.nn.Module:
-        """The transformers model (under the PeftModel, if any)."""
-        return self.model.get_base_model() if self.is_peft else self.model
+        """The model's forward as this snapshot serves it: alone, with its adapter selected,
+        once the model holds adapters; else beside the other requests' forwards."""
+        with self.gate.shared():
+            if getattr(self.model, LORA_LAYERS, None) is None:
+                return self.model(**kwargs)
+        with self.gate.alone():
+            _select(self.model, self.adapter)
+            return self.model(**kwargs)
 
     def parameters_served(self):
         """(name, tensor) of the weights this snapshot serves, named as its export names
-        them: the adapter's as PEFT saves them (`...lora_A.weight`), else the model's."""
+        them: the adapter's as PEFT saves them (`base_model.model....lora_A.weight`), else
+        the model's own (without the adapters PEFT put into it)."""
         if self.adapter is None:
-            return self.causal_lm.named_parameters()
+            return ((n.replace(".base_layer.", "."), t) for n, t in self.model.named_parameters()
+                    if ".lora_" not in n)
         a, b = f".lora_A.{self.adapter}.", f".lora_B.{self.adapter}."
-        return ((n.replace(a, ".lora_A.").replace(b, ".lora_B."), t) for n, t in self.model.named_parameters()
-                if a in n or b in n)
+        return (((ADAPTER_KEY_PREFIX + n).replace(a, ".lora_A.").replace(b, ".lora_B."), t)
+                for n, t in self.model.named_parameters() if a in n or b in n)
+
+
+def _select(model: torch.nn.Module, adapter: str | None) -> None:
+    """Make the model's LoRA layers serve `adapter` (None: none), under its gate, alone.
+    Only the flags PEFT's forward reads are set (`set_adapter` with inference_mode leaves
+    requires_grad alone; `_disable_adapters` as the trainer's `lora.adapters_off` sets it)."""
+    if getattr(model, SELECTED, ()) == adapter:
+        return
+    for layer in getattr(model, LORA_LAYERS):
+        if adapter is not None:
+            layer.set_adapter(adapter, inference_mode=True)
+        layer._disable_adapters = adapter is None
+    setattr(model, SELECTED, adapter)
 
 
 @dataclass(frozen=True)
@@ -182,7 +239,7 @@ def choose_tokens(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> to
 @torch.inference_mode()
 def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Generator) -> list[dict]:
     """n samples of one prompt, batched as n identical rows sharing one KV cache."""
-    model, tok = w.causal_lm, w.tokenizer
+    model, tok = w.model, w.tokenizer
     config_eos = model.generation_config.eos_token_id  # None, an id, or a list of ids
     eos = {tok.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])} - {None}
     # transformers 5 renamed `past_key_values` to `cache`; the old name still works but warns.
@@ -221,9 +278,9 @@ def sample_prompt(w: Weights, prompt_ids: list[int], s: Sampling, gen: torch.Gen
 
 def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int]], list[dict]]:
     """Runs in a worker thread. Returns per-prompt ids and the choices, prompt-major."""
-    gen = torch.Generator(device=w.causal_lm.device)
+    gen = torch.Generator(device=w.model.device)
     gen.manual_seed(s.seed % 2**63 if s.seed is not None else secrets.randbits(63))
-    limit = getattr(w.causal_lm.config, "max_position_embeddings", None)
+    limit = getattr(w.model.config, "max_position_embeddings", None)
     prompt_ids, choices = [], []
     for p in prompts:
         ids = w.tokenizer(p, add_special_tokens=s.add_special_tokens is not False)["input_ids"]
@@ -240,7 +297,7 @@ def generate(w: Weights, prompts: list[str], s: Sampling) -> tuple[list[list[int
 @torch.inference_mode()
 def score_tokens(w: Weights, token_ids: list[int]) -> list[float]:
     """log p(token_ids[i+1] | token_ids[:i+1]) for every i (the weight-sync probe)."""
-    ids = torch.tensor([token_ids], device=w.causal_lm.device)
+    ids = torch.tensor([token_ids], device=w.model.device)
     logits = w(input_ids=ids, use_cache=False).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
 
@@ -340,39 +397,44 @@ class ReferenceServer:
         return new.load_seconds, verdict
 
     def _set_base(self, base: Weights) -> None:
-        """Adapters load onto `base` from now on (a new PeftModel at the next one)."""
+        """Adapters load onto `base` from now on (into its model, at the next one)."""
         self.base, self._peft = base, None
 
     def _load_adapter(self, path: str, version: int) -> Weights:
-        """The adapter at `path` beside the others on the base's PeftModel (made on a fresh
-        copy of the base at the first one), as a snapshot of its own; then the adapters no
-        snapshot holds are deleted. Under the load lock."""
+        """The adapter at `path` in the base's model, beside the others (PEFT injects its
+        layers into the model in place at the first one: one copy of the base), as a
+        snapshot of its own; then the adapters no snapshot holds are deleted. Under the
+        load lock; every change to the model with its gate held alone."""
         from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
 
-        if self.base is None:
+        base = self.base
+        if base is None:
             raise RequestError(409, "an adapter loads onto a base model, and none is loaded: load the base "
                                "first or name its directory in `base`", "base", "no_base")
         t0 = time.monotonic()
         name = f"v{version}-{next(self._adapter_names)}"
-        if self._peft is None:
-            # A fresh copy: a request in flight on the base's snapshot keeps its model unchanged.
-            fresh = load_weights(self.base.path, self.base.version, self.device)
-            self._peft = PeftModel.from_pretrained(fresh.model, path, adapter_name=name).eval()
-            self.base = dataclasses.replace(fresh, model=self._peft)  # the base, served as `__base__`
-        else:
+        with base.gate.alone():
+            setattr(base.model, SELECTED, ())  # unknown after any change
             try:
-                self._peft.load_adapter(path, adapter_name=name)
+                if self._peft is None:
+                    self._peft = PeftModel.from_pretrained(base.model, path, adapter_name=name)
+                else:
+                    self._peft.load_adapter(path, adapter_name=name)
             except Exception:
                 self._retired.append(name)  # whatever part of it loaded
                 raise
-            self._peft.eval()
-        new = Weights(self._peft, self.base.tokenizer, version, path, datetime.now(timezone.utc).isoformat(),
-                      time.monotonic() - t0, adapter=name)
+            finally:
+                self._peft and self._peft.eval()
+                while self._retired:
+                    old = self._retired.pop()
+                    if self._peft is not None and old in self._peft.peft_config and old != name:
+                        self._peft.delete_adapter(old)
+                layers = [m for m in base.model.modules() if isinstance(m, LoraLayer)]
+                setattr(base.model, LORA_LAYERS, layers or None)
+        new = Weights(base.model, base.tokenizer, version, path, datetime.now(timezone.utc).isoformat(),
+                      time.monotonic() - t0, adapter=name, gate=base.gate)
         weakref.finalize(new, self._retired.append, name)  # once no request and no snapshot holds it
-        while self._retired:
-            old = self._retired.pop()
-            if old in self._peft.peft_config and old != name:
-                self._peft.delete_adapter(old)
         return new
 
     # -- HTTP ----------------------------------------------------------------------------
@@ -415,7 +477,7 @@ class ReferenceServer:
         if w is None:
             raise RequestError(503, "no weights loaded yet (POST /weights/load first)", None, "service_unavailable")
         ids = body.get("token_ids")
-        vocab = w.causal_lm.config.get_text_config().vocab_size
+        vocab = w.model.config.get_text_config().vocab_size
         if not (isinstance(ids, list) and len(ids) >= 2 and all(_is_int(t) and 0 <= t < vocab for t in ids)):
             raise RequestError(400, f"token_ids must be a list of at least 2 token ids below {vocab}", "token_ids")
         logprobs = await asyncio.get_running_loop().run_in_executor(self._pool, score_tokens, w, ids)

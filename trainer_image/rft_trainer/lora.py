@@ -36,6 +36,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from rft_contract.layout import ADAPTER_KEY_PREFIX
 from rft_contract.spec import ALL_LINEAR, LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per model
@@ -43,7 +44,7 @@ BASE = ".base_layer."
 # PEFT's saved adapter (PeftModel.save_pretrained): the config and one safetensors file,
 # whose keys are the wrapped model's without the adapter's name.
 ADAPTER_FILE = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = ADAPTER_KEY_PREFIX
 
 
 def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -158,6 +159,13 @@ def read_adapter(model: nn.Module, spec: LoraSpec, path: str) -> dict[str, torch
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise ValueError(f"{field}: peft_type {config.get('peft_type') if isinstance(config, dict) else None!r} "
                          "is not LORA")
+    # What PEFT would scale or shape otherwise than the trainer's LoRA (r, alpha, no bias).
+    if other := [k for k, ok in (("use_rslora", not config.get("use_rslora")), ("use_dora", not config.get("use_dora")),
+                                 ("rank_pattern", not config.get("rank_pattern")),
+                                 ("alpha_pattern", not config.get("alpha_pattern")),
+                                 ("bias", config.get("bias", "none") == "none")) if not ok]:
+        raise ValueError(f"{field}: sets {', '.join(other)}, which the trainer's LoRA does not (plain LoRA: "
+                         "one rank and alpha for every layer, no bias)")
     if (config.get("r"), float(config.get("lora_alpha") or 0)) != (spec.rank, float(alpha)):
         raise ValueError(f"{field}: its rank {config.get('r')} and alpha {config.get('lora_alpha')} are not "
                          f"spec.model.lora's ({spec.rank}, {alpha:g})")
