@@ -151,3 +151,16 @@ def test_an_engine_written_against_the_abc_alone_saves_and_resumes_through_the_t
     # Exported through the double's export_policy; the exporter applied sync.keep.
     assert reported.weights[-1] == (4, weights_uri(root, 4), "linear-4", [3, 4])
     assert storage.exists(join(weights_uri(root, 4), "weights.json"))
+
+
+def test_an_attempt_that_resumes_at_the_last_step_trains_no_further(tmp_path, world_of_one, monkeypatch):
+    """A gang that restarts after its final checkpoint (a later step of the end failed, or
+    the pod died on the way out) resumes at totalSteps and finishes without a step more."""
+    write_shards(tmp_path / "buffer", range(6))
+    config = job(str(tmp_path / "job"), tmp_path / "buffer")
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"total_steps": 3})})
+    first, _, outcome = run(config, monkeypatch)
+    assert outcome == "finished" and first.train_step_num == 3
+    again, reported, outcome = run(config, monkeypatch)
+    assert reported.prepared[0] == 3
+    assert outcome == "finished" and again.train_step_num == 3, again.train_step_num

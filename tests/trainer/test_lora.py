@@ -163,6 +163,8 @@ def test_a_job_starts_from_the_adapter_at_adapter_path(tiny, world_of_one, tmp_p
     ({"rank": 8, "alpha": 16}, "rank 4 and alpha 8.0 are not spec.model.lora's (8, 16)"),
     ({"target_modules": ["q_proj", "v_proj"]}, "adapts what spec.model.lora.targetModules does not"),
     ({"target_modules": ["q_proj", "v_proj"], "_keep": ".q_proj."}, "no adapter for 2 layers"),  # v_proj x 2
+    ({"_config": {"use_rslora": True}}, "sets use_rslora, which the trainer's LoRA does not"),
+    ({"_config": {"alpha_pattern": {"q_proj": 4}}}, "sets alpha_pattern"),
 ])
 def test_a_starting_adapter_that_does_not_fit_the_spec_is_refused_naming_the_field(tiny, world_of_one, tmp_path,
                                                                                   spec, says):
@@ -172,6 +174,11 @@ def test_a_starting_adapter_that_does_not_fit_the_spec_is_refused_naming_the_fie
     export_adapter(engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "a"), engine.config.model.lora,
                    str(tiny), 1, dtype="fp32")
     spec = dict(spec)
+    if changes := spec.pop("_config", None):  # PEFT settings the trainer does not train with
+        import json
+
+        config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, **changes}))
     if keep := spec.pop("_keep", None):  # an adapter of fewer layers than the spec's
         tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
         save_file({k: v for k, v in tensors.items() if keep in k}, str(tmp_path / "a" / "adapter_model.safetensors"))

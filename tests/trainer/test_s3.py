@@ -170,3 +170,24 @@ def test_trainer_runs_from_s3_model_and_buffer(bucket, s3_env, tmp_path):
     steps = [json.loads(x)["step"] for x in res.stdout.splitlines() if x.startswith("{")]
     assert steps == [1, 2]
     assert "test-secret" not in res.stdout + res.stderr  # credentials never logged
+
+
+def test_a_job_starts_from_a_lora_adapter_in_s3(bucket, world_of_one, tmp_path, monkeypatch):
+    """spec.model.lora.adapterPath as an s3:// prefix holding PEFT's files (no config.json):
+    fetched like a model, and the new job's policy is the one that exported it."""
+    from rft_contract.storage import LocalStorage
+    from rft_trainer.export import export_adapter
+    from tests.trainer.test_lora import prepared, trained
+
+    monkeypatch.setattr(world_of_one.models, "root", str(tmp_path / "cache"))
+    tiny = save_tiny_model(tmp_path / "tiny")
+    engine, batch = trained(tiny, world_of_one)
+    export_adapter(engine.actor.model, world_of_one, LocalStorage(), str(tmp_path / "a"), engine.config.model.lora,
+                   str(tiny), 2, dtype="fp32")
+    s = S3Storage()
+    for f in sorted((tmp_path / "a").iterdir()):
+        s.write_bytes(f"s3://{bucket}/adapters/a/{f.name}", f.read_bytes())
+    started = prepared(tiny, world_of_one, adapter_path=f"s3://{bucket}/adapters/a")
+    want, _ = engine.actor.compute_log_prob(batch)
+    got, _ = started.actor.compute_log_prob(batch)
+    assert (got - want).abs().max().item() < 1e-6

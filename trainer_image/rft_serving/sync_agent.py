@@ -282,6 +282,8 @@ class SyncAgent:
         if target["version"] == 0 and self.start_adapter and not is_adapter(path):
             # A job that starts from an adapter: its version 0 is the base with that adapter.
             self.base, path = path, self._start(target)
+        # An adapter loads onto the base: its files here before the replica says unsynced.
+        base = self._base(target) if is_adapter(path) else None
         probe = _probe_of(path, target)
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
@@ -294,8 +296,8 @@ class SyncAgent:
         # What a load the engine refuses before serving it goes back to, in place (vLLM).
         previous = Previous(str(self.good[1]), self.good[0]["version"], self.good[2]) if self.good else None
         extra: dict[str, Any] = {"incoming": incoming} if incoming else {}
-        if is_adapter(path):
-            extra["base"] = str(self._base(target))
+        if base is not None:
+            extra["base"] = str(base)
         try:
             try:
                 verdict = self.engine.load(str(path), target["version"], probe, self.probe_tolerance,

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rft_contract.manifest import MANIFEST
+from rft_contract.layout import ADAPTER_CONFIG
 from rft_contract.podenv import PodEnv
 from rft_contract.storage import LocalStorage, download_to
 
@@ -106,8 +107,9 @@ def _sync_model_dir(path: str, local: str, env: PodEnv | None) -> None:
 
     storage, base, root = S3Storage(env=env), path.rstrip("/") + "/", os.path.abspath(local)
     objects = {uri[len(base):]: meta for uri, meta in storage.list_objects(base).items() if not uri.endswith("/")}
-    if "config.json" not in objects:
-        raise FileNotFoundError(f"{path}: no config.json under this prefix (is it an HF model directory?)")
+    if "config.json" not in objects and ADAPTER_CONFIG not in objects:
+        raise FileNotFoundError(f"{path}: no config.json (an HF model) or {ADAPTER_CONFIG} (a PEFT adapter, "
+                                "spec.model.lora.adapterPath) under this prefix")
     listed = json.loads(storage.read_bytes(base + MANIFEST)).get("files", {}) if MANIFEST in objects else {}
     record = _read_record(os.path.join(root, COMPLETE))
     start, files, nbytes, reused = time.perf_counter(), {}, 0, 0

@@ -168,7 +168,9 @@ class Trainer:
         self.pod_metrics.observe_checkpoint(step, ckpt.last_commit_bytes, ckpt.last_commit_seconds)
 
     async def train(self) -> str:
-        while await self.train_step():
+        # An attempt that resumed at totalSteps (the gang restarted after its final
+        # checkpoint) trains no further: only the end's work is left.
+        while self.train_step_num < self.config.trainer.total_steps and await self.train_step():
             pass
         if not self.stopping and self.last_synced != self.train_step_num and self.train_step_num:
             self.sync_weight()  # the inference pods end on the final policy
