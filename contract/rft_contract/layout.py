@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+import os
+
 from .storage import Storage, join
 
 CHECKPOINTS = "ckpt"
@@ -40,6 +42,11 @@ def checkpoint_uri(root: str, step: int) -> str:
 
 def weights_uri(root: str, version: int) -> str:
     return step_dir(join(root, WEIGHTS), version)
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """A local weights directory that holds a LoRA adapter (loaded onto a base), not a model."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
 def merged_uri(root: str, step: int) -> str:

@@ -31,6 +31,8 @@ def test_the_spec_the_crd_and_the_sync_agent_follow_the_catalogue():
     assert crd["properties"]["engine"]["enum"] == names
     assert list(adapters.ENGINES) == names
     assert {n: a.restartable for n, a in adapters.ENGINES.items()} == {n: p.restartable for n, p in ENGINES.items()}
+    assert {n: a.lora_adapters for n, a in adapters.ENGINES.items()} == {
+        n: p.lora_adapters for n, p in ENGINES.items()}
     assert ENGINE_ENV[0] == "PYTHONPATH" and all(k in ENGINE_ENV for p in ENGINES.values() for k, _ in p.env)
 
 

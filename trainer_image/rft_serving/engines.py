@@ -91,6 +91,7 @@ class Engine:
     cannot be restarted by the agent)."""
 
     restartable = True  # a probe mismatch is cured by a restart (the reference engine refuses instead)
+    lora_adapters = False  # loads a LoRA adapter onto its base (`load(..., base=)`): the catalogue's flag
 
     def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
@@ -198,6 +199,7 @@ class ReferenceEngine(Engine):
     still served), so it never serves unverified weights and needs no restart."""
 
     restartable = False
+    lora_adapters = True
 
     def served(self) -> int | None:
         return parse_version(self._get("/weights").get("version"))

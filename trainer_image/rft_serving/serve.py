@@ -51,7 +51,7 @@ from aiohttp import web
 
 from rft_contract.fingerprint import FingerprintVerdict, model_stats, read_fingerprint
 from rft_contract.fingerprint import compare as compare_fingerprint
-from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_KEY_PREFIX  # a version that is an adapter (PEFT's)
+from rft_contract.layout import ADAPTER_KEY_PREFIX, is_adapter_dir
 from rft_contract.podenv import PodEnv
 from rft_contract.probe import FORMAT as PROBE_FORMAT
 from rft_contract.probe import Probe, Verdict, compare, parse_probe
@@ -366,16 +366,16 @@ class ReferenceServer:
             raise RequestError(400, "version must be an integer >= 0", "version")
         if base is not None and not (isinstance(base, str) and os.path.isdir(base)):
             raise RequestError(400, f"base {base!r} is not a directory", "base")
-        path = os.path.abspath(path)
-        adapter = os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+        path, base = os.path.abspath(path), base and os.path.abspath(base)
+        adapter = is_adapter_dir(path)
         with self._load_lock:
             cur = self.current
             if cur is not None and (cur.version, cur.path) == (version, path):
                 return 0.0, _check(cur, probe, tolerance, version)
             self.loading = True
             try:
-                if adapter and base is not None and (self.base is None or self.base.path != os.path.abspath(base)):
-                    self._set_base(load_weights(os.path.abspath(base), 0, self.device))
+                if adapter and base is not None and (self.base is None or self.base.path != base):
+                    self._set_base(load_weights(base, 0, self.device))
                 new = self._load_adapter(path, version) if adapter else load_weights(path, version, self.device)
             except RequestError:
                 raise
@@ -425,7 +425,8 @@ class ReferenceServer:
                 self._retired.append(name)  # whatever part of it loaded
                 raise
             finally:
-                self._peft and self._peft.eval()
+                if self._peft is not None:
+                    self._peft.eval()
                 while self._retired:
                     old = self._retired.pop()
                     if self._peft is not None and old in self._peft.peft_config and old != name:

@@ -78,7 +78,6 @@ costs requests (dropped), never labels. The operator counts a null entry as not 
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import shutil
@@ -91,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 from rft_contract import names
+from rft_contract.layout import is_adapter_dir
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.podmetrics import SyncAgentMetrics
 from rft_contract.probe import read_probe
@@ -100,7 +100,7 @@ from rft_contract.storage import get_storage
 from .engines import ENGINE_DOWN, ENGINES, Engine, EngineBroken, Previous, ProbeMismatch, SyncError
 from rft_contract.relay import VERIFIED, Peer, PeerServer, parent_index, url_host
 from .nccl_link import Incoming, NcclLink, NcclUnavailable
-from .weights import Fetched, Superseded, fetch, fetch_head, is_adapter, version_dir
+from .weights import Fetched, Superseded, fetch, fetch_head, version_dir
 
 log = logging.getLogger("rft_serving.sync_agent")
 # Failed attempts before an engine that has never answered is worth a warning.
@@ -279,11 +279,11 @@ class SyncAgent:
             log.info("fetching version %s from %s", target["version"], target.get("uri"))
             got = self._fetch(target)
         path, times = got.path, got.times
-        if target["version"] == 0 and self.start_adapter and not is_adapter(path):
+        if target["version"] == 0 and self.start_adapter and not is_adapter_dir(path):
             # A job that starts from an adapter: its version 0 is the base with that adapter.
             self.base, path = path, self._start(target)
         # An adapter loads onto the base: its files here before the replica says unsynced.
-        base = self._base(target) if is_adapter(path) else None
+        base = self._base(target) if is_adapter_dir(path) else None
         probe = _probe_of(path, target)
         t_reload = time.perf_counter()
         self.served = None  # from here on, only the engine's report says what it serves
@@ -355,7 +355,7 @@ class SyncAgent:
                             self.good[0]["version"] if self.good else "the initial")
                 return True
         self.good = (dict(target), path, probe)
-        if not is_adapter(path):
+        if not is_adapter_dir(path):
             self.base = path  # what adapters load onto from now on
         self._link_initial(path)
         self._cleanup(target)
@@ -364,7 +364,7 @@ class SyncAgent:
     def _base(self, target: dict) -> Path:
         """The base model's local copy, for an adapter version (`target`): the last full
         version loaded, else version 0 (spec.model.path) fetched now."""
-        if "base" not in inspect.signature(self.engine.load).parameters:
+        if not self.engine.lora_adapters:
             raise SyncError(f"version {target['version']} is a LoRA adapter, and this engine loads whole "
                             "models only")
         if self.base is not None and self.base.is_dir():

@@ -29,14 +29,7 @@ from .engines import SyncError
 from rft_contract.relay import CHUNK, MANIFEST_COPY, VERIFIED, Peer, PeerError, PeerServer, Transfer, \
     is_safe_file_name, read_from_peer, read_manifest_from_peer, version_dir_name, write_all
 
-from rft_contract.layout import ADAPTER_CONFIG
-
 log = logging.getLogger("rft_serving.weights")
-
-
-def is_adapter(path: str | Path) -> bool:
-    """A version directory that holds a LoRA adapter (loaded onto the base), not a model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def version_dir(dest: Path, target: dict) -> Path:

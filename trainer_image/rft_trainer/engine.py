@@ -261,15 +261,15 @@ class FSDPTrainEngine(TrainEngineWrapper):
             return export_adapter(model, self.rt, storage, dest, self.config.model.lora, self.config.model.path,
                                   self.step, dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()},
                                   stage=stage)
-        return export_hf(model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt), self.step,
-                         dtype=dtype, extra_files={PROBE_FILE: check.to_json().encode()}, stage=stage)
+        return self.export_merged(storage, dest, dtype, extra_files={PROBE_FILE: check.to_json().encode()},
+                                  stage=stage)
 
-
-    def export_merged(self, storage: Storage, dest: str, dtype: str) -> dict | None:
-        """The policy as a plain HF model (the base with the adapters merged): what a LoRA
-        job whose versions are adapters leaves at its end, for serving elsewhere. Collective."""
+    def export_merged(self, storage: Storage, dest: str, dtype: str, **kw) -> dict | None:
+        """The policy as a plain HF model (with LoRA, the base with the adapters merged): each
+        version when the engines load whole models, and what a LoRA job whose versions are
+        adapters leaves at its end, for serving elsewhere. Collective."""
         return export_hf(self.actor.model, self.rt, storage, dest, fetch_model(self.config.model.path, self.rt),
-                         self.step, dtype=dtype)
+                         self.step, dtype=dtype, **kw)
 
 
 def gather(t: torch.Tensor, rt: Runtime) -> torch.Tensor:

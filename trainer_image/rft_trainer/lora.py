@@ -29,14 +29,16 @@ different function from the policy's.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from rft_contract.layout import ADAPTER_KEY_PREFIX
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_KEY_PREFIX
 from rft_contract.spec import ALL_LINEAR, LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per model
@@ -44,7 +46,11 @@ BASE = ".base_layer."
 # PEFT's saved adapter (PeftModel.save_pretrained): the config and one safetensors file,
 # whose keys are the wrapped model's without the adapter's name.
 ADAPTER_FILE = "adapter_model.safetensors"
-PEFT_PREFIX = ADAPTER_KEY_PREFIX
+
+
+def alpha(spec: LoraSpec) -> float:
+    """LoRA's alpha as the spec means it: its own, else the rank (scale 1)."""
+    return spec.alpha if spec.alpha is not None else spec.rank
 
 
 def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -56,8 +62,7 @@ def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     targets = ALL_LINEAR if spec.target_modules == [ALL_LINEAR] else list(spec.target_modules)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
-                        lora_dropout=spec.dropout, target_modules=targets, bias="none")
+    config = LoraConfig(r=spec.rank, lora_alpha=alpha(spec), lora_dropout=spec.dropout, target_modules=targets, bias="none")
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model ..."
@@ -110,7 +115,7 @@ def hf_name(name: str) -> str:
 def peft_name(name: str) -> str:
     """An adapter parameter's key in PEFT's saved file: `...q_proj.lora_A.default.weight`
     -> `base_model.model....q_proj.lora_A.weight`."""
-    return PEFT_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+    return ADAPTER_KEY_PREFIX + name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
 
 
 def adapter_items(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -129,8 +134,7 @@ def adapter_config(model: nn.Module, spec: LoraSpec, base: str | None = None):
     adapted = layers(model)
     targets = sorted({name.rsplit(".", 1)[-1] for name in adapted}) if spec.target_modules == [ALL_LINEAR] \
         else list(spec.target_modules)
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha if spec.alpha is not None else spec.rank,
-                      lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM", target_modules=targets,
+    return LoraConfig(r=spec.rank, lora_alpha=alpha(spec), lora_dropout=spec.dropout, bias="none", task_type="CAUSAL_LM", target_modules=targets,
                       fan_in_fan_out=any(m.fan_in_fan_out for m in adapted.values()),
                       base_model_name_or_path=base)
 
@@ -140,12 +144,7 @@ def read_adapter(model: nn.Module, spec: LoraSpec, path: str) -> dict[str, torch
     saved format) under the model's state-dict keys. ValueError naming
     spec.model.lora.adapterPath when it is not a LoRA adapter of this rank and alpha that
     adapts exactly the layers the spec adapts, in their shapes."""
-    import json
-    import os
-
     from safetensors.torch import load_file
-
-    from rft_contract.layout import ADAPTER_CONFIG
 
     field = f"spec.model.lora.adapterPath {spec.adapter_path}"
     try:
@@ -155,7 +154,7 @@ def read_adapter(model: nn.Module, spec: LoraSpec, path: str) -> dict[str, torch
     except (OSError, ValueError) as e:
         raise ValueError(f"{field}: not a PEFT adapter ({ADAPTER_CONFIG} and {ADAPTER_FILE}): "
                          f"{type(e).__name__}: {e}") from None
-    alpha = spec.alpha if spec.alpha is not None else spec.rank
+    want_alpha = alpha(spec)
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise ValueError(f"{field}: peft_type {config.get('peft_type') if isinstance(config, dict) else None!r} "
                          "is not LORA")
@@ -166,22 +165,22 @@ def read_adapter(model: nn.Module, spec: LoraSpec, path: str) -> dict[str, torch
                                  ("bias", config.get("bias", "none") == "none")) if not ok]:
         raise ValueError(f"{field}: sets {', '.join(other)}, which the trainer's LoRA does not (plain LoRA: "
                          "one rank and alpha for every layer, no bias)")
-    if (config.get("r"), float(config.get("lora_alpha") or 0)) != (spec.rank, float(alpha)):
+    if (config.get("r"), float(config.get("lora_alpha") or 0)) != (spec.rank, float(want_alpha)):
         raise ValueError(f"{field}: its rank {config.get('r')} and alpha {config.get('lora_alpha')} are not "
-                         f"spec.model.lora's ({spec.rank}, {alpha:g})")
+                         f"spec.model.lora's ({spec.rank}, {want_alpha:g})")
     keys = {peft_name(f"{prefix}.lora_{x}.{ADAPTER}.weight"): f"{prefix}.lora_{x}.{ADAPTER}.weight"
             for prefix in layers(model) for x in ("A", "B")}
     if missing := sorted({k.rsplit(".lora_", 1)[0] for k in keys.keys() - tensors.keys()}):
         raise ValueError(f"{field}: no adapter for {len(missing)} layers spec.model.lora.targetModules adapts: "
-                         f"{', '.join(m.removeprefix(PEFT_PREFIX) for m in missing[:4])}")
+                         f"{', '.join(m.removeprefix(ADAPTER_KEY_PREFIX) for m in missing[:4])}")
     if extra := sorted(tensors.keys() - keys.keys()):
         raise ValueError(f"{field}: adapts what spec.model.lora.targetModules does not: "
-                         f"{', '.join(e.removeprefix(PEFT_PREFIX) for e in extra[:4])}")
+                         f"{', '.join(e.removeprefix(ADAPTER_KEY_PREFIX) for e in extra[:4])}")
     state = model.state_dict()
     out = {}
     for name, key in keys.items():
         if tuple(tensors[name].shape) != tuple(state[key].shape):
-            raise ValueError(f"{field}: {name.removeprefix(PEFT_PREFIX)} is {tuple(tensors[name].shape)}, "
+            raise ValueError(f"{field}: {name.removeprefix(ADAPTER_KEY_PREFIX)} is {tuple(tensors[name].shape)}, "
                              f"the model's {tuple(state[key].shape)}")
         out[key] = tensors[name].to(state[key].dtype)
     return out
