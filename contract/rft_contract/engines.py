@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .names import BASE_MODEL_NAME
+
 # sync.dtype as vLLM's and SGLang's --dtype spell it.
 ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -51,6 +53,14 @@ class EngineProfile:
     # Loads a LoRA adapter (PEFT's format) onto the base it serves, at run time: a LoRA job
     # (spec.model.lora) then syncs the adapter alone; else each version is the merged model.
     lora_adapters: bool = False
+    # For a LoRA job: the flags that let it load adapters at run time, formatted with
+    # lora_rank (`lora_rank`), and its env for them. An engine with such flags serves the
+    # policy as an adapter named SERVED_MODEL_NAME and the base alone as BASE_MODEL_NAME
+    # (names.py); version 0 is then the base with an adapter of zeros (the sync agent's).
+    lora_flags: tuple[str, ...] = ()
+    lora_env: tuple[tuple[str, str], ...] = ()
+    # The adapter ranks its flags accept (`lora_rank` rounds a job's rank up to one); empty: any.
+    lora_ranks: tuple[int, ...] = ()
 
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
@@ -66,7 +76,13 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
                            *SERVER_FLAGS, "--worker-extension-cls", "rft_serving.vllm_worker.RFTWorkerExtension"),
                   readiness_path="/health", supervised=True, restartable=True, env=(("VLLM_SERVER_DEV_MODE", "1"),),
                   weights_version="`choices[i].weight_versions` spans of the output tokens",
-                  nccl_flags=("--weight-transfer-config", '{"backend":"nccl"}')),
+                  nccl_flags=("--weight-transfer-config", '{"backend":"nccl"}'), lora_adapters=True,
+                  # Runtime adapters (/v1/load_lora_adapter), one at a time: each version
+                  # loads in place of the last under the same name. --max-lora-rank takes
+                  # vLLM's MaxLoRARanks only.
+                  lora_flags=("--enable-lora", "--max-lora-rank", "{lora_rank}", "--max-loras", "1"),
+                  lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1"),),
+                  lora_ranks=(1, 8, 16, 32, 64, 128, 256, 320, 512)),
     # SGLang 0.5.23: no --weight-version, so it starts as "default" and the agent reloads
     # (and labels) it. /ready is 200 once up (its /health generates a token and takes over
     # the probe's 1 s timeout).
@@ -81,10 +97,28 @@ NCCL_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.nccl_fl
 LORA_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.lora_adapters)
 # What the operator sets on an engine container and `inference.env` may not set: the
 # helpers' PYTHONPATH of supervised engines and each engine's own variables.
-ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in p.env))
+ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in (*p.env, *p.lora_env)))
 
 
-def engine_command(profile: EngineProfile, port: int, served: str, dtype: str, initial: str) -> list[str]:
-    """The profile's command line, formatted (`dtype` as sync.dtype spells it)."""
-    values = {"port": str(port), "served": served, "dtype": ENGINE_DTYPES[dtype], "initial": initial}
-    return [part.format(**values) for part in profile.command]
+def lora_rank(profile: EngineProfile, rank: int) -> int:
+    """The smallest adapter rank the engine's flags accept that holds `rank` (spec.model.lora.rank)."""
+    return next((r for r in profile.lora_ranks if r >= rank), rank) if profile.lora_ranks else rank
+
+
+def adapter_policy(profile: EngineProfile, lora: bool) -> bool:
+    """Whether the engine serves a job's policy as a run-time adapter (a LoRA job on an
+    engine with `lora_flags`): the base then serves as BASE_MODEL_NAME."""
+    return lora and profile.lora_adapters and bool(profile.lora_flags)
+
+
+def engine_command(profile: EngineProfile, port: int, served: str, dtype: str, initial: str,
+                   lora: int | None = None) -> list[str]:
+    """The profile's command line, formatted (`dtype` as sync.dtype spells it). `lora`: a
+    LoRA job's rank: the engine's `lora_flags` follow, and where the policy is an adapter
+    (`adapter_policy`) the base serves as BASE_MODEL_NAME and `served` is the adapter's."""
+    values = {"port": str(port), "served": BASE_MODEL_NAME if adapter_policy(profile, lora is not None) else served,
+              "dtype": ENGINE_DTYPES[dtype], "initial": initial}
+    if lora is not None:
+        values["lora_rank"] = str(lora_rank(profile, lora))
+    flags = profile.lora_flags if lora is not None else ()
+    return [part.format(**values) for part in (*profile.command, *flags)]

@@ -29,6 +29,8 @@ METRICS = "metrics"
 # What makes a weights version a LoRA adapter (PEFT's saved format), not a whole model.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_KEY_PREFIX = "base_model.model."  # what PEFT's saved tensor names start with
+ADAPTER_FILE = "adapter_model.safetensors"  # its tensors (PeftModel.save_pretrained's one file)
+ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the output head
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 

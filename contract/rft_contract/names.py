@@ -110,6 +110,9 @@ CONFIG_MOUNT = "/etc/rft"
 WEIGHTS_MOUNT = "/var/lib/rft/weights"
 # The `model` name inference replicas answer to (explorers send it, as OpenAI clients do).
 SERVED_MODEL_NAME = "policy"
+# An engine that serves a LoRA job's policy as an adapter named SERVED_MODEL_NAME (vLLM:
+# an adapter cannot take the base's name) serves the base model alone under this name.
+BASE_MODEL_NAME = "policy-base"
 MODEL_CACHE_MOUNT = "/var/cache/rft/models"
 # A resuming pod downloads the checkpoint here once (local rank 0); every rank loads it.
 STAGING_MOUNT = "/var/lib/rft/staging"

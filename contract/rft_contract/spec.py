@@ -41,6 +41,7 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
 from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, NCCL_ENGINES, TRAINER_IMAGE_ENGINES
 from .errors import describe
+from .layout import ALL_LINEAR
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
@@ -255,7 +256,6 @@ class ModelCacheSpec(Model):
         description="How long the other ranks wait for local rank 0 to download the model.")
 
 
-ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
 
 
 class LoraSpec(OmitUnset):
@@ -294,7 +294,7 @@ class ModelSpec(OmitUnset):
     lora: LoraSpec | None = Field(default=None, description=(
         "Train LoRA adapters instead of every weight (immutable). Checkpoints hold the adapters "
         "and their optimizer state; each weight version is the adapter alone where the engine loads "
-        "adapters (reference), else the base with the adapters merged."))
+        "adapters (reference, vllm), else the base with the adapters merged."))
 
 
 class AlgorithmSpec(Model):

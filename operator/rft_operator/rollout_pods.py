@@ -57,12 +57,15 @@ def _engine_command(spec: RFTJobSpec) -> list[str]:
     engine, or weights that fail the probe) from the helpers the init container copied
     (`HELPERS_MOUNT`, on PYTHONPATH), so any image with the engine works; it starts from
     `initial`, the weights the init container fetched and the agent re-points at every
-    version it loads. Engines serve in `sync.dtype`, the dtype of the exports and of their
-    probes."""
+    version it loads (a LoRA job's adapters load onto the base, which it stays). Engines
+    serve in `sync.dtype`, the dtype of the exports and of their probes. A LoRA job gets the
+    profile's `lora_flags` (vLLM: run-time adapters; the base then serves apart,
+    rft_contract.engines.adapter_policy)."""
     inf = spec.inference
     profile = ENGINES[inf.engine]
+    lora = spec.model.lora
     command = engine_command(profile, inf.port, names.SERVED_MODEL_NAME, spec.sync.dtype,
-                             f"{names.WEIGHTS_MOUNT}/initial")
+                             f"{names.WEIGHTS_MOUNT}/initial", lora=lora.rank if lora is not None else None)
     if spec.sync.transport == "nccl":  # its NCCL weight-transfer backend (rft_contract.nccl)
         command += profile.nccl_flags
     if not profile.supervised:
@@ -83,6 +86,8 @@ def _engine_container(ref: JobRef, spec: RFTJobSpec) -> Obj:
         mounts.append({"name": "engine-helpers", "mountPath": HELPERS_MOUNT, "readOnly": True})
         mounts += build_shm(inf.shm_size)[1]  # the engines' shared-memory queues
     env += [{"name": k, "value": v} for k, v in profile.env]  # e.g. vLLM's weight-update routes
+    if spec.model.lora is not None:  # e.g. vLLM's run-time adapter routes
+        env += [{"name": k, "value": v} for k, v in profile.lora_env]
     env += [build_user_env(e) for e in inf.env]
     command = _engine_command(spec)
     return {

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import yaml
 
-from rft_contract.engines import ENGINE_ENV, ENGINES
-from rft_contract.spec import InferenceSpec
+from rft_contract import names
+from rft_contract.engines import ENGINE_ENV, ENGINES, adapter_policy, lora_rank
+from rft_contract.spec import InferenceSpec, parse_spec
+from rft_operator.rollout_pods import build_inference_pod
 from rft_serving import engines as adapters
 from tests.fixtures import catalogues
+from tests.unit.testing import REF, SPEC
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +36,30 @@ def test_the_spec_the_crd_and_the_sync_agent_follow_the_catalogue():
     assert {n: a.restartable for n, a in adapters.ENGINES.items()} == {n: p.restartable for n, p in ENGINES.items()}
     assert {n: a.lora_adapters for n, a in adapters.ENGINES.items()} == {
         n: p.lora_adapters for n, p in ENGINES.items()}
-    assert ENGINE_ENV[0] == "PYTHONPATH" and all(k in ENGINE_ENV for p in ENGINES.values() for k, _ in p.env)
+    assert {n: a.adapter_policy for n, a in adapters.ENGINES.items()} == {
+        n: adapter_policy(p, True) for n, p in ENGINES.items()}
+    assert ENGINE_ENV[0] == "PYTHONPATH" and all(k in ENGINE_ENV for p in ENGINES.values()
+                                                 for k, _ in (*p.env, *p.lora_env))
+
+
+def test_a_lora_job_s_vllm_serves_the_base_apart_and_loads_adapters_at_run_time():
+    spec = parse_spec({**SPEC, "model": {**SPEC["model"], "lora": {"rank": 12}},
+                       "inference": {"engine": "vllm", "image": "vllm:1"}})
+    engine = build_inference_pod(REF, spec, 0)["spec"]["containers"][0]
+    command = engine["command"] + engine["args"]
+    assert command[command.index("--served-model-name") + 1] == names.BASE_MODEL_NAME
+    # vLLM's --max-lora-rank takes its MaxLoRARanks only: 12 rounds up to 16.
+    assert command[-5:] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "1"} in engine["env"]
+    plain = build_inference_pod(REF, parse_spec({**SPEC, "inference": {"engine": "vllm", "image": "vllm:1"}}), 0)
+    command = plain["spec"]["containers"][0]["command"] + plain["spec"]["containers"][0]["args"]
+    assert "--enable-lora" not in command and command[command.index("--served-model-name") + 1] == "policy"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in json.dumps(plain)
+    # The reference server loads adapters itself: its command is the same.
+    ref = parse_spec({**SPEC, "model": {**SPEC["model"], "lora": {"rank": 12}}, "inference": {"engine": "reference"}})
+    command = build_inference_pod(REF, ref, 0)["spec"]["containers"][0]["args"]
+    assert "--enable-lora" not in command and "policy" in command
+    assert [lora_rank(ENGINES["vllm"], r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
 
 def test_no_module_outside_the_catalogue_branches_on_an_engine_s_name():
