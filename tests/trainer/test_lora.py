@@ -138,8 +138,10 @@ def test_an_adapter_version_is_peft_s_format_and_peft_on_the_base_computes_the_t
 
 def test_a_lora_job_syncs_the_adapter_alone_when_its_engine_loads_adapters(tiny, world_of_one):
     assert prepared(tiny, world_of_one, inference={"engine": "reference"}).adapter_versions
-    assert not prepared(tiny, world_of_one, inference={"engine": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
-                        ).adapter_versions  # merged until vLLM loads adapters
+    assert prepared(tiny, world_of_one, inference={"engine": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
+                    ).adapter_versions  # vLLM loads them at run time (tests/trainer/test_vllm_lora.py)
+    assert not prepared(tiny, world_of_one, inference={"engine": "sglang", "image": "lmsysorg/sglang:v0.5.23"}
+                        ).adapter_versions  # merged: SGLang's adapter routes are not driven yet
     assert not prepared(tiny, world_of_one).adapter_versions  # no engines: a plain HF model
 
 
@@ -268,3 +270,53 @@ def test_bf16_master_weights_at_lr_1e_5_train_the_adapters_and_every_version_sho
     base = load_file(str(tiny / "model.safetensors"))
     adapted = [f"{name}.weight" for name in lora.layers(engine.actor.model)]
     assert [k for k in adapted if torch.equal(exported[k], base[k].to(torch.bfloat16))] == []
+
+
+def test_the_sync_agent_s_zero_adapter_is_the_base_exactly_and_names_a_layer_the_targets_match(tiny, tmp_path):
+    """Version 0 of a LoRA job on vLLM (which serves the policy only as an adapter, and
+    refuses one without tensors): the sidecar writes it without torch, one pair of zeros
+    on a targeted layer. PEFT loads it and computes exactly the base's outputs."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rft_serving.sync_agent import write_zero_adapter
+
+    out = write_zero_adapter(tmp_path / "zero", {"rank": 8, "alpha": 16, "targetModules": ["all-linear"]}, str(tiny))
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert sorted(tensors) == ["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (8, 128)
+    ids = torch.tensor([[3, 7, 1, 9, 4]])
+    base = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+        got = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny)), str(out)).eval()(
+            input_ids=ids).logits
+    assert torch.equal(got, want)
+    named = write_zero_adapter(tmp_path / "named", {"rank": 4, "targetModules": ["v_proj"]}, str(tiny))
+    assert sorted(load_file(named / "adapter_model.safetensors"))[0].endswith("layers.0.self_attn.v_proj.lora_A.weight")
+    with pytest.raises(ValueError, match=r"spec.model.lora.targetModules \['w_proj'\]"):
+        write_zero_adapter(tmp_path / "none", {"rank": 4, "targetModules": ["w_proj"]}, str(tiny))
+
+
+def test_an_inference_pod_that_starts_on_an_adapter_version_starts_its_engine_from_the_base(tiny, tmp_path):
+    """The init container (`--fetch-only`) of a pod that starts while the target is an
+    adapter version (vLLM, mid-run): the engine's `initial` link is the base, fetched from
+    spec.model.path; the sidecar then loads the adapter onto it. The agent never points the
+    link at an adapter."""
+    from rft_serving.engines import VLLMEngine
+    from rft_serving.sync_agent import INITIAL_LINK, SyncAgent, fetch_only, write_zero_adapter
+    from tests.trainer.test_engines import FakeJobApi
+
+    adapter = write_zero_adapter(tmp_path / "export-v7", {"rank": 4}, str(tiny))  # stands for version 7's export
+    api = FakeJobApi()
+    agent = SyncAgent("job", "ns", "job-inference-0", VLLMEngine("http://127.0.0.1:9"), tmp_path / "dest", api=api)
+    agent._watch = lambda: None  # the job as its watch would report it:
+    agent._update({"spec": {"model": {"path": str(tiny), "lora": {"rank": 4}}},
+                   "status": {"weightSync": {"target": {"version": 7, "id": "x7", "uri": str(adapter)}}}})
+    out = tmp_path / "dest" / INITIAL_LINK
+    assert fetch_only(agent, out, timeout=5) == 0
+    assert out.is_symlink() and (out / "config.json").is_file() and not (out / "adapter_config.json").exists()
+    agent._link_initial(adapter)
+    assert not (out / "adapter_config.json").exists()

@@ -40,8 +40,9 @@ from typing import Any, Callable
 import requests
 
 from rft_contract import names
-from rft_contract.fingerprint import FingerprintVerdict, read_fingerprint
+from rft_contract.fingerprint import Fingerprint, FingerprintVerdict, read_fingerprint
 from rft_contract.fingerprint import compare as compare_fingerprint
+from rft_contract.layout import is_adapter_dir
 from rft_contract.probe import Probe, Verdict, compare
 from rft_contract.versions import parse_version
 
@@ -92,6 +93,9 @@ class Engine:
 
     restartable = True  # a probe mismatch is cured by a restart (the reference engine refuses instead)
     lora_adapters = False  # loads a LoRA adapter onto its base (`load(..., base=)`): the catalogue's flag
+    # Serves a LoRA job's policy only as an adapter (the catalogue's `lora_flags`): version 0
+    # is then the base with an adapter of zeros.
+    adapter_policy = False
 
     def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
         self.url, self.timeout = url.rstrip("/"), timeout
@@ -129,8 +133,9 @@ class Engine:
                                 verdict)
         return verdict
 
-    def adopt(self, version: int, probe: Probe | None, tolerance: float | None = None) -> Verdict | None:
-        """The engine started from `version`'s directory (a restart): check it, label it."""
+    def adopt(self, version: int, probe: Probe | None, tolerance: float | None = None,
+              path: str | None = None) -> Verdict | None:
+        """The engine started from `version`'s directory `path` (a restart): check it, label it."""
         verdict = self.check(probe, tolerance, f"version {version} after a fresh start from disk")
         self.label(version)
         return verdict
@@ -363,6 +368,8 @@ class VLLMEngine(Engine):
     """
 
     EXTENSION_METHOD = "rft_reload_weights"
+    lora_adapters = True
+    adapter_policy = True
 
     def __init__(self, url: str, timeout: float = 600.0, supervisor: str | None = None):
         super().__init__(url, timeout, supervisor)
@@ -372,10 +379,12 @@ class VLLMEngine(Engine):
         return parse_version(self._get("/weight_info").get("weight_version"))
 
     def load(self, path: str, version: int, probe: Probe | None, tolerance: float | None = None,
-             previous: Previous | None = None, incoming: Any = None) -> Verdict | None:
+             previous: Previous | None = None, incoming: Any = None, base: str | None = None) -> Verdict | None:
         """`incoming` (rft_serving.nccl_link.Incoming): the weights come over NCCL from
         trainer rank 0 instead of from `path`, which then holds the version's other files
-        (the fingerprint they are checked against)."""
+        (the fingerprint they are checked against). `path` an adapter (a LoRA job): it
+        replaces the policy's adapter (`_reload`), on the base the engine started from
+        (`base` is that base: the agent keeps `initial` pointing at it)."""
         try:
             self._post("/pause", params={"mode": "wait"})
         except SyncError as e:
@@ -393,6 +402,11 @@ class VLLMEngine(Engine):
             else:
                 self._reload(path)
         except SyncError as e:
+            if is_adapter_dir(path) and previous is not None:
+                # vLLM reads a new adapter whole before it drops the one serving: a refused
+                # adapter leaves the previous one, which goes back in place, checked.
+                self._roll_back(previous, tolerance, ProbeMismatch(f"version {version}: the engine refused "
+                                                                   f"the adapter: {e}"))
             # Left paused: resumed, the half-loaded engine dies on its next request.
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
                                "a fresh start") from None
@@ -431,6 +445,16 @@ class VLLMEngine(Engine):
             raise EngineBroken(f"{refused}; going back to version {previous.version} failed too ({e})") from None
         raise ProbeMismatch(f"{refused}; serving version {previous.version} again", serving=previous.version)
 
+    def adopt(self, version: int, probe: Probe | None, tolerance: float | None = None,
+              path: str | None = None) -> Verdict | None:
+        """After a restart from the base (`path` an adapter: the policy's adapter loads now),
+        the fingerprint check, then the probe and the label."""
+        if path is not None and is_adapter_dir(path):
+            self._reload(path)
+        if path is not None:
+            self.fingerprint_verdict = self.check_fingerprint(path, version)
+        return super().adopt(version, probe, tolerance, path)
+
     def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:
         """The weights every worker holds, as its kernels use them (vllm_worker.fingerprint),
         against the export's fingerprint. A parameter that differs raises ProbeMismatch
@@ -440,17 +464,19 @@ class VLLMEngine(Engine):
         the extension or without a fingerprint in the export, and with more than one worker
         (tensor or pipeline parallelism: which parameters are split, replicated or
         repeated across workers is not derived yet), with a warning."""
+        adapter = is_adapter_dir(path)
         try:
-            fingerprint = read_fingerprint(path)
+            fingerprint = read_fingerprint(path) if not adapter else None
         except (OSError, ValueError) as e:
             raise SyncError(f"version {version}: {e}") from None
-        if fingerprint is None or self.extension is False:
+        if (fingerprint is None and not adapter) or self.extension is False:
             return None
         start = time.perf_counter()
+        method = "rft_lora_fingerprint" if adapter else "rft_fingerprint"
         try:
-            out = self._post("/collective_rpc", {"method": "rft_fingerprint"})
+            out = self._post("/collective_rpc", {"method": method, **({"kwargs": {"path": path}} if adapter else {})})
         except SyncError as e:
-            if self.extension is None and "has no attribute 'rft_fingerprint'" in str(e):
+            if self.extension is None and f"has no attribute '{method}'" in str(e):
                 self.extension = False  # weights that came over NCCL, into an engine without it
                 log.warning("vLLM runs without rft_serving.vllm_worker.RFTWorkerExtension: no fingerprint check")
                 return None
@@ -462,10 +488,13 @@ class VLLMEngine(Engine):
             log.warning("version %s: vLLM runs %d workers; the fingerprint check covers one worker only and is "
                         "skipped (the probe applies)", version, len(workers))
             return None
-        verdict = compare_fingerprint(workers[0].get("stats") or {}, fingerprint, workers[0].get("packed"))
-        if verdict.mismatched:
-            raise ProbeMismatch(f"version {version}: the engine does not hold the exported weights after "
-                                f"the reload: {verdict.describe()}")
+        if adapter:
+            verdict = self._compare_adapter(workers[0], version)
+        else:
+            verdict = compare_fingerprint(workers[0].get("stats") or {}, fingerprint, workers[0].get("packed"))
+        if verdict.mismatched or (adapter and verdict.missing):
+            raise ProbeMismatch(f"version {version}: the engine does not hold the exported "
+                                f"{'adapter' if adapter else 'weights'} after the reload: {verdict.describe()}")
         if verdict.missing:
             log.warning("version %s: the fingerprint check could not place %d exported tensors among vLLM's "
                         "parameters (e.g. %s); those are left to the probe", version, len(verdict.missing),
@@ -473,6 +502,21 @@ class VLLMEngine(Engine):
         log.info("version %s: fingerprint checked in %.2fs: %s", version, time.perf_counter() - start,
                  verdict.describe())
         return verdict
+
+    @staticmethod
+    def _compare_adapter(worker: dict, version: int) -> FingerprintVerdict:
+        """The adapter in the worker's LoRA slots against the version's adapter file, both
+        as vllm_worker.lora_fingerprint reports them: exactly one adapter (the policy's),
+        each slice of each adapted layer equal to its tensor, every other slice zero."""
+        adapters = worker.get("adapters") or {}
+        if len(adapters) != 1:
+            raise ProbeMismatch(f"version {version}: the engine holds {len(adapters)} adapters in its LoRA "
+                                "slots after the load, not the policy's one")
+        held = held_adapter(next(iter(adapters.values())), worker.get("packed") or {})
+        expected = {name: tuple(stats) for name, stats in (worker.get("file") or {}).items()}
+        for name in held:
+            expected.setdefault(name, (0.0, 0.0, 1.0))  # a layer the adapter leaves alone: zeros
+        return compare_fingerprint(held, Fingerprint(expected, str(worker.get("dtype"))))
 
     def receive(self, incoming: Any) -> None:
         """In place of a reload from files, the engine paused: the version over NCCL from
@@ -529,6 +573,18 @@ class VLLMEngine(Engine):
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def _reload(self, path: str) -> None:
+        """The weights of `path` into the engine, in place: an adapter (a LoRA job's version)
+        replaces the one serving as the policy (`load_inplace`; vLLM reads it whole before it
+        drops the old one), else the model's weights reload."""
+        if is_adapter_dir(path):  # answers 200 with plain text, an error object otherwise
+            body = {"lora_name": names.SERVED_MODEL_NAME, "lora_path": path, "load_inplace": True}
+            try:
+                r = requests.post(self.url + "/v1/load_lora_adapter", json=body, timeout=self.timeout)
+            except requests.RequestException as e:
+                raise SyncError(f"engine /v1/load_lora_adapter: {type(e).__name__}") from None
+            if r.status_code >= 400:
+                raise SyncError(f"engine /v1/load_lora_adapter: HTTP {r.status_code} {r.text[:300]}")
+            return
         if self.extension is not False:
             try:
                 out = self._post("/collective_rpc", {"method": self.EXTENSION_METHOD,
@@ -566,6 +622,25 @@ class VLLMEngine(Engine):
 
     def label(self, version: int | str) -> None:
         self._post("/update_weight_version", {"new_version": str(version)})
+
+
+def held_adapter(modules: dict, packed: dict) -> dict[str, list[float]]:
+    """vllm_worker.lora_fingerprint's slices of one adapter, by the names of the adapter's
+    tensors (`model.layers.0.self_attn.q_proj.lora_A.weight`): a fused layer's slices are
+    its sources' (`packed`, e.g. qkv_proj -> q_proj, k_proj, v_proj)."""
+    held = {}
+    for module, slices in modules.items():
+        prefix, _, leaf = module.rpartition(".")
+        sources = packed.get(leaf) or [leaf]
+        for ab, key in (("a", "lora_A"), ("b", "lora_B")):
+            parts = slices.get(ab) or []
+            names_ = sources if len(parts) == len(sources) else [leaf] * len(parts)
+            for source, stats in zip(names_, parts):
+                name = f"{prefix}.{source}.{key}.weight" if prefix else f"{source}.{key}.weight"
+                if name in held:  # one layer's slices under one name: their statistics add up
+                    stats = [x + y for x, y in zip(held[name], stats)]
+                held[name] = stats
+    return held
 
 
 # The catalogue's engines (rft_contract.engines), by name: the sync agent's adapter for each.

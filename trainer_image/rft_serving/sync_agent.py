@@ -78,10 +78,12 @@ costs requests (dropped), never labels. The operator counts a null entry as not 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -90,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from rft_contract import names
-from rft_contract.layout import is_adapter_dir
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX, ALL_LINEAR, is_adapter_dir
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.podmetrics import SyncAgentMetrics
 from rft_contract.probe import read_probe
@@ -116,6 +118,7 @@ HELPER_FILES = ("__init__.py", "supervise.py", "cpu_isa.py", "vllm_worker.py")
 
 
 START_ADAPTER_DIR = "start-adapter"  # under the agent's dest: spec.model.lora.adapterPath's copy
+ZERO_ADAPTER_DIR = "zero-adapter"  # under the agent's dest: version 0 as an adapter (_zero_adapter)
 
 
 class SyncAgent:
@@ -146,6 +149,7 @@ class SyncAgent:
         self.base: Path | None = None
         self.model_path: str | None = None  # spec.model.path, from the watched job
         self.start_adapter: str | None = None  # spec.model.lora.adapterPath: version 0 is the base with it
+        self.lora: dict | None = None  # spec.model.lora, as the job says it
         self.engine_version: int | None = None  # what the engine last reported
         self.attempts = 0
         self.syncs = 0
@@ -188,7 +192,8 @@ class SyncAgent:
         model = (obj.get("spec") or {}).get("model") or {}
         if model:
             self.model_path = model.get("path") or self.model_path
-            self.start_adapter = (model.get("lora") or {}).get("adapterPath")
+            self.lora = model.get("lora")
+            self.start_adapter = (self.lora or {}).get("adapterPath")
         changed = (status.get("weightSync") or {}).get("target") != self.target()
         self._status = status
         if changed:
@@ -282,6 +287,9 @@ class SyncAgent:
         if target["version"] == 0 and self.start_adapter and not is_adapter_dir(path):
             # A job that starts from an adapter: its version 0 is the base with that adapter.
             self.base, path = path, self._start(target)
+        elif target["version"] == 0 and self.lora and getattr(self.engine, "adapter_policy", False) and not is_adapter_dir(path):
+            # An engine that serves the policy as an adapter (vLLM): the base with zeros.
+            self.base, path = path, self._zero_adapter(path)
         # An adapter loads onto the base: its files here before the replica says unsynced.
         base = self._base(target) if is_adapter_dir(path) else None
         probe = _probe_of(path, target)
@@ -384,6 +392,14 @@ class SyncAgent:
         return fetch({"version": 0, "uri": self.start_adapter}, self.dest / START_ADAPTER_DIR, self.storage,
                      wait=self._superseded(target)).path
 
+    def _zero_adapter(self, base: Path) -> Path:
+        """Version 0 of a LoRA job on an engine that serves the policy only as an adapter:
+        `write_zero_adapter` with the job's spec.model.lora."""
+        try:
+            return write_zero_adapter(self.dest / ZERO_ADAPTER_DIR, self.lora or {}, str(base))
+        except (OSError, ValueError) as e:
+            raise SyncError(f"version 0: could not write the zero adapter on {base}: {e}") from None
+
     def _fetch(self, target: dict) -> Fetched:
         """The target's files, checked: from the parent replica (or on the fast path the
         trainer), else S3; published to this replica's children as they arrive."""
@@ -416,9 +432,8 @@ class SyncAgent:
         self._link_initial(path)
         self._restart_engine(reason)
         try:
-            if hasattr(self.engine, "check_fingerprint"):  # the exact check, on the fresh start too
-                self.engine.fingerprint_verdict = self.engine.check_fingerprint(str(path), target["version"])
-            return self.engine.adopt(target["version"], probe, self.probe_tolerance)
+            # The engine's exact check (vLLM's fingerprint) runs on the fresh start too.
+            return self.engine.adopt(target["version"], probe, self.probe_tolerance, path=str(path))
         except ProbeMismatch as e:
             message = f"{e} (the reload's result was: {reason})"
             self._fall_back(target, message, before)
@@ -439,7 +454,7 @@ class SyncAgent:
         try:
             self._restart_engine(reason)
             if last is not None:
-                self.engine.adopt(last[0]["version"], last[2], self.probe_tolerance)
+                self.engine.adopt(last[0]["version"], last[2], self.probe_tolerance, path=str(last[1]))
                 self.served = dict(last[0])
         except SyncError as e:
             log.error("could not bring the engine back on the last good version: %s", e)
@@ -529,9 +544,10 @@ class SyncAgent:
         return link.resolve() if link.is_symlink() else None
 
     def _link_initial(self, path: Path) -> None:
-        """Point the engine's start-up link (made by the init container) at `path`."""
+        """Point the engine's start-up link (made by the init container) at `path`; an
+        adapter leaves it on the base (the engine starts from the base, then loads it)."""
         link = self.dest / INITIAL_LINK
-        if not link.is_symlink():
+        if not link.is_symlink() or is_adapter_dir(path):
             return  # the reference engine starts empty: no link
         tmp = self.dest / f".{INITIAL_LINK}.tmp"
         try:
@@ -644,6 +660,65 @@ def install_helpers(out: Path) -> None:
     log.info("engine helpers %s in %s", ", ".join(HELPER_FILES), dest)
 
 
+def write_zero_adapter(out: Path, lora: dict, base: str) -> Path:
+    """An adapter that adds nothing, in PEFT's format: the job's rank, alpha and target
+    modules (`lora`: spec.model.lora as the RFTJob says it), B A = 0 on every layer, so the
+    engine serves the base's exact outputs under the policy's name. vLLM refuses an adapter
+    without tensors, so it holds one pair of zeros, on the first layer of the base the
+    targets name (`_zero_layer`). Written without torch (the sidecar has none)."""
+    rank = int(lora["rank"])
+    targets = lora.get("targetModules") or [ALL_LINEAR]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+              "lora_alpha": float(lora.get("alpha") or rank), "lora_dropout": 0.0, "bias": "none",
+              "target_modules": ALL_LINEAR if targets == [ALL_LINEAR] else list(targets),
+              "base_model_name_or_path": base}
+    module, (rows, cols) = _zero_layer(Path(base), targets)
+    tensors = {f"{ADAPTER_KEY_PREFIX}{module}.lora_A.weight": (rank, cols),
+               f"{ADAPTER_KEY_PREFIX}{module}.lora_B.weight": (rows, rank)}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors.items():
+        size = 4 * shape[0] * shape[1]
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    (tmp / ADAPTER_FILE).write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(offset))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _zero_layer(base: Path, targets: list[str]) -> tuple[str, tuple[int, int]]:
+    """A linear layer of the model at `base` that `targets` name, and its weight's (out, in),
+    from its safetensors headers: the first 2-D `<module>.weight` whose module `targets`
+    matches as PEFT does (the name, or a suffix after a '.'); for all-linear, one that is
+    not an embedding or the output head (no dimension of the vocabulary's size). ValueError
+    when none."""
+    try:
+        vocab = json.loads((base / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab = None
+    for file in sorted(base.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name in sorted(header):
+            shape = header[name].get("shape") if name != "__metadata__" else None
+            if not name.endswith(".weight") or not shape or len(shape) != 2:
+                continue
+            module = name.removesuffix(".weight")
+            if targets == [ALL_LINEAR]:
+                if vocab not in shape and "embed" not in module and module.rsplit(".", 1)[-1] != "lm_head":
+                    return module, (shape[0], shape[1])
+            elif any(module == t or module.endswith("." + t) for t in targets):
+                return module, (shape[0], shape[1])
+    raise ValueError(f"no linear layer of {base} matches spec.model.lora.targetModules {targets}")
+
+
 def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
     """Init-container mode: download the current target to `out` for engines that must
     start from weights on disk (vLLM, SGLang), then exit."""
@@ -666,6 +741,8 @@ def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:
             if agent._stop.is_set() or agent.target() is None:
                 return 1
             target = agent.target()
+    if is_adapter_dir(path):  # a LoRA job's version: the engine starts from the base, then loads it
+        path = agent._base(target)
     if out.exists() or out.is_symlink():
         out.unlink() if out.is_symlink() else shutil.rmtree(out)
     out.symlink_to(path.resolve())

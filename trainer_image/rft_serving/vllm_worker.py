@@ -25,6 +25,10 @@ one weight times 1.0, exact in any precision. Elsewhere (GPUs) the parameter is 
 kernel reads. Quantized layers are left out (their values are not the export's; the agent
 leaves those tensors to the probe). Fused layers (qkv_proj) are compared against the sum of
 their sources by the agent (`packed`).
+
+`rft_lora_fingerprint` reports the same of the LoRA adapter in each slot of the adapted
+layers (what the LoRA kernels read), for the exact check of a run-time adapter
+(engines.VLLMEngine, a LoRA job's versions).
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ class RFTWorkerExtension:
     def rft_fingerprint(self) -> dict:
         """`fingerprint` of this worker's model."""
         return fingerprint(self.model_runner.get_model())
+
+    def rft_lora_fingerprint(self, path: str | None = None) -> dict:
+        """`lora_fingerprint` of this worker's adapters, and with `path` (a PEFT adapter's
+        directory) `adapter_file_stats` of its file in the slots' dtype ("file")."""
+        out = lora_fingerprint(self.model_runner)
+        if path is not None:
+            out["file"] = adapter_file_stats(path, out.get("dtype") or "float32")
+        return out
 
     def rft_nccl_version(self) -> list | None:
         """The NCCL this worker's torch runs (NCCL refuses a communicator of mixed versions:
@@ -95,6 +107,63 @@ def fingerprint(model) -> dict:
                     stats[name] = _stats(param)
     packed = getattr(model, "packed_modules_mapping", None) or {}
     return {"stats": stats, "packed": {k: list(v) for k, v in dict(packed).items()}}
+
+
+def lora_fingerprint(model_runner) -> dict:
+    """What this worker's LoRA kernels read for each adapter in a slot (vLLM 0.32.0:
+    `lora_manager._adapter_manager`, an LRU cache of LoRAModels each copied into a slot of
+    every adapted layer's `lora_a_stacked` / `lora_b_stacked` when activated; a load
+    activates it): {"adapters": {adapter id: {module: {"a": [[sum, sum of squares] per
+    slice], "b": [...]}}}, "packed": the model's packed_modules_mapping, "dtype": the slots'}.
+    A fused layer (qkv_proj) has one slice per source module; a slot is padded to the
+    largest rank with zeros, and its B is the adapter's times alpha / rank (vLLM folds the
+    scale in when it loads). {"adapters": {}} without LoRA."""
+    import torch
+
+    manager = getattr(getattr(model_runner, "lora_manager", None), "_adapter_manager", None)
+    if manager is None:
+        return {"adapters": {}}
+    adapters: dict[str, dict] = {}
+    dtype = None
+    with torch.no_grad():
+        for slot, adapter_id in enumerate(manager.lora_index_to_id):
+            if adapter_id is None:
+                continue
+            modules = {}
+            for name, module in manager.modules.items():
+                if not hasattr(module, "lora_a_stacked"):
+                    continue
+                a, b = module.lora_a_stacked, module.lora_b_stacked
+                a = list(a) if isinstance(a, (tuple, list)) else [a]
+                b = list(b) if isinstance(b, (tuple, list)) else [b]
+                modules[name] = {"a": [_stats(x[slot]) for x in a], "b": [_stats(x[slot]) for x in b]}
+                dtype = dtype or str(a[0].dtype).removeprefix("torch.")
+            adapters[str(adapter_id)] = modules
+    packed = getattr(model_runner.get_model(), "packed_modules_mapping", None) or {}
+    return {"adapters": adapters, "packed": {k: list(v) for k, v in dict(packed).items()}, "dtype": dtype}
+
+
+def adapter_file_stats(path: str, dtype: str) -> dict:
+    """{tensor name without PEFT's `base_model.model.` prefix: [sum, sum of squares, n]} of
+    the adapter file at `path`, each tensor as vLLM 0.32.0 holds it: converted to `dtype`,
+    and B multiplied by alpha / rank in that dtype (`LoRALayerWeights.optimize`). Read with
+    safetensors here, apart from vLLM's loader, so a load that left the slots stale or
+    partial differs."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    out = {}
+    for name, tensor in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+        tensor = tensor.to(getattr(torch, dtype))
+        if ".lora_B." in name and scale != 1:
+            tensor *= scale
+        out[name.removeprefix("base_model.model.")] = [*_stats(tensor), float(tensor.numel())]
+    return out
 
 
 def _kernel_shape(module) -> tuple[int, int] | None:

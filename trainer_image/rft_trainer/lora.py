@@ -38,14 +38,11 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_KEY_PREFIX
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX
 from rft_contract.spec import ALL_LINEAR, LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per model
 BASE = ".base_layer."
-# PEFT's saved adapter (PeftModel.save_pretrained): the config and one safetensors file,
-# whose keys are the wrapped model's without the adapter's name.
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def alpha(spec: LoraSpec) -> float:
@@ -261,3 +258,4 @@ def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]],
             yield f"{prefix}.weight", (w.float() + scale[prefix] * delta).to(w.dtype)
     if held:
         raise RuntimeError(f"adapted layers without their base weight or adapters in the state dict: {sorted(held)[:4]}")
+
