@@ -3,7 +3,7 @@ memory, checkpoint bytes, bytes per weight version, the time to export and load 
 step time.
 
     python bench/lora.py [--model smollm2|tiny] [--rank 16] [--steps 4] [--batch 8]
-                         [--prompt 16] [--response 48] [--out .local/bench/lora.json]
+                         [--prompt 16] [--response 48] [--vllm] [--out .local/bench/lora.json]
 
 Each side is its own process (a fresh one: its peak RSS is its own), one rank on CPU, the
 engine the trainer runs (FSDPTrainEngine: GRPO, klCoef 0.001 so there is a reference
@@ -16,7 +16,9 @@ whole model (export_hf) against the adapter alone (export_adapter); then the ref
 server (in this process) loads it, as a replica's engine does after the download: the whole
 model into a new model, the adapter onto the base it serves already (loaded before the clock
 starts). The bytes of a version are what each replica downloads (the relay moves each byte
-once per replica).
+once per replica). With --vllm, each side's version also loads into a real vLLM (the CPU
+build, bf16) as the sync agent loads it, all steps and checks: the whole model reloaded in
+place, against the adapter loaded in place of the last (`vllm_load_seconds`).
 
 Columns: peak RSS of the trainer (MiB, the process's maximum before the server loads
 anything), trainable parameters, checkpoint MiB, bytes per weight version (MiB), its export
@@ -102,12 +104,37 @@ def side(args) -> dict:
     t = time.perf_counter()
     server.load(version, 2)  # a version as every later sync loads it
     load_seconds = time.perf_counter() - t
-    return {"side": args.side, "peak_rss_mib": peak, "trainable": trainable, "parameters": total,
+    return {"side": args.side, "version_dir": version, "peak_rss_mib": peak, "trainable": trainable,
+            "parameters": total,
             "checkpoint_bytes": sum(f.stat().st_size for f in (work / "run").rglob("*") if f.is_file()),
             "version_bytes": sum(f["size"] for f in manifest["files"].values()),
             "export_seconds": manifest["export_seconds"], "load_seconds": load_seconds,
             "step_seconds": statistics.median(times[1:] or times),
             "first_step_seconds": times[0], "torch_threads": torch.get_num_threads()}
+
+
+def vllm_load_seconds(side: str, model_dir: Path, version: str, rank: int, loads: int = 3) -> float:
+    """Median seconds of the sync agent's whole load of `version` (VLLMEngine.load: pause,
+    reload or adapter load, the exact check, resume, label) into a real vLLM (the CPU build,
+    bf16, one engine started from the base as an inference pod's: with the catalogue's LoRA
+    flags on the lora side)."""
+    from rft_serving.engines import VLLMEngine
+    from tests.fixtures.vllm_server import VLLMServer
+
+    work = Path(tempfile.mkdtemp(prefix=f"rft-bench-lora-vllm-{side}-"))
+    server = VLLMServer(model_dir, work / "vllm.log", dtype="bfloat16",
+                        lora_rank=rank if side == "lora" else None).start()
+    try:
+        engine = VLLMEngine(server.url)
+        times = []
+        for v in range(1, loads + 1):
+            t = time.perf_counter()
+            engine.load(version, v, None)
+            times.append(time.perf_counter() - t)
+            assert engine.fingerprint_verdict is not None and engine.fingerprint_verdict.ok, side
+        return statistics.median(times)
+    finally:
+        server.stop()
 
 
 def model_path(name: str) -> tuple[Path, int]:
@@ -131,6 +158,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--response", type=int, default=48)
     ap.add_argument("--out", default=str(ROOT / ".local" / "bench" / "lora.json"))
+    ap.add_argument("--vllm", action="store_true",
+                    help="also load each side's version into a real vLLM (CPU build; smollm2 only)")
     ap.add_argument("--side", choices=("full", "lora"), help=argparse.SUPPRESS)  # one side, in this process
     args = ap.parse_args()
     if args.side:
@@ -145,6 +174,10 @@ def main() -> None:
         if res.returncode != 0:
             sys.exit(f"{name}: exit {res.returncode}\n{res.stderr[-3000:]}")
         results[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    if args.vllm:
+        for name in ("full", "lora"):  # one engine at a time (each holds the model)
+            results[name]["vllm_load_seconds"] = vllm_load_seconds(name, model_path(args.model)[0],
+                                                                   results[name]["version_dir"], args.rank)
     full, lora = results["full"], results["lora"]
     print(f"\n{args.model}: {full['parameters'] / 1e6:.1f}M parameters, GRPO with a KL term, fp32 master weights, "
           f"1 rank on CPU ({full['torch_threads']} threads), batch {args.batch} x {args.prompt}+{args.response} "
@@ -153,6 +186,8 @@ def main() -> None:
             ("checkpoint (MiB)", "checkpoint_bytes", "mib"), ("weight version (MiB)", "version_bytes", "mib"),
             ("export a version (s)", "export_seconds", "{:.2f}"), ("load a version (s)", "load_seconds", "{:.3f}"),
             ("step (s, median after the first)", "step_seconds", "{:.2f}")]
+    if args.vllm:
+        rows.insert(-1, ("load a version into vLLM (s)", "vllm_load_seconds", "{:.3f}"))
     print(f"{'':34} {'full':>12} {'lora':>12} {'lora / full':>12}")
     for label, key, fmt in rows:
         a, b = full[key], lora[key]

@@ -256,8 +256,6 @@ class ModelCacheSpec(Model):
         description="How long the other ranks wait for local rank 0 to download the model.")
 
 
-
-
 class LoraSpec(OmitUnset):
     """Low-rank adapters (PEFT's LoRA) on the policy: the base weights stay frozen, only the
     adapters train. The trainer checks that the target modules exist in the model."""
@@ -294,7 +292,7 @@ class ModelSpec(OmitUnset):
     lora: LoraSpec | None = Field(default=None, description=(
         "Train LoRA adapters instead of every weight (immutable). Checkpoints hold the adapters "
         "and their optimizer state; each weight version is the adapter alone where the engine loads "
-        "adapters (reference, vllm), else the base with the adapters merged."))
+        f"adapters ({', '.join(LORA_ENGINES)}), else the base with the adapters merged."))
 
 
 class AlgorithmSpec(Model):
@@ -692,6 +690,13 @@ class RFTJobSpec(OmitUnset):
               f"spec.sync.transport nccl needs spec.inference.engine {' or '.join(NCCL_ENGINES)} and "
               "spec.sync.fastPath true: trainer rank 0 sends each version to the engine's NCCL "
               "weight-transfer backend from its weights server", ".sync.transport"),
+        Check("!has(self.model.lora) || self.?sync.?transport.orValue('files') != 'nccl' || !has(self.inference) || "
+              f"!(self.inference.?engine.orValue('reference') in {list(LORA_ENGINES)})",
+              lambda s: s.model.lora is None or s.sync.transport != "nccl" or s.inference is None
+              or s.inference.engine not in LORA_ENGINES,
+              "spec.sync.transport nccl with spec.model.lora: each version is the adapter alone (megabytes), "
+              "which the engine loads from its files; NCCL carries whole models. Use transport files",
+              ".sync.transport"),
         Check("!has(self.model.lora) || !has(self.model.lora.adapterPath) || !has(self.inference) || "
               f"self.inference.?engine.orValue('reference') in {list(LORA_ENGINES)}",
               lambda s: s.model.lora is None or s.model.lora.adapter_path is None or s.inference is None

@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rft_contract.config import load_explorer_config
 from rft_rollout.explorer import Explorer, KubeProgress, replica_versions
-from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, InferenceClient, build_samples,
+from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, ClientError, InferenceClient, build_samples,
                                   choice_versions, replica_pod)
 from rft_rollout.tasksets import arithmetic
 from rft_contract.probe import Probe
@@ -1600,3 +1600,43 @@ def test_a_load_the_engine_refused_and_rolled_back_is_not_restarted_and_the_entr
     with pytest.raises(SyncError, match="retrying it in"):
         agent.converge(bad)
     assert agent.converge({"version": 4, "id": "ccc", "uri": str(weights)}) and engine.version == 4
+
+
+def test_a_replica_whose_policy_adapter_is_not_loaded_yet_rests_instead_of_failing_the_explorer():
+    """vLLM serving a LoRA job's policy as the adapter "policy" answers 404 "The model
+    `policy` does not exist." until the agent loaded it (a fresh or restarted engine): the
+    client rests that endpoint and tries again, as for a 503; another 404 still fails."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(self.path)
+            if self.path != "/v1/completions":
+                body, code = b'{"detail": "Not Found"}', 404
+            elif len(calls) <= 2:
+                body, code = b'{"error": {"message": "The model `policy` does not exist.", "code": 404}}', 404
+            else:
+                body, code = b'{"choices": []}', 200
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        client = InferenceClient([url], base_backoff=0.01, max_backoff=0.02)
+        assert client.complete(BODY).response == {"choices": []} and client.failures == 2
+        other = InferenceClient([url + "/other"], base_backoff=0.01)
+        with pytest.raises(ClientError, match="HTTP 404"):
+            other.complete(BODY)
+    finally:
+        server.shutdown()

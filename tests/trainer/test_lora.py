@@ -284,9 +284,11 @@ def test_the_sync_agent_s_zero_adapter_is_the_base_exactly_and_names_a_layer_the
 
     out = write_zero_adapter(tmp_path / "zero", {"rank": 8, "alpha": 16, "targetModules": ["all-linear"]}, str(tiny))
     tensors = load_file(out / "adapter_model.safetensors")
-    assert sorted(tensors) == ["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
-                               "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
-    assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (8, 128)
+    # An attention projection (every engine adapts those), its shapes from the base's header.
+    assert sorted(tensors) == ["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"].shape == (8, 64)
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (32, 8)
     ids = torch.tensor([[3, 7, 1, 9, 4]])
     base = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
     with torch.no_grad():

@@ -9,11 +9,14 @@ alpha / rank of 3, which vLLM folds into B in bf16: the exact check reproduces i
   `rft_lora_fingerprint`) and by the probe before it carries the version's label.
 - An adapter vLLM refuses (rank above --max-lora-rank) leaves the previous one serving,
   labelled, and the replica entry says why; so does an adapter the exact check refuses.
-- A restarted engine (from the base) gets the current adapter again.
+- A restarted engine (from the base) gets the current adapter again; a version that fails
+  its probe after the load is tried once more on a fresh engine, then the engine falls back
+  on the previous adapter.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ import torch
 
 from rft_contract import names
 from rft_contract.probe import PROBE_FILE
-from rft_serving.engines import ProbeMismatch, VLLMEngine
+from rft_serving.engines import ProbeMismatch, SyncError, VLLMEngine
 from rft_serving.sync_agent import INITIAL_LINK
 from rft_trainer.probe import build_probe
 from tests.fixtures.real_model import smollm2_dir
@@ -59,7 +62,10 @@ def write_adapter(base: Path, out: Path, step: int, seed: int, rank: int = RANK)
 def adapters(tmp_path_factory):
     base = smollm2_dir()
     root = tmp_path_factory.mktemp("adapters")
-    out = {v: write_adapter(base, root / f"v{v}", v, seed=v) for v in (1, 2, 4)}
+    out = {v: write_adapter(base, root / f"v{v}", v, seed=v) for v in (1, 2, 4, 5)}
+    probe = json.loads((out[5] / PROBE_FILE).read_text())  # v5: a probe the engine cannot match
+    probe["logprobs"] = [x - 1.0 for x in probe["logprobs"]]
+    (out[5] / PROBE_FILE).write_text(json.dumps(probe))
     out[3] = write_adapter(base, root / "v3", 3, seed=3, rank=4 * RANK)  # above the engine's --max-lora-rank
     return {"base": base, **out}
 
@@ -135,5 +141,13 @@ def test_adapter_versions_load_in_place_verified_and_a_refused_one_keeps_the_pre
         assert engine.served() is None
         assert agent.converge(target(adapters, 2))
         assert entry()["version"] == 2 and score(engine, names.SERVED_MODEL_NAME, ids) == served
+
+        # A version that fails its probe after the load: the engine restarts from the base and
+        # takes the adapter again (adopt), fails again, and falls back on version 2's adapter.
+        with pytest.raises(SyncError, match="version 5 after a fresh start from disk: the engine does not serve"):
+            agent.converge(target(adapters, 5))
+        assert engine.restarts() == 3 and engine.served() == 2 and agent.engine_version == 2
+        assert (dest / INITIAL_LINK).resolve() == Path(adapters["base"]).resolve()
+        assert score(engine, names.SERVED_MODEL_NAME, ids) == served
     finally:
         server.stop()

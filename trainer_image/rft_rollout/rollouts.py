@@ -117,6 +117,12 @@ class Completion(NamedTuple):
     versions: list[int | str] | None
 
 
+def _no_model_yet(r: requests.Response) -> bool:
+    """A 404 naming the model: a replica that serves the policy as a LoRA adapter (vLLM)
+    before its adapter loaded (a fresh or restarted engine): not ready yet, like a 503."""
+    return r.status_code == 404 and "does not exist" in r.text
+
+
 class InferenceClient:
     """`version_of(i)`: the sync agent's record of the version endpoint i serves (None when
     unknown); read around requests to endpoints whose engine reports no versions."""
@@ -163,7 +169,7 @@ class InferenceClient:
                     self._succeeded(i)
                     header = _int_or_none(r.headers.get(VERSION_HEADER))
                     break
-                if r.status_code not in (408, 429) and r.status_code < 500:
+                if r.status_code not in (408, 429) and r.status_code < 500 and not _no_model_yet(r):
                     raise ClientError(f"POST {url}: HTTP {r.status_code}: {r.text[:500]}")
                 reason = f"HTTP {r.status_code}: {r.text[:200]}"
             except (requests.RequestException, ValueError) as e:

@@ -402,11 +402,15 @@ class VLLMEngine(Engine):
             else:
                 self._reload(path)
         except SyncError as e:
-            if is_adapter_dir(path) and previous is not None:
+            if incoming is None and is_adapter_dir(path):
                 # vLLM reads a new adapter whole before it drops the one serving: a refused
-                # adapter leaves the previous one, which goes back in place, checked.
-                self._roll_back(previous, tolerance, ProbeMismatch(f"version {version}: the engine refused "
-                                                                   f"the adapter: {e}"))
+                # adapter leaves the previous one, which goes back in place, checked; with
+                # none before it (version 0) nothing changed: resumed, still unlabelled.
+                refused = f"version {version}: the engine refused the adapter: {e}"
+                if previous is not None:
+                    self._roll_back(previous, tolerance, ProbeMismatch(refused))
+                self._resume_after_failure(version)
+                raise SyncError(refused) from None
             # Left paused: resumed, the half-loaded engine dies on its next request.
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
                                "a fresh start") from None
@@ -450,9 +454,19 @@ class VLLMEngine(Engine):
         """After a restart from the base (`path` an adapter: the policy's adapter loads now),
         the fingerprint check, then the probe and the label."""
         if path is not None and is_adapter_dir(path):
-            self._reload(path)
+            try:
+                self._reload(path)
+            except SyncError as e:
+                raise ProbeMismatch(f"version {version}: the engine refused the adapter after a fresh start: "
+                                    f"{e}") from None
         if path is not None:
-            self.fingerprint_verdict = self.check_fingerprint(path, version)
+            try:
+                self.fingerprint_verdict = self.check_fingerprint(path, version)
+            except ProbeMismatch:
+                raise
+            except SyncError as e:  # the check itself failed: not a verdict on the weights
+                self.fingerprint_verdict = None
+                log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
         return super().adopt(version, probe, tolerance, path)
 
     def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:

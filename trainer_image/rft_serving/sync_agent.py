@@ -427,7 +427,8 @@ class SyncAgent:
         """The engine loaded `target` but does not serve it right: restart it from the files
         on disk and check again. A second mismatch means the export itself disagrees with
         the trainer's probe: back to the last good version, and the error says so."""
-        log.warning("%s: restarting the engine from %s", reason, path)
+        log.warning("%s: restarting the engine from %s", reason,
+                    f"the base, then the adapter {path}" if is_adapter_dir(path) else path)
         before = self._initial()
         self._link_initial(path)
         self._restart_engine(reason)
@@ -534,9 +535,23 @@ class SyncAgent:
         if not (path / VERIFIED).is_file():
             return None
         try:
-            return dict(target), path, read_probe(path)
+            probe = read_probe(path)
         except (OSError, ValueError):
             return None
+        if target["version"] == 0 and not is_adapter_dir(path):
+            # A LoRA job's version 0 as the engine serves it: the base with the starting
+            # adapter, or (an engine that serves the policy as an adapter) with zeros.
+            start = self.dest / START_ADAPTER_DIR
+            if self.start_adapter and is_adapter_dir(start):
+                self.base, path = path, start
+            elif self.start_adapter:
+                return None  # not here: fetched by the next load
+            elif self.lora and getattr(self.engine, "adapter_policy", False):
+                try:
+                    self.base, path = path, self._zero_adapter(path)
+                except SyncError:
+                    return None
+        return dict(target), path, probe
 
     def _initial(self) -> Path | None:
         """Where the engine's start-up link points now (None: no link)."""
@@ -702,6 +717,7 @@ def _zero_layer(base: Path, targets: list[str]) -> tuple[str, tuple[int, int]]:
         vocab = json.loads((base / "config.json").read_text()).get("vocab_size")
     except (OSError, ValueError):
         vocab = None
+    found = []
     for file in sorted(base.glob("*.safetensors")):
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -713,10 +729,16 @@ def _zero_layer(base: Path, targets: list[str]) -> tuple[str, tuple[int, int]]:
             module = name.removesuffix(".weight")
             if targets == [ALL_LINEAR]:
                 if vocab not in shape and "embed" not in module and module.rsplit(".", 1)[-1] != "lm_head":
-                    return module, (shape[0], shape[1])
+                    found.append((module, (shape[0], shape[1])))
             elif any(module == t or module.endswith("." + t) for t in targets):
-                return module, (shape[0], shape[1])
-    raise ValueError(f"no linear layer of {base} matches spec.model.lora.targetModules {targets}")
+                found.append((module, (shape[0], shape[1])))
+    # An attention projection first: every engine adapts those (a MoE's router or experts
+    # may not be adaptable).
+    found.sort(key=lambda m: "attn" not in m[0])
+    if not found:
+        raise ValueError(f"no linear layer of {base} (its *.safetensors) matches spec.model.lora.targetModules "
+                         f"{targets}")
+    return found[0]
 
 
 def fetch_only(agent: SyncAgent, out: Path, timeout: float = 3600.0) -> int:

@@ -258,4 +258,3 @@ def merged(model: nn.Module, items: Iterable[tuple[str, torch.Tensor]],
             yield f"{prefix}.weight", (w.float() + scale[prefix] * delta).to(w.dtype)
     if held:
         raise RuntimeError(f"adapted layers without their base weight or adapters in the state dict: {sorted(held)[:4]}")
-
