@@ -415,14 +415,11 @@ class VLLMEngine(Engine):
             raise EngineBroken(f"version {version}: the reload failed part-way ({e}); the engine needs "
                                "a fresh start") from None
         try:
-            self.fingerprint_verdict = self.check_fingerprint(path, version)  # still paused: never served
+            self._check_exactly(path, version)  # still paused: never served
         except ProbeMismatch as e:
             if previous is None:
                 raise  # the agent restarts it from the files (still paused until then)
             self._roll_back(previous, tolerance, e)
-        except SyncError as e:  # the check itself failed: not a verdict on the weights
-            self.fingerprint_verdict = None
-            log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
         out = self._post("/reset_prefix_cache")
         if isinstance(out, dict) and out.get("success") is False:
             log.warning("vLLM did not reset its prefix cache after loading version %s (the pause already "
@@ -460,14 +457,20 @@ class VLLMEngine(Engine):
                 raise ProbeMismatch(f"version {version}: the engine refused the adapter after a fresh start: "
                                     f"{e}") from None
         if path is not None:
-            try:
-                self.fingerprint_verdict = self.check_fingerprint(path, version)
-            except ProbeMismatch:
-                raise
-            except SyncError as e:  # the check itself failed: not a verdict on the weights
-                self.fingerprint_verdict = None
-                log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
+            self._check_exactly(path, version)
         return super().adopt(version, probe, tolerance, path)
+
+    def _check_exactly(self, path: str, version: int) -> None:
+        """`check_fingerprint` into `fingerprint_verdict`; ProbeMismatch when the weights
+        differ. A check that could not run is not a verdict on the weights: a warning, and
+        the probe decides."""
+        try:
+            self.fingerprint_verdict = self.check_fingerprint(path, version)
+        except ProbeMismatch:
+            raise
+        except SyncError as e:
+            self.fingerprint_verdict = None
+            log.warning("version %s: the fingerprint check could not run (%s); left to the probe", version, e)
 
     def check_fingerprint(self, path: str, version: int) -> FingerprintVerdict | None:
         """The weights every worker holds, as its kernels use them (vllm_worker.fingerprint),

@@ -284,12 +284,7 @@ class SyncAgent:
             log.info("fetching version %s from %s", target["version"], target.get("uri"))
             got = self._fetch(target)
         path, times = got.path, got.times
-        if target["version"] == 0 and self.start_adapter and not is_adapter_dir(path):
-            # A job that starts from an adapter: its version 0 is the base with that adapter.
-            self.base, path = path, self._start(target)
-        elif target["version"] == 0 and self.lora and getattr(self.engine, "adapter_policy", False) and not is_adapter_dir(path):
-            # An engine that serves the policy as an adapter (vLLM): the base with zeros.
-            self.base, path = path, self._zero_adapter(path)
+        path = self._as_served(target, path)
         # An adapter loads onto the base: its files here before the replica says unsynced.
         base = self._base(target) if is_adapter_dir(path) else None
         probe = _probe_of(path, target)
@@ -536,22 +531,28 @@ class SyncAgent:
             return None
         try:
             probe = read_probe(path)
-        except (OSError, ValueError):
+            served = self._as_served(target, path, fetch=False)
+        except (OSError, ValueError, SyncError):
             return None
-        if target["version"] == 0 and not is_adapter_dir(path):
-            # A LoRA job's version 0 as the engine serves it: the base with the starting
-            # adapter, or (an engine that serves the policy as an adapter) with zeros.
-            start = self.dest / START_ADAPTER_DIR
-            if self.start_adapter and is_adapter_dir(start):
-                self.base, path = path, start
-            elif self.start_adapter:
+        return (dict(target), served, probe) if served is not None else None
+
+    def _as_served(self, target: dict, path: Path, fetch: bool = True) -> Path | None:
+        """What the engine serves for `target` from its files at `path`: for a LoRA job's
+        version 0, the base with the starting adapter (spec.model.lora.adapterPath;
+        `fetch`: fetched now, else None unless it is here) or, on an engine that serves the
+        policy as an adapter (vLLM), with zeros (`base` is then `path`); else `path`."""
+        if target["version"] != 0 or is_adapter_dir(path):
+            return path
+        if self.start_adapter:
+            adapter = self._start(target) if fetch else self.dest / START_ADAPTER_DIR
+            if not fetch and not is_adapter_dir(adapter):
                 return None  # not here: fetched by the next load
-            elif self.lora and getattr(self.engine, "adapter_policy", False):
-                try:
-                    self.base, path = path, self._zero_adapter(path)
-                except SyncError:
-                    return None
-        return dict(target), path, probe
+        elif self.lora and getattr(self.engine, "adapter_policy", False):
+            adapter = self._zero_adapter(path)
+        else:
+            return path
+        self.base = path
+        return adapter
 
     def _initial(self) -> Path | None:
         """Where the engine's start-up link points now (None: no link)."""
