@@ -18,7 +18,9 @@ model into a new model, the adapter onto the base it serves already (loaded befo
 starts). The bytes of a version are what each replica downloads (the relay moves each byte
 once per replica). With --vllm, each side's version also loads into a real vLLM (the CPU
 build, bf16) as the sync agent loads it, all steps and checks: the whole model reloaded in
-place, against the adapter loaded in place of the last (`vllm_load_seconds`).
+place, against the adapter loaded in place of the last (`vllm_load_seconds`); then a greedy
+32-token completion through what it serves (`vllm_generate_seconds`: LoRA's kernels cost
+time on CPU), and the adapter files that engine read (3 loads: 3).
 
 Columns: peak RSS of the trainer (MiB, the process's maximum before the server loads
 anything), trainable parameters, checkpoint MiB, bytes per weight version (MiB), its export
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -113,11 +116,17 @@ def side(args) -> dict:
             "first_step_seconds": times[0], "torch_threads": torch.get_num_threads()}
 
 
-def vllm_load_seconds(side: str, model_dir: Path, version: str, rank: int, loads: int = 3) -> float:
-    """Median seconds of the sync agent's whole load of `version` (VLLMEngine.load: pause,
-    reload or adapter load, the exact check, resume, label) into a real vLLM (the CPU build,
-    bf16, one engine started from the base as an inference pod's: with the catalogue's LoRA
-    flags on the lora side)."""
+def vllm_figures(side: str, model_dir: Path, version: str, rank: int, loads: int = 3,
+                 generations: int = 4, tokens: int = 32) -> dict:
+    """Into a real vLLM (the CPU build, bf16, one engine started from the base as an
+    inference pod's: with the catalogue's LoRA flags on the lora side): the median seconds of
+    the sync agent's whole load of `version` (VLLMEngine.load: pause, reload or adapter load,
+    the exact check, resume, label; each load from a directory of its own), then of a greedy `tokens`-token completion through the
+    policy it serves (the whole model, or the base with the adapter), and on the lora side
+    how many adapter files the engine read (one per load: none as requests use it)."""
+    import requests
+
+    from rft_contract import names
     from rft_serving.engines import VLLMEngine
     from tests.fixtures.vllm_server import VLLMServer
 
@@ -128,11 +137,24 @@ def vllm_load_seconds(side: str, model_dir: Path, version: str, rank: int, loads
         engine = VLLMEngine(server.url)
         times = []
         for v in range(1, loads + 1):
+            fetched = work / f"v{v}"  # each version its own directory, as the agent fetches them
+            shutil.copytree(version, fetched)
             t = time.perf_counter()
-            engine.load(version, v, None)
+            engine.load(str(fetched), v, None)
             times.append(time.perf_counter() - t)
             assert engine.fingerprint_verdict is not None and engine.fingerprint_verdict.ok, side
-        return statistics.median(times)
+        generate = []
+        for _ in range(generations):
+            t = time.perf_counter()
+            requests.post(f"{server.url}/v1/completions", json={
+                "model": names.SERVED_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True}, timeout=300).raise_for_status()
+            generate.append(time.perf_counter() - t)
+        out = {"vllm_load_seconds": statistics.median(times), "vllm_generate_seconds": statistics.median(generate)}
+        if side == "lora":
+            rpc = requests.post(f"{server.url}/collective_rpc", json={"method": "rft_lora_fingerprint"}, timeout=300)
+            out["vllm_adapter_reads"] = rpc.json()["results"][0]["loads"]
+        return out
     finally:
         server.stop()
 
@@ -176,8 +198,8 @@ def main() -> None:
         results[name] = json.loads(res.stdout.strip().splitlines()[-1])
     if args.vllm:
         for name in ("full", "lora"):  # one engine at a time (each holds the model)
-            results[name]["vllm_load_seconds"] = vllm_load_seconds(name, model_path(args.model)[0],
-                                                                   results[name]["version_dir"], args.rank)
+            results[name].update(vllm_figures(name, model_path(args.model)[0], results[name]["version_dir"],
+                                              args.rank))
     full, lora = results["full"], results["lora"]
     print(f"\n{args.model}: {full['parameters'] / 1e6:.1f}M parameters, GRPO with a KL term, fp32 master weights, "
           f"1 rank on CPU ({full['torch_threads']} threads), batch {args.batch} x {args.prompt}+{args.response} "
@@ -187,12 +209,15 @@ def main() -> None:
             ("export a version (s)", "export_seconds", "{:.2f}"), ("load a version (s)", "load_seconds", "{:.3f}"),
             ("step (s, median after the first)", "step_seconds", "{:.2f}")]
     if args.vllm:
-        rows.insert(-1, ("load a version into vLLM (s)", "vllm_load_seconds", "{:.3f}"))
+        rows[-1:-1] = [("load a version into vLLM (s)", "vllm_load_seconds", "{:.3f}"),
+                       ("vLLM: 32 tokens through it (s)", "vllm_generate_seconds", "{:.3f}")]
     print(f"{'':34} {'full':>12} {'lora':>12} {'lora / full':>12}")
     for label, key, fmt in rows:
         a, b = full[key], lora[key]
         show = (lambda v: f"{v / 2**20:.2f}") if fmt == "mib" else fmt.format
         print(f"{label:34} {show(a):>12} {show(b):>12} {b / a:12.3f}")
+    if args.vllm:
+        print(f"adapter files the LoRA side's vLLM read: {lora['vllm_adapter_reads']} (3 loads, 4 completions: 3)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -5,6 +5,7 @@ adapter "policy", the one the explorers and the probe ask for. bf16 as jobs serv
 alpha / rank of 3, which vLLM folds into B in bf16: the exact check reproduces it.
 
 - Version 0 is the base with an adapter of zeros: it serves exactly what the base does.
+- Each version's adapter is read once, at its load, not again as requests use it.
 - Each version's adapter is checked exactly in the LoRA kernels' slots (vllm_worker's
   `rft_lora_fingerprint`) and by the probe before it carries the version's label.
 - An adapter vLLM refuses (rank above --max-lora-rank) leaves the previous one serving,
@@ -80,6 +81,11 @@ def score(engine: VLLMEngine, model: str, token_ids: list[int]) -> list[float]:
     return out["choices"][0]["logprobs"]["token_logprobs"][1:]
 
 
+def adapter_loads(engine: VLLMEngine) -> int:
+    """How many adapter files the engine's worker has read."""
+    return engine._post("/collective_rpc", {"method": "rft_lora_fingerprint"})["results"][0]["loads"]
+
+
 def test_adapter_versions_load_in_place_verified_and_a_refused_one_keeps_the_previous(
         tmp_path, adapters, monkeypatch):
     dest = tmp_path / "dest"
@@ -108,6 +114,14 @@ def test_adapter_versions_load_in_place_verified_and_a_refused_one_keeps_the_pre
             served = score(engine, names.SERVED_MODEL_NAME, ids)
             assert max(abs(a - b) for a, b in zip(served, base)) > 1e-2  # the adapter is applied
         assert (dest / INITIAL_LINK).resolve() == Path(adapters["base"]).resolve()  # restarts start from the base
+
+        # Each version's adapter was read once, at its load: generating through it reads no
+        # file (vLLM 0.32.0 alone read it again before every forward step after an in-place
+        # load: vllm_worker.keep_loaded_adapters).
+        assert adapter_loads(engine) == 3  # version 0's zeros, versions 1 and 2
+        engine._post("/v1/completions", {"model": names.SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 16,
+                                         "temperature": 0, "ignore_eos": True})
+        assert adapter_loads(engine) == 3
 
         # vLLM refuses an adapter above --max-lora-rank: version 2 keeps serving, labelled.
         with pytest.raises(ProbeMismatch, match="version 3: the engine refused the adapter") as refused:

@@ -2,8 +2,9 @@
 
 The engine starts with `--worker-extension-cls rft_serving.vllm_worker.RFTWorkerExtension`
 (vLLM mixes the class into its worker; the methods' names must not clash with the
-worker's, hence the `rft_` prefix). The module imports nothing of ours and nothing at
-import time beyond the standard library: it runs in the engine's Python, next to vLLM.
+worker's, hence the `rft_` prefix). The module imports nothing of ours, and at import
+time only the standard library and vLLM's LoRA worker manager (`keep_loaded_adapters`):
+it runs in the engine's Python, next to vLLM.
 
 Why: vLLM's in-place `reload_weights` loads every tensor the checkpoint names into the
 layer that owns it and then re-runs that layer's post-load processing. A tied output
@@ -29,10 +30,19 @@ their sources by the agent (`packed`).
 `rft_lora_fingerprint` reports the same of the LoRA adapter in each slot of the adapted
 layers (what the LoRA kernels read), for the exact check of a run-time adapter
 (engines.VLLMEngine, a LoRA job's versions).
+
+Importing the module (vLLM does, in each worker, when it resolves the extension) also
+mends vLLM 0.32.0's in-place adapter loads (`keep_loaded_adapters`): the request an
+adapter was loaded in place with keeps `load_inplace`, and the server stores it as the one
+every later request for that name carries, so the worker read the adapter's file again and
+swapped it into the slots before every forward step (vllm#33791; upstream fixes proposed
+in vllm#36373 and vllm#41482, unmerged in 0.32.0): generation through a LoRA job's policy
+ran about 1.4x slower than through an adapter loaded once.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -62,8 +72,10 @@ class RFTWorkerExtension:
 
     def rft_lora_fingerprint(self, path: str | None = None) -> dict:
         """`lora_fingerprint` of this worker's adapters, and with `path` (a PEFT adapter's
-        directory) `adapter_file_stats` of its file in the slots' dtype ("file")."""
+        directory) `adapter_file_stats` of its file in the slots' dtype ("file"); "loads":
+        how many adapter files this worker has read (`keep_loaded_adapters`)."""
         out = lora_fingerprint(self.model_runner)
+        out["loads"] = getattr(getattr(self.model_runner, "lora_manager", None), LOADS, None)
         if path is not None:
             out["file"] = adapter_file_stats(path, out.get("dtype") or "float32")
         return out
@@ -77,6 +89,51 @@ class RFTWorkerExtension:
             return list(torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001 - a CPU build, or no NCCL
             return None
+
+
+LOADS = "rft_adapter_loads"  # on the worker's LoRA manager: adapter files read
+LOADED_FROM = "rft_adapter_paths"  # on the worker's LoRA manager: {adapter id: the path it holds}
+
+
+def keep_loaded_adapters() -> bool:
+    """Make an in-place load request for an adapter the worker already holds from that very
+    path a use of it, not a new read of the file (see the module's docstring): vLLM 0.32.0's
+    `LRUCacheWorkerLoRAManager.add_adapter` runs for each request's adapter before every
+    forward step and, while the request says `load_inplace`, loads the file again. A load
+    from a new path (each version's own directory) is still read whole before it replaces
+    the adapter in place, and one from the path an adapter was loaded from before it (a
+    roll back) is read again. Also counts the files read (`LOADS`, in
+    `rft_lora_fingerprint`'s reply). False where vLLM is not importable (not in an engine)."""
+    try:
+        from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    except ImportError:
+        return False
+    original_add, original_load = LRUCacheWorkerLoRAManager.add_adapter, LRUCacheWorkerLoRAManager._load_adapter
+    if getattr(original_add, "rft_keeps_loaded", False):
+        return True
+
+    def add_adapter(self, lora_request):
+        paths = self.__dict__.setdefault(LOADED_FROM, {})
+        adapter_id = lora_request.lora_int_id
+        if lora_request.load_inplace and paths.get(adapter_id) == lora_request.lora_path \
+                and adapter_id in self.list_adapters():
+            lora_request = copy.copy(lora_request)
+            lora_request.load_inplace = False  # a use: vLLM only touches and activates it
+        return original_add(self, lora_request)
+
+    def _load_adapter(self, lora_request):
+        lora = original_load(self, lora_request)
+        self.__dict__.setdefault(LOADED_FROM, {})[lora_request.lora_int_id] = lora_request.lora_path
+        setattr(self, LOADS, getattr(self, LOADS, 0) + 1)
+        return lora
+
+    add_adapter.rft_keeps_loaded = True
+    LRUCacheWorkerLoRAManager.add_adapter = add_adapter
+    LRUCacheWorkerLoRAManager._load_adapter = _load_adapter
+    return True
+
+
+keep_loaded_adapters()
 
 
 IDENTITY_ROWS = 256  # identity rows per pass through a kernel: memory is rows x out_features
