@@ -61,6 +61,9 @@ class EngineProfile:
     lora_env: tuple[tuple[str, str], ...] = ()
     # The adapter ranks its flags accept (`lora_rank` rounds a job's rank up to one); empty: any.
     lora_ranks: tuple[int, ...] = ()
+    # Module names whose adapters it refuses to load (each such version would be refused):
+    # admission refuses a LoRA job that targets one with this engine.
+    lora_unserved: tuple[str, ...] = ()
 
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
@@ -82,7 +85,10 @@ ENGINES: dict[str, EngineProfile] = {p.name: p for p in (
                   # vLLM's MaxLoRARanks only.
                   lora_flags=("--enable-lora", "--max-lora-rank", "{lora_rank}", "--max-loras", "1"),
                   lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1"),),
-                  lora_ranks=(1, 8, 16, 32, 64, 128, 256, 320, 512)),
+                  lora_ranks=(1, 8, 16, 32, 64, 128, 256, 320, 512),
+                  # 0.32.0 adapts no output head: "expected target modules in {...} but
+                  # received ['lm_head']" (HTTP 500) at every load.
+                  lora_unserved=("lm_head",)),
     # SGLang 0.5.23: no --weight-version, so it starts as "default" and the agent reloads
     # (and labels) it. /ready is 200 once up (its /health generates a token and takes over
     # the probe's 1 s timeout).
@@ -95,6 +101,9 @@ ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)
 TRAINER_IMAGE_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if not p.own_image)
 NCCL_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.nccl_flags)
 LORA_ENGINES: tuple[str, ...] = tuple(n for n, p in ENGINES.items() if p.lora_adapters)
+# The modules each engine that loads adapters refuses them on.
+LORA_UNSERVED: dict[str, tuple[str, ...]] = {n: p.lora_unserved for n, p in ENGINES.items()
+                                             if p.lora_adapters and p.lora_unserved}
 # What the operator sets on an engine container and `inference.env` may not set: the
 # helpers' PYTHONPATH of supervised engines and each engine's own variables.
 ENGINE_ENV: tuple[str, ...] = ("PYTHONPATH", *dict.fromkeys(k for p in ENGINES.values() for k, _ in (*p.env, *p.lora_env)))

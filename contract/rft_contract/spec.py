@@ -39,7 +39,8 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
                      matching, on_field, parse_quantity, run_checks, search_regex, unique_list)
-from .engines import ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, NCCL_ENGINES, TRAINER_IMAGE_ENGINES
+from .engines import (ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, LORA_UNSERVED, NCCL_ENGINES,
+                      TRAINER_IMAGE_ENGINES)
 from .errors import describe
 from .layout import ALL_LINEAR
 
@@ -254,6 +255,16 @@ class ModelCacheSpec(Model):
     download_timeout_seconds: int = Field(
         default=3600, ge=60, le=86400,
         description="How long the other ranks wait for local rank 0 to download the model.")
+
+
+def _named(target: str, modules: tuple[str, ...]) -> bool:
+    """Whether a LoRA target names one of `modules` (PEFT's match: the name, or a suffix after a '.')."""
+    return any(target == m or target.endswith("." + m) for m in modules)
+
+
+def _named_cel(modules: tuple[str, ...]) -> str:
+    """`_named(t, modules)` in CEL."""
+    return " || ".join(f"t == '{m}' || t.endsWith('.{m}')" for m in modules)
 
 
 class LoraSpec(OmitUnset):
@@ -704,6 +715,15 @@ class RFTJobSpec(OmitUnset):
               f"spec.model.lora.adapterPath needs spec.inference.engine {' or '.join(LORA_ENGINES)}: the "
               "inference pods serve version 0 as the base with that adapter, which only an engine that "
               "loads adapters can", ".model.lora.adapterPath"),
+        *(Check("!has(self.model.lora) || !has(self.model.lora.targetModules) || !has(self.inference) || "
+                f"self.inference.?engine.orValue('reference') != '{engine}' || "
+                f"!self.model.lora.targetModules.exists(t, {_named_cel(modules)})",
+                lambda s, engine=engine, modules=modules: s.model.lora is None or s.inference is None
+                or s.inference.engine != engine or not any(_named(t, modules) for t in s.model.lora.target_modules),
+                f"spec.model.lora.targetModules: engine {engine} does not load adapters on {', '.join(modules)} "
+                "(it would refuse every version); leave it out, or use engine reference",
+                ".model.lora.targetModules")
+          for engine, modules in LORA_UNSERVED.items()),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,
