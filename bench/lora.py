@@ -121,8 +121,9 @@ def vllm_figures(side: str, model_dir: Path, version: str, rank: int, loads: int
     """Into a real vLLM (the CPU build, bf16, one engine started from the base as an
     inference pod's: with the catalogue's LoRA flags on the lora side): the median seconds of
     the sync agent's whole load of `version` (VLLMEngine.load: pause, reload or adapter load,
-    the exact check, resume, label; each load from a directory of its own), then of a greedy `tokens`-token completion through the
-    policy it serves (the whole model, or the base with the adapter), and on the lora side
+    the exact check, resume, label; each load from a directory of its own), then of a
+    greedy `tokens`-token completion through the policy it serves (the whole model, or the
+    base with the adapter), and on the lora side
     how many adapter files the engine read (one per load: none as requests use it)."""
     import requests
 
@@ -157,6 +158,7 @@ def vllm_figures(side: str, model_dir: Path, version: str, rank: int, loads: int
         return out
     finally:
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def model_path(name: str) -> tuple[Path, int]:

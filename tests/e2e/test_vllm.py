@@ -259,7 +259,7 @@ def test_a_lora_job_s_vllm_replicas_load_each_adapter_version_at_run_time_verifi
     before it is labelled: no restart, no version reported without both checks, and the
     sample task's reward rises on what vLLM samples.
 
-    lr 1e-2 (an adapter's, for a rise within six steps) and fp32 exports: within a few steps
+    lr 1e-2 (an adapter's) and temperature 0.7, for a rise within six steps, and fp32 exports: within a few steps
     at that rate the policy turns so sharp that bf16 arithmetic alone moves the probe's
     log-probs past its bf16 tolerance of 0.25 (vLLM in fp32 computes PEFT's log-probs with
     such an adapter to 7e-5, PEFT itself in bf16 is off by 0.52), which is issue 40's

@@ -36,8 +36,8 @@ mends vLLM 0.32.0's in-place adapter loads (`keep_loaded_adapters`): the request
 adapter was loaded in place with keeps `load_inplace`, and the server stores it as the one
 every later request for that name carries, so the worker read the adapter's file again and
 swapped it into the slots before every forward step (vllm#33791; upstream fixes proposed
-in vllm#36373 and vllm#41482, unmerged in 0.32.0): generation through a LoRA job's policy
-ran about 1.4x slower than through an adapter loaded once.
+in vllm#36373 and vllm#41482, unmerged in 0.32.0): a greedy completion through a LoRA
+job's policy took 1.33x as long as through an adapter loaded once (bench/lora.py --vllm).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class RFTWorkerExtension:
         directory) `adapter_file_stats` of its file in the slots' dtype ("file"); "loads":
         how many adapter files this worker has read (`keep_loaded_adapters`)."""
         out = lora_fingerprint(self.model_runner)
-        out["loads"] = getattr(getattr(self.model_runner, "lora_manager", None), LOADS, None)
+        manager = getattr(self.model_runner, "lora_manager", None)
+        out["loads"] = getattr(manager, LOADS, 0) if manager is not None else None
         if path is not None:
             out["file"] = adapter_file_stats(path, out.get("dtype") or "float32")
         return out
@@ -92,43 +93,43 @@ class RFTWorkerExtension:
 
 
 LOADS = "rft_adapter_loads"  # on the worker's LoRA manager: adapter files read
-LOADED_FROM = "rft_adapter_paths"  # on the worker's LoRA manager: {adapter id: the path it holds}
 
 
 def keep_loaded_adapters() -> bool:
-    """Make an in-place load request for an adapter the worker already holds from that very
-    path a use of it, not a new read of the file (see the module's docstring): vLLM 0.32.0's
-    `LRUCacheWorkerLoRAManager.add_adapter` runs for each request's adapter before every
-    forward step and, while the request says `load_inplace`, loads the file again. A load
-    from a new path (each version's own directory) is still read whole before it replaces
-    the adapter in place, and one from the path an adapter was loaded from before it (a
-    roll back) is read again. Also counts the files read (`LOADS`, in
-    `rft_lora_fingerprint`'s reply). False where vLLM is not importable (not in an engine)."""
+    """Make the adapter each request uses, before each forward step, a use of the one the
+    worker holds under that id, never a new read of a file (see the module's docstring):
+    vLLM 0.32.0's `LRUCacheWorkerLoRAManager._apply_adapters` runs `add_adapter` on every
+    request's adapter before every step and, while the request says `load_inplace`, loads
+    its file again; a request that waited through a pause would even load the version
+    before (its request names that version's path) over the one the agent just loaded and
+    checked. A load (`/v1/load_lora_adapter`, vLLM's `add_lora`: the sync agent's load and
+    roll back) still reads its file whole before it replaces the adapter in place. Also
+    counts the files read (`LOADS`, in `rft_lora_fingerprint`'s reply). False where vLLM
+    is not importable (not in an engine)."""
     try:
         from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     except ImportError:
         return False
-    original_add, original_load = LRUCacheWorkerLoRAManager.add_adapter, LRUCacheWorkerLoRAManager._load_adapter
-    if getattr(original_add, "rft_keeps_loaded", False):
+    original_apply, original_load = LRUCacheWorkerLoRAManager._apply_adapters, LRUCacheWorkerLoRAManager._load_adapter
+    if getattr(original_apply, "rft_keeps_loaded", False):
         return True
 
-    def add_adapter(self, lora_request):
-        paths = self.__dict__.setdefault(LOADED_FROM, {})
-        adapter_id = lora_request.lora_int_id
-        if lora_request.load_inplace and paths.get(adapter_id) == lora_request.lora_path \
-                and adapter_id in self.list_adapters():
-            lora_request = copy.copy(lora_request)
-            lora_request.load_inplace = False  # a use: vLLM only touches and activates it
-        return original_add(self, lora_request)
+    def _apply_adapters(self, lora_requests):
+        held, uses = self.list_adapters(), set()
+        for request in lora_requests:
+            if request and request.load_inplace and request.lora_int_id in held:
+                request = copy.copy(request)
+                request.load_inplace = False  # a use: vLLM only touches and activates it
+            uses.add(request)
+        return original_apply(self, uses)
 
     def _load_adapter(self, lora_request):
         lora = original_load(self, lora_request)
-        self.__dict__.setdefault(LOADED_FROM, {})[lora_request.lora_int_id] = lora_request.lora_path
         setattr(self, LOADS, getattr(self, LOADS, 0) + 1)
         return lora
 
-    add_adapter.rft_keeps_loaded = True
-    LRUCacheWorkerLoRAManager.add_adapter = add_adapter
+    _apply_adapters.rft_keeps_loaded = True
+    LRUCacheWorkerLoRAManager._apply_adapters = _apply_adapters
     LRUCacheWorkerLoRAManager._load_adapter = _load_adapter
     return True
 
