@@ -31,6 +31,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_KEY_PREFIX = "base_model.model."  # what PEFT's saved tensor names start with
 ADAPTER_FILE = "adapter_model.safetensors"  # its tensors (PeftModel.save_pretrained's one file)
 ALL_LINEAR = "all-linear"  # PEFT's target_modules for every linear layer but the output head
+
+
+def picks_module(target: str, module: str) -> bool:
+    """Whether a LoRA target name picks the module named `module`, as PEFT matches them: the
+    name itself, or a suffix of it after a '.'."""
+    return module == target or module.endswith("." + target)
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 

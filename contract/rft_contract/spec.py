@@ -42,7 +42,7 @@ from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDP
 from .engines import (ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, LORA_UNSERVED, NCCL_ENGINES,
                       TRAINER_IMAGE_ENGINES)
 from .errors import describe
-from .layout import ALL_LINEAR
+from .layout import ALL_LINEAR, picks_module
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
@@ -257,13 +257,8 @@ class ModelCacheSpec(Model):
         description="How long the other ranks wait for local rank 0 to download the model.")
 
 
-def _named(target: str, modules: tuple[str, ...]) -> bool:
-    """Whether a LoRA target names one of `modules` (PEFT's match: the name, or a suffix after a '.')."""
-    return any(target == m or target.endswith("." + m) for m in modules)
-
-
 def _named_cel(modules: tuple[str, ...]) -> str:
-    """`_named(t, modules)` in CEL."""
+    """Whether a LoRA target `t` names one of `modules` (`layout.picks_module(m, t)`), in CEL."""
     return " || ".join(f"t == '{m}' || t.endsWith('.{m}')" for m in modules)
 
 
@@ -719,7 +714,7 @@ class RFTJobSpec(OmitUnset):
                 f"self.inference.?engine.orValue('reference') != '{engine}' || "
                 f"!self.model.lora.targetModules.exists(t, {_named_cel(modules)})",
                 lambda s, engine=engine, modules=modules: s.model.lora is None or s.inference is None
-                or s.inference.engine != engine or not any(_named(t, modules) for t in s.model.lora.target_modules),
+                or s.inference.engine != engine or not any(picks_module(m, t) for t in s.model.lora.target_modules for m in modules),
                 f"spec.model.lora.targetModules: engine {engine} does not load adapters on {', '.join(modules)} "
                 "(it would refuse every version); leave it out, or use engine reference",
                 ".model.lora.targetModules")

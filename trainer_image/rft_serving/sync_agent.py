@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from rft_contract import names
-from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX, ALL_LINEAR, is_adapter_dir
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX, ALL_LINEAR, is_adapter_dir, picks_module
 from rft_contract.jobapi import describe, job_api, now, patch_status, watch_job
 from rft_contract.podmetrics import SyncAgentMetrics
 from rft_contract.probe import read_probe
@@ -731,7 +731,7 @@ def _zero_layer(base: Path, targets: list[str]) -> tuple[str, tuple[int, int]]:
             if targets == [ALL_LINEAR]:
                 if vocab not in shape and "embed" not in module and module.rsplit(".", 1)[-1] != "lm_head":
                     found.append((module, (shape[0], shape[1])))
-            elif any(module == t or module.endswith("." + t) for t in targets):
+            elif any(picks_module(t, module) for t in targets):
                 found.append((module, (shape[0], shape[1])))
     # An attention projection first: every engine adapts those (a MoE's router or experts
     # may not be adaptable).

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX
+from rft_contract.layout import ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_KEY_PREFIX, picks_module
 from rft_contract.spec import ALL_LINEAR, LoraSpec
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per model
@@ -72,7 +72,7 @@ def inject(model: nn.Module, spec: LoraSpec) -> nn.Module:
                          "name linear layers (e.g. q_proj, v_proj)")
     adapted = layers(model)
     if targets != ALL_LINEAR:  # PEFT refuses only when no name matched: a typo beside a good name passed
-        if unmatched := [t for t in targets if not any(n == t or n.endswith("." + t) for n in adapted)]:
+        if unmatched := [t for t in targets if not any(picks_module(t, n) for n in adapted)]:
             raise ValueError(f"{field}: {', '.join(unmatched)} matched no linear layer of the model")
     shared: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
