@@ -64,10 +64,13 @@ def smollm2(s3):
 
 
 def vllm_job(job, stack, steps: int, replicas: int, extra_args: tuple[str, ...] = (), lr: float = 1.0e-4,
-             dtype: str = "fp32", env: tuple[dict, ...] = (), lora: dict | None = None) -> dict:
+             dtype: str = "fp32", env: tuple[dict, ...] = (), lora: dict | None = None,
+             probe_tolerance: float | None = None) -> dict:
     sync = {"interval": 1, "keep": 3, "dtype": dtype}
     if dtype == "fp32":
         sync["probeTolerance"] = 0.002
+    if probe_tolerance is not None:
+        sync["probeTolerance"] = probe_tolerance
     return job(steps, model={"path": MODEL, **({"lora": lora} if lora else {})},
                algorithm={"name": "grpo", "learningRate": lr, "klCoef": 0.0, "entropyCoef": 0.01,
                           "microBatchSize": 4},
@@ -247,6 +250,30 @@ def test_bf16_at_lr_1e_6_a_stale_tied_head_is_refused_and_the_previous_version_k
     assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
     assert sample_versions(j["uri"]) <= {0}
     RESULTS["vllm_bf16_refused"] = {"error": entry["error"][:300]}
+
+
+@pytest.mark.timeout(1300)
+def test_a_lora_adapter_that_fails_its_probe_is_refused_in_place_and_the_previous_keeps_serving(job, stack, smollm2):
+    """A LoRA job on vLLM whose sync.probeTolerance no engine meets (0: stricter than bf16
+    arithmetic allows): version 1's adapter loads, is found in the LoRA slots as exported,
+    and fails its probe. A restart would load the same bytes onto the same base, so the
+    engine goes back in place to version 0's adapter, checked, which keeps serving under
+    its label: the entry says why, nothing restarts, the replica never reports version 1
+    and no sample is attributed to it."""
+    steps = 1
+    j = vllm_job(job, stack, steps, replicas=1, lr=2.0e-3, dtype="bf16", lora={"rank": 8, "alpha": 16},
+                 probe_tolerance=0.0)
+    refused = lambda s: "serving version 0 again" in str(((s.get("weightSync") or {}).get("replicas") or {}))  # noqa: E731
+    with Reports(j) as reports:
+        s = wait(j, refused, 900, "version 1's adapter refused")
+    (entry,) = s["weightSync"]["replicas"].values()
+    assert s["weightSync"]["target"]["version"] == 1, s["weightSync"]
+    assert "version 1 after a reload: the engine does not serve the trained weights" in entry["error"], entry
+    assert entry["version"] == 0 and entry["fingerprint"]["params"] >= 2 * 7 * 30, entry  # version 0, checked
+    assert entry.get("engineRestarts") == 0 and not entry.get("lastRestart"), entry
+    assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
+    assert sample_versions(j["uri"]) <= {0}
+    RESULTS["vllm_lora_refused"] = {"error": entry["error"][:300]}
 
 
 @pytest.mark.timeout(1300)

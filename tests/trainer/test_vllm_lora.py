@@ -10,9 +10,11 @@ alpha / rank of 3, which vLLM folds into B in bf16: the exact check reproduces i
   `rft_lora_fingerprint`) and by the probe before it carries the version's label.
 - An adapter vLLM refuses (rank above --max-lora-rank) leaves the previous one serving,
   labelled, and the replica entry says why; so does an adapter the exact check refuses.
-- A restarted engine (from the base) gets the current adapter again; a version that fails
-  its probe after the load is tried once more on a fresh engine, then the engine falls back
-  on the previous adapter.
+- A restarted engine (from the base) gets the current adapter again. A version that fails
+  its probe after the load, though the exact check passed, goes back in place to the previous
+  adapter (a restart would load the same bytes); without the exact check (an engine with a
+  worker extension of its own) it is tried once more on a fresh engine, then the engine
+  falls back on the previous adapter.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ def write_adapter(base: Path, out: Path, step: int, seed: int, rank: int = RANK)
 def adapters(tmp_path_factory):
     base = smollm2_dir()
     root = tmp_path_factory.mktemp("adapters")
-    out = {v: write_adapter(base, root / f"v{v}", v, seed=v) for v in (1, 2, 4, 5)}
-    probe = json.loads((out[5] / PROBE_FILE).read_text())  # v5: a probe the engine cannot match
-    probe["logprobs"] = [x - 1.0 for x in probe["logprobs"]]
-    (out[5] / PROBE_FILE).write_text(json.dumps(probe))
+    out = {v: write_adapter(base, root / f"v{v}", v, seed=v) for v in (1, 2, 4, 5, 6)}
+    for v in (5, 6):  # probes the engine cannot match
+        probe = json.loads((out[v] / PROBE_FILE).read_text())
+        probe["logprobs"] = [x - 1.0 for x in probe["logprobs"]]
+        (out[v] / PROBE_FILE).write_text(json.dumps(probe))
     out[3] = write_adapter(base, root / "v3", 3, seed=3, rank=4 * RANK)  # above the engine's --max-lora-rank
     return {"base": base, **out}
 
@@ -156,10 +159,21 @@ def test_adapter_versions_load_in_place_verified_and_a_refused_one_keeps_the_pre
         assert agent.converge(target(adapters, 2))
         assert entry()["version"] == 2 and score(engine, names.SERVED_MODEL_NAME, ids) == served
 
-        # A version that fails its probe after the load: the engine restarts from the base and
-        # takes the adapter again (adopt), fails again, and falls back on version 2's adapter.
-        with pytest.raises(SyncError, match="version 5 after a fresh start from disk: the engine does not serve"):
+        # A version that fails its probe although the exact check found it in the slots as
+        # exported: a restart would load the same bytes onto the same base, so version 2's
+        # adapter goes back in place, checked; nothing restarts.
+        with pytest.raises(ProbeMismatch, match=r"version 5 after a reload: the engine does not serve the "
+                                                r"trained weights: .*; serving version 2 again"):
             agent.converge(target(adapters, 5))
+        assert engine.restarts() == 1 and engine.served() == 2 and agent.engine_version == 2
+        assert score(engine, names.SERVED_MODEL_NAME, ids) == served
+
+        # Without the exact check (an engine started with a worker extension of its own), a
+        # version that fails its probe: the engine restarts from the base and takes the
+        # adapter again (adopt), fails again, and falls back on version 2's adapter.
+        monkeypatch.setattr(engine, "extension", False)
+        with pytest.raises(SyncError, match="version 6 after a fresh start from disk: the engine does not serve"):
+            agent.converge(target(adapters, 6))
         assert engine.restarts() == 3 and engine.served() == 2 and agent.engine_version == 2
         assert (dest / INITIAL_LINK).resolve() == Path(adapters["base"]).resolve()
         assert score(engine, names.SERVED_MODEL_NAME, ids) == served

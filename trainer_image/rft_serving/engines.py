@@ -353,6 +353,9 @@ class VLLMEngine(Engine):
               "logprobs": 0}: the probe, scored after /resume: a paused engine holds every
               request, the probe's too
           POST /update_weight_version {"new_version": "<version>"} once the probe passed
+              (an adapter that fails it, though its LoRA slots passed the exact check,
+              is paused again and the adapter before goes back in place: a restart would
+              load the same bytes)
     `return_weight_versions` is accepted and ignored by 0.32.0: explorers attribute vLLM's
     samples through the agent's record (`GET <agent>/record`), null from before the pause
     until the label.
@@ -425,9 +428,27 @@ class VLLMEngine(Engine):
             log.warning("vLLM did not reset its prefix cache after loading version %s (the pause already "
                         "cleared it)", version)
         self._post("/resume")
-        verdict = self.check(probe, tolerance, f"version {version} after a reload")
+        try:
+            verdict = self.check(probe, tolerance, f"version {version} after a reload")
+        except ProbeMismatch as e:
+            if not self._restart_cannot_cure(path, incoming, previous):
+                raise  # the agent restarts the engine from the files and checks again
+            try:
+                self._post("/pause", params={"mode": "wait"})
+            except SyncError:
+                raise e from None
+            self._roll_back(previous, tolerance, e)
         self.label(version)
         return verdict
+
+    def _restart_cannot_cure(self, path: str, incoming: Any, previous: Previous | None) -> bool:
+        """An adapter that fails its probe although the exact check found it in the LoRA
+        slots as exported: a fresh engine would load the same bytes onto the same base and
+        serve the same, so the adapter before it goes back in place (a load of megabytes)
+        instead of the agent restarting the engine twice (minutes without serving). Weights
+        over NCCL, a whole model, or an adapter the check could not cover keep the restart."""
+        return (previous is not None and incoming is None and is_adapter_dir(path)
+                and self.fingerprint_verdict is not None)
 
     def _roll_back(self, previous: Previous, tolerance: float | None, refused: ProbeMismatch) -> None:
         """Still paused after a reload the fingerprint refused: reload `previous` in place,

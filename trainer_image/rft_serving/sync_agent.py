@@ -46,7 +46,9 @@ the version's commit in S3 (weights.fetch).
 
 A load vLLM's fingerprint check refuses (still paused) goes back in place to the last good
 version (`Previous`), which serves again: the entry's error names the parameters, nothing
-restarts, and the export is held off like a broken one.
+restarts, and the export is held off like a broken one. So does an adapter (a LoRA job)
+that vLLM refuses to load, or that fails its probe although the exact check found it in
+the LoRA slots as exported (a restart would load the same bytes onto the same base).
 
 vLLM and SGLang start from `<dest>/initial`, a link the init container points at the
 weights it fetched; after each load the agent points it at the weights just loaded (and
