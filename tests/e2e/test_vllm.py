@@ -255,6 +255,22 @@ def test_without_the_extension_the_probe_catches_the_stale_tied_head_and_a_resta
                                          "served_mean_diff": entry["probe"]["meanDiff"]}
 
 
+def version_1_refused_in_place(j, why: str, what: str) -> dict:
+    """A one-replica job's version 1, refused for `why` (in the replica entry's error):
+    the engine went back in place to version 0, which serves under its label; nothing
+    restarted, the replica never reported version 1 and no sample says it. The entry."""
+    refused = lambda s: why in str(((s.get("weightSync") or {}).get("replicas") or {}))  # noqa: E731
+    with Reports(j) as reports:
+        s = wait(j, refused, 900, what)
+    (entry,) = s["weightSync"]["replicas"].values()
+    assert s["weightSync"]["target"]["version"] == 1, s["weightSync"]
+    assert "serving version 0 again" in entry["error"] and entry["version"] == 0, entry
+    assert entry.get("engineRestarts") == 0 and not entry.get("lastRestart"), entry
+    assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
+    assert sample_versions(j["uri"]) <= {0}
+    return entry
+
+
 @pytest.mark.timeout(1300)
 def test_bf16_at_lr_1e_6_a_stale_tied_head_is_refused_and_the_previous_version_keeps_serving(job, stack, smollm2):
     """The RL setting: bf16 exports at lr 1e-6, where the probe cannot tell a stale tied head
@@ -267,15 +283,7 @@ def test_bf16_at_lr_1e_6_a_stale_tied_head_is_refused_and_the_previous_version_k
     steps = 1
     j = vllm_job(job, stack, steps, replicas=1, lr=1.0e-6, dtype="bf16",
                  env=({"name": "RFTJOB_VLLM_RELOAD", "value": "plain"},))
-    refused = lambda s: "lm_head.weight" in str(((s.get("weightSync") or {}).get("replicas") or {}))  # noqa: E731
-    with Reports(j) as reports:
-        s = wait(j, refused, 900, "version 1 refused for its stale lm_head")
-    (entry,) = s["weightSync"]["replicas"].values()
-    assert s["weightSync"]["target"]["version"] == 1, s["weightSync"]
-    assert "serving version 0 again" in entry["error"] and entry["version"] == 0, entry
-    assert entry.get("engineRestarts") == 0 and not entry.get("lastRestart"), entry
-    assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
-    assert sample_versions(j["uri"]) <= {0}
+    entry = version_1_refused_in_place(j, "lm_head.weight", "version 1 refused for its stale lm_head")
     RESULTS["vllm_bf16_refused"] = {"error": entry["error"][:300]}
 
 
@@ -285,21 +293,14 @@ def test_a_lora_adapter_that_fails_its_probe_is_refused_in_place_and_the_previou
     arithmetic allows): version 1's adapter loads, is found in the LoRA slots as exported,
     and fails its probe. A restart would load the same bytes onto the same base, so the
     engine goes back in place to version 0's adapter, checked, which keeps serving under
-    its label: the entry says why, nothing restarts, the replica never reports version 1
-    and no sample is attributed to it."""
+    its label: the entry (the engine's own label) says version 0 and why, nothing restarts,
+    and the replica never reports version 1."""
     steps = 1
     j = vllm_job(job, stack, steps, replicas=1, lr=2.0e-3, dtype="bf16", lora={"rank": 8, "alpha": 16},
                  probe_tolerance=0.0)
-    refused = lambda s: "serving version 0 again" in str(((s.get("weightSync") or {}).get("replicas") or {}))  # noqa: E731
-    with Reports(j) as reports:
-        s = wait(j, refused, 900, "version 1's adapter refused")
-    (entry,) = s["weightSync"]["replicas"].values()
-    assert s["weightSync"]["target"]["version"] == 1, s["weightSync"]
-    assert "version 1 after a reload: the engine does not serve the trained weights" in entry["error"], entry
-    assert entry["version"] == 0 and entry["fingerprint"]["params"] >= 2 * 7 * 30, entry  # version 0, checked
-    assert entry.get("engineRestarts") == 0 and not entry.get("lastRestart"), entry
-    assert reports.seen and all(v == 0 for _, v, _, _ in reports.seen), reports.seen
-    assert sample_versions(j["uri"]) <= {0}
+    entry = version_1_refused_in_place(j, "version 1 after a reload: the engine does not serve the trained weights",
+                                       "version 1's adapter refused for its probe")
+    assert entry["fingerprint"]["params"] >= 2 * 7 * 30, entry  # version 0's load, every slice checked
     RESULTS["vllm_lora_refused"] = {"error": entry["error"][:300]}
 
 

@@ -62,7 +62,9 @@ from rft_rollout.rollouts import (STRADDLED, UNVERSIONED, ClientError, Inference
                                   choice_versions, replica_pod)
 from rft_rollout.tasksets import arithmetic
 from rft_contract.probe import Probe
-from rft_serving.engines import ENGINE_DOWN, EngineBroken, ProbeMismatch, SGLangEngine, SyncError, VLLMEngine
+from rft_contract.fingerprint import FingerprintVerdict
+from rft_serving.engines import (ENGINE_DOWN, EngineBroken, Previous, ProbeMismatch, SGLangEngine, SyncError,
+                                VLLMEngine)
 from rft_serving.serve import COMPLETION_FIELDS, parse_sampling
 from rft_serving.sync_agent import ENGINE_START_ATTEMPTS, INITIAL_LINK, SyncAgent
 from tests.conftest import wait_for
@@ -237,6 +239,8 @@ class FakeVLLM(Fake):
         if mode not in ("abort", "wait", "keep") or \
                 request.query.get("clear_cache", "true").lower() not in ("true", "false", "1", "0"):
             return self.error(400, "1 validation error: query.mode")
+        if (refused := self.refused(request)) is not None:
+            return refused
         self.paused = mode
         return web.json_response({"status": "paused"})
 
@@ -606,6 +610,75 @@ def test_vllm_a_failed_reload_leaves_the_engine_paused_and_broken(vllm, tmp_path
         engine.load(str(weights), 3, None)
     vllm.restart()  # a fresh start from disk does
     assert engine.load(str(weights), 3, None) is None and engine.served() == 3
+
+
+def adapter_dir(root: Path, version: int) -> Path:
+    d = root / f"adapter-v{version}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text("{}")  # what marks a LoRA version (rft_contract.layout)
+    return d
+
+
+class AdapterSlots:
+    """What the engine's LoRA routes would do, for the control flow around them: every
+    adapter loads, and the exact check of the slots passes (`checked` False: the check could
+    not run, as in an engine without our worker extension)."""
+
+    def __init__(self, engine: VLLMEngine, monkeypatch, checked: bool = True):
+        self.loaded: list[str] = []
+        monkeypatch.setattr(engine, "_reload", self.loaded.append)
+        monkeypatch.setattr(engine, "check_fingerprint",
+                            lambda path, version: FingerprintVerdict(True, 4) if checked else None)
+
+
+def test_vllm_an_adapter_that_fails_its_probe_after_the_exact_check_goes_back_in_place(vllm, tmp_path, monkeypatch):
+    """The slots hold the adapter as exported, yet it scores the probe unlike the trainer: a
+    restart would load the same bytes, so the engine pauses again, the previous adapter goes
+    back in place, checked, and serves under its label."""
+    vllm.label = "2"
+    engine = VLLMEngine(vllm.url)
+    slots = AdapterSlots(engine, monkeypatch)
+    v2, v3 = adapter_dir(tmp_path, 2), adapter_dir(tmp_path, 3)
+    with pytest.raises(ProbeMismatch, match=r"version 3 after a reload: the engine does not serve the trained "
+                                            r"weights: .*; serving version 2 again") as refused:
+        engine.load(str(v3), 3, probe_for(offset=0.3), previous=Previous(str(v2), 2, probe_for()))
+    assert refused.value.serving == 2 and slots.loaded == [str(v3), str(v2)]
+    assert [p for m, p, _, _ in vllm.calls if m == "POST"] == [
+        "/pause", "/update_weight_version", "/reset_prefix_cache", "/resume", "/v1/completions",  # v3, probed
+        "/pause", "/reset_prefix_cache", "/resume", "/v1/completions", "/update_weight_version"]  # v2 again
+    assert vllm.label == "2" and vllm.paused is None and engine.served() == 2
+
+
+def test_vllm_an_adapter_probe_failure_keeps_the_restart_where_going_back_cannot_be_trusted(
+        vllm, tmp_path, monkeypatch):
+    """Left to the agent's restart (ProbeMismatch without `serving`, the engine under no
+    version of ours): when the exact check could not run, when the engine cannot be paused
+    again, and with no version before it. Previous weights that fail their own probe when
+    they go back break the engine (EngineBroken: a restart on the last good version)."""
+    v2, v3 = adapter_dir(tmp_path, 2), adapter_dir(tmp_path, 3)
+    previous = Previous(str(v2), 2, probe_for())
+
+    def refused_for_restart(engine: VLLMEngine, **kw) -> None:
+        with pytest.raises(ProbeMismatch, match="version 3 after a reload") as e:
+            engine.load(str(v3), 3, probe_for(offset=0.3), **kw)
+        assert e.value.serving is None and vllm.label == "reloading-3" and engine.served() is None
+
+    engine = VLLMEngine(vllm.url)
+    AdapterSlots(engine, monkeypatch, checked=False)  # e.g. a worker extension of the user's own
+    refused_for_restart(engine, previous=previous)
+
+    engine = VLLMEngine(vllm.url)
+    AdapterSlots(engine, monkeypatch)
+    refused_for_restart(engine)  # version 0 had failed: nothing to go back to
+
+    pauses = iter([False, True])  # the second pause, after the probe failed, answers 500
+    vllm.refuse["/pause"] = lambda body: next(pauses)
+    refused_for_restart(engine, previous=previous)
+    assert vllm.paused is None  # serving, unlabelled, until the agent restarts it
+    vllm.refuse.clear()
+
+    with pytest.raises(EngineBroken, match="version 3 after a reload.*going back to version 2 failed too"):
+        engine.load(str(v3), 3, probe_for(offset=0.3), previous=Previous(str(v2), 2, probe_for(offset=0.1)))
 
 
 def test_vllm_requests_sent_while_paused_are_held_and_run_after_resume(vllm, weights):

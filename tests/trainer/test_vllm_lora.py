@@ -163,8 +163,11 @@ def test_adapter_versions_load_in_place_verified_and_a_refused_one_keeps_the_pre
         # exported: a restart would load the same bytes onto the same base, so version 2's
         # adapter goes back in place, checked; nothing restarts.
         with pytest.raises(ProbeMismatch, match=r"version 5 after a reload: the engine does not serve the "
-                                                r"trained weights: .*; serving version 2 again"):
+                                                r"trained weights: .*; serving version 2 again") as refused:
             agent.converge(target(adapters, 5))
+        agent.report_error(str(refused.value))
+        assert entry()["version"] == 2 and "serving version 2 again" in entry()["error"], entry()
+        assert agent.broken[0] == (5, "x5")  # not tried again for a while
         assert engine.restarts() == 1 and engine.served() == 2 and agent.engine_version == 2
         assert score(engine, names.SERVED_MODEL_NAME, ids) == served
 

@@ -14,7 +14,9 @@ Errors, from mild to severe (all `SyncError`, whose message goes into the replic
 - `ProbeMismatch`: the engine loaded the new weights, but a parameter differs from the
   export's fingerprint, or it scores the probe differently from the trainer: a reload that
   left a layer stale (vLLM's tied `lm_head`, see vllm_worker.py) or broken weights. Not promoted; the agent restarts the engine from
-  the files on disk (supervise.py) and checks again.
+  the files on disk (supervise.py) and checks again. With `serving` set, the engine
+  already went back in place to the version before, which it serves again (vLLM: a
+  refused fingerprint, or a LoRA adapter refused at its load or by its probe): no restart.
 - `EngineBroken`: the reload failed part-way and the engine may hold a mix of weights
   (vLLM: every later reload fails too and the next request kills it). Never resumed;
   the agent restarts it on the last version that passed.
@@ -345,8 +347,9 @@ class VLLMEngine(Engine):
               request would kill it) until the agent restarts it.
           POST /collective_rpc {"method": "rft_fingerprint"}   still paused: what the
               worker holds, as its kernels use it, against the export's fingerprint.json
-              (check_fingerprint); a parameter that differs raises ProbeMismatch naming it,
-              and the agent restarts the engine from the files (one worker only for now)
+              (check_fingerprint); a parameter that differs raises ProbeMismatch naming it:
+              the previous version goes back in place (`_roll_back`), or with none the
+              agent restarts the engine from the files (one worker only for now)
           POST /reset_prefix_cache   belt and braces (the pause cleared it)
           POST /resume
           POST /v1/completions {"prompt": token ids, "max_tokens": 0, "echo": true,
@@ -451,8 +454,9 @@ class VLLMEngine(Engine):
                 and self.fingerprint_verdict is not None)
 
     def _roll_back(self, previous: Previous, tolerance: float | None, refused: ProbeMismatch) -> None:
-        """Still paused after a reload the fingerprint refused: reload `previous` in place,
-        check it the same way, resume and label it. Raises ProbeMismatch(serving=its
+        """Paused, after a load the fingerprint check or (an adapter) the probe refused, or
+        an adapter vLLM refused to load: reload `previous` in place, check it the same way,
+        resume and label it. Raises ProbeMismatch(serving=its
         version) naming what was refused; EngineBroken when the roll-back does not hold
         either (the agent then restarts the engine on the last good version)."""
         log.warning("%s: going back to version %s in place", refused, previous.version)

@@ -309,7 +309,8 @@ class SyncAgent:
                                            previous=previous, **extra)
             except ProbeMismatch as e:
                 if e.serving is not None:
-                    # Refused before it served a request, and the last good version serves
+                    # Refused (before it served a request, or an adapter after its probe,
+                    # while the record said no version), and the last good version serves
                     # again: no restart; the export is not tried again for a while.
                     self._hold_off(target, str(e))
                     self.served = dict(self.good[0])
