@@ -186,18 +186,25 @@ def s3_client(endpoint: str):
 def prepare_data(endpoint: str, bucket: str = BUCKET, num_tasks: int = 256) -> None:
     """The tiny model and the taskset the sample job reads, created here (no downloads)."""
     from rft_rollout.tasksets import arithmetic
-    from tests.fixtures.models import save_tiny_model
 
     s3 = s3_client(endpoint)
     wait_until(lambda: _reachable(s3), 30, f"the S3 server at {endpoint}")
     if bucket not in [b["Name"] for b in s3.list_buckets().get("Buckets", [])]:
         s3.create_bucket(Bucket=bucket)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(Path(tmp) / "tiny", seed=0)
-        for f in sorted(model.iterdir()):
-            s3.upload_file(str(f), bucket, f"models/tiny/{f.name}")
+    upload_tiny_model(s3, bucket, "models/tiny")
     lines = "".join(json.dumps(t) + "\n" for t in arithmetic(num_tasks, seed=0))
     s3.put_object(Bucket=bucket, Key="data/arith.jsonl", Body=lines.encode())
+
+
+def upload_tiny_model(s3, bucket: str, prefix: str, **shape) -> None:
+    """The sample's tiny random Qwen2 (seed 0; `shape`: save_tiny_model's other arguments)
+    written to s3://`bucket`/`prefix`/."""
+    from tests.fixtures.models import save_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_tiny_model(Path(tmp) / "tiny", seed=0, **shape)
+        for f in sorted(model.iterdir()):
+            s3.upload_file(str(f), bucket, f"{prefix}/{f.name}")
 
 
 def clear_run(endpoint: str, bucket: str = BUCKET, prefix: str = "runs/demo/") -> None:
