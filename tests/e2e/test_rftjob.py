@@ -222,8 +222,7 @@ def committed_steps_verify(uri: str) -> list[int]:
     return good
 
 
-def greedy_format_reward(base_uri: str, trained_uri: str, max_tokens: int = 12, num_tasks: int = 64,
-                         ) -> tuple[float, float]:
+def greedy_format_reward(base_uri: str, trained_uri: str, num_tasks: int = 64) -> tuple[float, float]:
     """The sample task's reward (`format`) of the model at `base_uri` and of the trained
     version at `trained_uri` (a whole model, or an adapter loaded onto that base), each served
     by a reference server (the replicas' own code) in this process, greedy on `num_tasks`
@@ -251,8 +250,10 @@ def greedy_format_reward(base_uri: str, trained_uri: str, max_tokens: int = 12, 
                 tokenizer = server.current.tokenizer
                 fmt = resolve_prompt_format(None, tokenizer)
                 r = requests.post(f"{server.url}/v1/completions", timeout=600, json={
-                    "model": names.SERVED_MODEL_NAME, "max_tokens": max_tokens, "temperature": 0.0,
-                    "prompt": [render_prompt(t["prompt"], fmt, tokenizer) for t in tasks]})
+                    "model": names.SERVED_MODEL_NAME, "max_tokens": SAMPLE["spec"]["explorer"]["sampling"]["maxTokens"],
+                    "temperature": 0.0, "prompt": [render_prompt(t["prompt"], fmt, tokenizer) for t in tasks],
+                    # As the explorer sends them: a chat template writes its own special tokens.
+                    **({"add_special_tokens": False} if fmt == "chat" else {})})
                 r.raise_for_status()
                 texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
                 out.append(sum(format_reward(t["prompt"], x, t["answer"]) for t, x in zip(tasks, texts)) / len(tasks))

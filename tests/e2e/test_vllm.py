@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import pytest
 
 from e2e import demo, vllm_env
 from rft_contract import names
-from rft_contract.s3 import S3Storage
+from rft_contract.s3 import S3Storage, split_uri
 from rft_serving import cpu_isa
 from rft_trainer.experience import read_shard_meta
 from tests.e2e.test_rftjob import (  # noqa: F401 - fixtures
@@ -75,8 +74,7 @@ def tiny_vllm(s3):
     sizes vLLM's CPU attention takes (2 heads of 32, one KV head; the sample's 4 of 16 it
     does not) and room for vLLM's context length: a model that learns the sample task
     within a dozen steps."""
-    demo.upload_tiny_model(demo.s3_client(s3.url), "rft-e2e", TINY_VLLM.removeprefix("s3://rft-e2e/"),
-                           heads=2, kv_heads=1, max_positions=1024)
+    demo.upload_tiny_model(demo.s3_client(s3.url), *split_uri(TINY_VLLM), heads=2, kv_heads=1, max_positions=1024)
     return TINY_VLLM
 
 
