@@ -24,11 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "contract"), str(ROOT / "trainer_image"), str(ROOT)]
 
-import requests  # noqa: E402
-
 from rft_contract.config import load_config  # noqa: E402
 from rft_contract.storage import LocalStorage  # noqa: E402
-from rft_rollout.explorer import Explorer, render_prompt, resolve_prompt_format  # noqa: E402
+from rft_rollout.evaluation import evaluate  # noqa: E402
+from rft_rollout.explorer import Explorer  # noqa: E402
 from rft_rollout.rewards import math_accuracy  # noqa: E402
 from rft_rollout.tasksets import write_taskset  # noqa: E402
 from rft_serving.serve import ReferenceServer  # noqa: E402
@@ -50,13 +49,7 @@ def questions(n: int, seed: int, exclude: set[str] = frozenset()) -> list[dict[s
 
 
 def accuracy(url: str, tasks: list[dict[str, str]], tokenizer, max_tokens: int) -> float:
-    fmt = resolve_prompt_format(None, tokenizer)
-    prompts = [render_prompt(t["prompt"], fmt, tokenizer) for t in tasks]
-    r = requests.post(f"{url}/v1/completions", timeout=3600, json={
-        "model": "policy", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0})
-    r.raise_for_status()
-    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
-    return sum(math_accuracy(t["prompt"], x, t["answer"]) for t, x in zip(tasks, texts)) / len(tasks)
+    return evaluate(url, tasks, tokenizer, math_accuracy, max_tokens=max_tokens).mean_reward  # greedy
 
 
 def main() -> None:
