@@ -19,6 +19,11 @@ from dataclasses import dataclass
 
 # verl's agg_loss modes (core_algos.agg_loss), the loss's reduction over tokens.
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# verl's rollout correction (rollout_corr_helper.py): the IS levels and the rejection options
+# (SUPPORTED_ROLLOUT_RS_OPTIONS); rft_trainer.algorithms.rollout_correction implements them.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ POD_CONFIG: dict[str, Any] = {
     "algorithm": {name: True for name in (
         "name", "learning_rate", "critic_learning_rate", "kl_coef", "kl_estimator", "clip_ratio", "clip_ratio_low",
         "clip_ratio_high", "dual_clip_ratio", "entropy_coef", "epochs", "mini_batch_size", "micro_batch_size",
-        "grad_clip", "loss_aggregation", "gamma", "lam", "norm_adv_by_std", "cliprange_value", "use_kl_loss")},
+        "grad_clip", "loss_aggregation", "gamma", "lam", "norm_adv_by_std", "cliprange_value", "use_kl_loss",
+        "rollout_correction")},
     "trainer": {**{name: True for name in ("nodes", "gpus_per_node", "total_steps", "batch_size", "seed")},
                 "fsdp": _FSDP},
     "checkpoint": {name: True for name in ("uri", "interval", "keep", "endpoint", "region", "staging_size_limit")},

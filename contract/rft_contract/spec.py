@@ -34,7 +34,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic.alias_generators import to_camel
 
-from .algorithms import ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS
+from .algorithms import (ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS,
+                         ROLLOUT_RS_OPTIONS)
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
@@ -301,7 +302,48 @@ class ModelSpec(OmitUnset):
         f"adapters ({', '.join(LORA_ENGINES)}), else the base with the adapters merged."))
 
 
-class AlgorithmSpec(Model):
+_ROLLOUT_RS = "algorithm.rolloutCorrection.rolloutRs"
+
+
+class RolloutRejection(Model):
+    """One of verl's rejection options (`rollout_rs` and its `rollout_rs_threshold`): verl's
+    `rollout_rs: "token_k1,seq_max_k3"` with `rollout_rs_threshold: "0.5_2.0,0.01"` is
+    [{name: token_k1, thresholdLower: 0.5, threshold: 2.0}, {name: seq_max_k3, threshold: 0.01}]."""
+
+    rules = (Check("!has(self.thresholdLower) || self.name.endsWith('_k1')",
+                   lambda r: r.threshold_lower is None or r.name.endswith("_k1"),
+                   f"{_ROLLOUT_RS}: thresholdLower is for the k1 options only", ".thresholdLower"),
+             Check("!has(self.thresholdLower) || self.thresholdLower < self.threshold",
+                   lambda r: r.threshold_lower is None or r.threshold_lower < r.threshold,
+                   f"{_ROLLOUT_RS}: thresholdLower must be below threshold", ".thresholdLower"))
+
+    name: Literal[ROLLOUT_RS_OPTIONS] = Field(description=(
+        "token_kN: per token; seq_sum_kN, seq_mean_kN, seq_max_kN: over the sequence's response tokens, "
+        "the decision for all of them. k1 = log(pi_rollout / pi_old), kept within "
+        "[log thresholdLower, log threshold]; k2 = half the squared log-ratio and k3 = exp(r) - 1 - r, "
+        "kept at or below threshold."))
+    threshold: float = Field(gt=0, description="Upper bound (k1: of the ratio; k2, k3: of the statistic).")
+    threshold_lower: float | None = Field(default=None, gt=0, description="k1 only; default 1 / threshold.")
+
+
+class RolloutCorrectionSpec(OmitUnset):
+    """verl's rollout correction (`algorithm.rollout_correction`, decoupled mode) between the
+    trainer's log-probs before the update and the engine's that sampled each response."""
+
+    omit_unset = ("rollout_is",)
+    rollout_is: Literal[ROLLOUT_IS_LEVELS] | None = Field(default=None, description=(
+        "Truncated importance sampling: each token's policy loss times min(pi_old / pi_rollout, "
+        "rolloutIsThreshold), the ratio of the token (token) or of the whole response (sequence). "
+        "Unset: no weights."))
+    rollout_is_threshold: float = Field(default=2.0, gt=0, description="The weights' upper bound.")
+    rollout_is_batch_normalize: bool = Field(default=False, description="Divide the weights by their batch mean.")
+    rollout_rs: unique_list(RolloutRejection, "name") = Field(default_factory=list, max_length=len(ROLLOUT_RS_OPTIONS),
+                                                            description=(
+        "Rejection sampling: response tokens (or whole responses) outside any option's bounds leave the loss."))
+
+
+class AlgorithmSpec(OmitUnset):
+    omit_unset = ("rollout_correction",)
     rules = (Check(
         "!has(self.miniBatchSize) || !has(self.microBatchSize) || self.miniBatchSize >= self.microBatchSize",
         None, "algorithm.microBatchSize must not exceed algorithm.miniBatchSize"),)  # config.py says it in Python
@@ -341,6 +383,10 @@ class AlgorithmSpec(Model):
         default=True,
         description="KL as a loss term (GRPO style) rather than folded into the reward (classic PPO).",
     )
+    rollout_correction: RolloutCorrectionSpec | None = Field(default=None, description=(
+        "Correct for the gap between the engine that sampled and the trainer's policy (verl's rollout "
+        "correction): importance weights, rejection, and the rollout_corr/ metrics. Unset: the metrics "
+        "are still reported, nothing is corrected."))
 
 
 Beta = Annotated[float, Field(ge=0, lt=1)]

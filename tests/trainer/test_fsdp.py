@@ -45,6 +45,25 @@ def test_two_ranks_match_one_process(tiny, tmp_path, algo):
     assert abs(one["metrics"]["actor/pg_loss"] - two["metrics"]["actor/pg_loss"]) < 1e-5
 
 
+def test_rollout_correction_two_ranks_match_one_process_and_change_the_step(tiny, tmp_path):
+    """algorithm.rolloutCorrection through the engine under torchrun: the correction is
+    computed on the all-gathered batch, so 2 ranks take the step of 1 process and report
+    the same rollout_corr/ metrics; some tokens are rejected, and the step is not the
+    uncorrected one."""
+    one = run_step(tiny, tmp_path / "one.pt", 1, "grpo", "--rollout-correction")
+    two = run_step(tiny, tmp_path / "two.pt", 2, "grpo", "--rollout-correction")
+    worst = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
+    assert worst < 1e-5, f"largest parameter difference {worst}"
+    corr = {k: v for k, v in one["metrics"].items() if k.startswith("rollout_corr/")}
+    for k, v in corr.items():
+        assert abs(v - two["metrics"][k]) < 1e-5 * max(1.0, abs(v)), (k, v, two["metrics"][k])
+    assert 0 < corr["rollout_corr/rollout_rs_masked_fraction"] < 1, corr
+    assert corr["rollout_corr/rollout_is_ratio_fraction_high"] > 0, corr
+    plain = run_step(tiny, tmp_path / "plain.pt", 1, "grpo")
+    assert "rollout_corr/kl" not in plain["metrics"]  # the synthetic batch has no engine log-probs
+    assert max((one["params"][k] - plain["params"][k]).abs().max().item() for k in one["params"]) > 1e-6
+
+
 def test_activation_checkpointing_gives_the_same_step_on_cpu(tiny, tmp_path):
     """Activation checkpointing changes what is recomputed in the backward pass, not the math.
 

@@ -8,6 +8,7 @@ its `Runtime` and its manager, and saves and resumes what `checkpoint_roles()` r
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from rft_contract.storage import Storage
 from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
+from .algorithms.rollout_correction import RejectOption, rollout_correction
 from .experience import Experiences
 from .export import Stage, export_adapter, export_hf
 from .modelcache import fetch_model
@@ -193,6 +195,10 @@ class FSDPTrainEngine(TrainEngineWrapper):
         local = self.local_slice(batch)
         with roles.timed(m, "time/old_log_prob"):
             old_lp, _ = self.actor.compute_log_prob(local)
+        sampled, is_weights = batch, None
+        if batch.rollout_logprobs is not None:
+            with roles.timed(m, "time/rollout_correction"):
+                batch, local, is_weights = self._rollout_correction(batch, local, old_lp, m)
         ref_lp = None
         if self.ref is not None:
             with roles.timed(m, "time/ref_log_prob"):
@@ -203,14 +209,36 @@ class FSDPTrainEngine(TrainEngineWrapper):
             with roles.timed(m, "time/update_critic"):
                 m.update(self.critic.update_critic(local, values, ret))
         with roles.timed(m, "time/update_actor"):
-            m.update(self.actor.update_policy(local, old_lp, adv, ref_lp))
+            m.update(self.actor.update_policy(local, old_lp, adv, ref_lp, weights=is_weights))
         self.step += 1
-        m.update(batch_metrics(batch, adv_local=adv, mask_local=local.action_mask))
+        m.update(batch_metrics(sampled, adv_local=adv, mask_local=local.action_mask))
         elapsed = time.perf_counter() - start
         m["time/step"] = elapsed
         m["perf/throughput"] = float(batch.attention_mask.sum()) / elapsed / self.rt.world_size
         m["training/global_step"] = self.step
         return self.step < self.config.trainer.total_steps, m
+
+    def _rollout_correction(self, batch: Experiences, local: Experiences, old_lp: torch.Tensor,
+                            m: dict) -> tuple[Experiences, Experiences, torch.Tensor | None]:
+        """verl's rollout correction (`algorithm.rollout_correction`) on the global batch: the
+        trainer's log-probs before the update against the engine's. Its `rollout_corr/`
+        metrics always go into `m`; with the correction set, returns the batch and this
+        rank's slice with the rejected tokens out of their action masks (so out of the
+        advantages, the losses and the entropy), and this rank's IS weights (None without
+        IS). Without it, the inputs as they are."""
+        rc = self.config.algorithm.rollout_correction
+        options = [RejectOption(o.name, o.threshold, o.threshold_lower) for o in rc.rollout_rs] if rc else []
+        c = rollout_correction(gather(old_lp, self.rt), batch.rollout_logprobs, batch.action_mask,
+                               rollout_is=rc.rollout_is if rc else None,
+                               is_threshold=rc.rollout_is_threshold if rc else 2.0,
+                               is_batch_normalize=rc.rollout_is_batch_normalize if rc else False,
+                               rollout_rs=options)
+        m.update(c.metrics)
+        if rc is None:
+            return batch, local, None
+        idx = self.local_indices(len(batch))
+        return (dataclasses.replace(batch, action_mask=c.mask), dataclasses.replace(local, action_mask=c.mask[idx]),
+                None if c.weights is None else c.weights[idx])
 
     def local_slice(self, batch: Experiences) -> Experiences:
         n = len(batch) // self.rt.world_size

@@ -209,10 +209,11 @@ class Actor(LogProbRole):
     def clear_optimizer_state(self) -> None:
         self.optimizer.state.clear()
 
-    def update_policy(self, batch: Experiences, old_logprob, advantages, ref_logprob=None) -> Metrics:
+    def update_policy(self, batch: Experiences, old_logprob, advantages, ref_logprob=None, weights=None) -> Metrics:
         """PPO-clip epochs over mini-batches of the local shard. All (B,T) tensors align
-        with `batch.tokens`. Returns each mini-batch's metrics over every rank
-        (`MiniBatchMetrics`), averaged over the mini-batches and epochs."""
+        with `batch.tokens`; `weights` are rollout correction's IS weights (None: none).
+        Returns each mini-batch's metrics over every rank (`MiniBatchMetrics`), averaged
+        over the mini-batches and epochs."""
         a = self.algo
         mask = batch.action_mask.float()
         losses.check_finite("old_logprob", old_logprob, mask)
@@ -224,14 +225,14 @@ class Actor(LogProbRole):
         local_mini = (a.mini_batch_size // self.rt.world_size) if a.mini_batch_size else len(batch)
         for _ in range(a.epochs):
             for mini in idx.split(max(1, local_mini)):
-                for k, v in self._update_mini(batch, mini, old_logprob, advantages, ref_logprob).items():
+                for k, v in self._update_mini(batch, mini, old_logprob, advantages, ref_logprob, weights).items():
                     acc.setdefault(k, []).append(v)
         self.scheduler.step()
         out = _avg(acc)  # each a whole mini-batch's value, the same on every rank
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _update_mini(self, batch, mini, old_lp, adv, ref_lp) -> Metrics:
+    def _update_mini(self, batch, mini, old_lp, adv, ref_lp, weights=None) -> Metrics:
         a = self.algo
         mode = a.loss_aggregation
         mask = batch.action_mask.float()
@@ -249,7 +250,8 @@ class Actor(LogProbRole):
             lp, ent = token_logprobs(self._forward(mb), mb.tokens, with_entropy=True)
             losses.check_finite("logprob", lp.detach(), m)
             pg_loss, metrics = losses.policy_loss(
-                old_lp[sel], lp, adv[sel], m, clip_low, clip_high, a.dual_clip_ratio, mode)
+                old_lp[sel], lp, adv[sel], m, clip_low, clip_high, a.dual_clip_ratio, mode,
+                weights=None if weights is None else weights[sel])
             loss = pg_loss
             metrics["actor/entropy"] = float(losses.aggregate(ent.detach(), m, "token-mean"))
             if a.entropy_coef:

@@ -145,6 +145,7 @@ def policy_loss(
     clip_ratio_high: float,
     dual_clip_ratio: float | None = None,
     agg: AggMode = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss. All inputs (B, T); returns (scalar loss, metrics).
 
@@ -152,9 +153,12 @@ def policy_loss(
     A < 0 take min(that, -A * c), as verl's compute_policy_loss_vanilla with clip_ratio_c = c.
     Metrics: actor/pg_loss, actor/pg_clipfrac (share of tokens where the clipped term won),
     actor/ppo_kl (mean old - new log-prob), actor/pg_clipfrac_lower (share of tokens with
-    A < 0 capped by the dual clip).
+    A < 0 capped by the dual clip). `weights` (rollout correction's IS weights, detached)
+    multiply each token's clipped loss before aggregation, as in verl; the clip fractions
+    and ppo_kl do not see them.
     """
-    _check_same_shape(old_logprob=old_logprob, logprob=logprob, advantages=advantages, response_mask=response_mask)
+    _check_same_shape(old_logprob=old_logprob, logprob=logprob, advantages=advantages, response_mask=response_mask,
+                      **({} if weights is None else {"weights": weights}))
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError(f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}")
     if dual_clip_ratio is not None and dual_clip_ratio <= 1.0:
@@ -175,6 +179,8 @@ def policy_loss(
         clipfrac_lower = masked_mean(capped.float(), response_mask)
         losses = torch.where(advantages < 0, torch.minimum(losses, cap), losses)
 
+    if weights is not None:
+        losses = losses * weights
     loss = aggregate(losses, response_mask, agg)
     metrics = {
         "actor/pg_loss": loss.detach(),
