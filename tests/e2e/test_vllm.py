@@ -308,7 +308,7 @@ def test_a_lora_job_s_vllm_replicas_load_each_adapter_version_at_run_time_verifi
     trained version the adapter alone (PEFT's format), which both replicas load in place as
     the adapter "policy" the explorers sample from, checked in the LoRA kernels' slots and by
     the probe before it is labelled: no restart, no version reported without both checks,
-    and the final adapter answers fixed prompts differently from the base (assert_trained). (SmolLM2 with LoRA on vLLM on this node: the refusal
+    and the final adapter scores a higher sampled reward than the base (assert_trained). (SmolLM2 with LoRA on vLLM on this node: the refusal
     test above; its reward moved too little in six steps to assert, docs/trainer.md.)"""
 
     steps = STEPS
