@@ -49,7 +49,7 @@ def questions(n: int, seed: int, exclude: set[str] = frozenset()) -> list[dict[s
 
 
 def accuracy(url: str, tasks: list[dict[str, str]], tokenizer, max_tokens: int) -> float:
-    return evaluate(url, tasks, tokenizer, math_accuracy, max_tokens=max_tokens).mean_reward  # greedy
+    return evaluate(url, tasks, tokenizer, math_accuracy, max_tokens=max_tokens, timeout=3600).mean_reward  # greedy
 
 
 def main() -> None:

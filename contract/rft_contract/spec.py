@@ -306,16 +306,19 @@ _ROLLOUT_RS = "algorithm.rolloutCorrection.rolloutRs"
 
 
 class RolloutRejection(Model):
-    """One of verl's rejection options (`rollout_rs` and its `rollout_rs_threshold`): verl's
-    `rollout_rs: "token_k1,seq_max_k3"` with `rollout_rs_threshold: "0.5_2.0,0.01"` is
-    [{name: token_k1, thresholdLower: 0.5, threshold: 2.0}, {name: seq_max_k3, threshold: 0.01}]."""
+    """One of verl's rejection options with its bounds (verl's `rollout_rs: "token_k1,seq_max_k3"`
+    with `rollout_rs_threshold: "0.5_2.0,0.01"` is two of them)."""
 
     rules = (Check("!has(self.thresholdLower) || self.name.endsWith('_k1')",
                    lambda r: r.threshold_lower is None or r.name.endswith("_k1"),
                    f"{_ROLLOUT_RS}: thresholdLower is for the k1 options only", ".thresholdLower"),
              Check("!has(self.thresholdLower) || self.thresholdLower < self.threshold",
                    lambda r: r.threshold_lower is None or r.threshold_lower < r.threshold,
-                   f"{_ROLLOUT_RS}: thresholdLower must be below threshold", ".thresholdLower"))
+                   f"{_ROLLOUT_RS}: thresholdLower must be below threshold", ".thresholdLower"),
+             Check("!self.name.endsWith('_k1') || has(self.thresholdLower) || self.threshold > 1.0",
+                   lambda r: not r.name.endswith("_k1") or r.threshold_lower is not None or r.threshold > 1,
+                   f"{_ROLLOUT_RS}: a k1 threshold of 1 or less needs thresholdLower (its default, "
+                   "1 / threshold, would reject every token)", ".threshold"))
 
     name: Literal[ROLLOUT_RS_OPTIONS] = Field(description=(
         "token_kN: per token; seq_sum_kN, seq_mean_kN, seq_max_kN: over the sequence's response tokens, "

@@ -25,6 +25,8 @@ def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
     if "--rollout-correction" in flags:  # sequence IS and a token band that rejects some tokens
         algorithm["rollout_correction"] = {"rollout_is": "sequence", "rollout_is_threshold": 1.2,
                                            "rollout_rs": [{"name": "token_k1", "threshold": 1.3}]}
+    if "--rollout-is" in flags:  # token IS alone
+        algorithm["rollout_correction"] = {"rollout_is": "token", "rollout_is_threshold": 1.2}
     config = load_config({
         "model": model,
         "algorithm": algorithm,
@@ -38,7 +40,8 @@ def main(model_dir: str, out: str, algo: str, *flags: str) -> None:
     engine = FSDPTrainEngine(config)
     engine.prepare()
     batch = synthetic_batch(8, prompt_len=4, response_len=6, vocab=24, group_size=4, seed=1)
-    if "--rollout-correction" in flags:  # an engine's log-probs: near the random model's log(1/24)
+    if {"--rollout-correction", "--rollout-is", "--rollout-logprobs"} & set(flags):
+        # an engine's log-probs: near the random model's log(1/24)
         noise = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(2)) * 0.3
         batch = dataclasses.replace(batch, rollout_logprobs=(-3.18 + noise) * batch.action_mask)
     _, metrics = engine.train_step(batch)

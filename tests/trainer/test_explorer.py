@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import socket
 import subprocess
@@ -366,7 +367,8 @@ def test_build_samples_and_experiences(tokenizer):
     exp = build_experiences(samples)
     assert exp.tokens.tolist() == [[6, 15, 7, 7, 1], [6, 15, 7, 5, 6]]
     assert exp.action_mask.tolist() == [[False] * 3 + [True] * 2] * 2
-    assert exp.rollout_logprobs.tolist() == [[0, 0, 0, -1.0, 0], [0, 0, 0, -0.5, -0.25]]
+    # The appended stop token's log-prob was not reported: NaN (unknown), not 0 (probability 1).
+    assert exp.rollout_logprobs.nan_to_num(nan=9.0).tolist() == [[0, 0, 0, -1.0, 9.0], [0, 0, 0, -0.5, -0.25]]
     assert exp.group_ids.tolist() == [11, 11] and exp.weights_version.tolist() == [7, 7]
     assert exp.info[0] == {"task_id": "t", "reward": 1.0, "response": "3", "finish_reason": "stop"}
 
@@ -374,7 +376,7 @@ def test_build_samples_and_experiences(tokenizer):
     bare = {"choices": [{"index": 0, "text": "7", "finish_reason": "length"}]}
     (s,) = build_samples(bare, task, tokenizer, lambda *a: 0.0, 0, header_version=2)
     assert s.prompt_ids == tokenizer("2+3=")["input_ids"] and s.weights_version == 2
-    assert s.response_logprobs == [0.0] * len(s.response_ids)
+    assert s.response_logprobs and all(math.isnan(x) for x in s.response_logprobs)  # not reported
     with pytest.raises(ValueError, match="weights_version"):
         build_samples(bare, task, tokenizer, lambda *a: 0.0, 0)
 

@@ -61,7 +61,15 @@ def test_rollout_correction_two_ranks_match_one_process_and_change_the_step(tiny
     assert corr["rollout_corr/rollout_is_ratio_fraction_high"] > 0, corr
     plain = run_step(tiny, tmp_path / "plain.pt", 1, "grpo")
     assert "rollout_corr/kl" not in plain["metrics"]  # the synthetic batch has no engine log-probs
-    assert max((one["params"][k] - plain["params"][k]).abs().max().item() for k in one["params"]) > 1e-6
+
+    def differs(run):
+        return max((run["params"][k] - plain["params"][k]).abs().max().item() for k in plain["params"])
+
+    assert differs(one) > 1e-6
+    # IS weights alone change the step; the engine's log-probs without the setting do not.
+    assert differs(run_step(tiny, tmp_path / "is.pt", 1, "grpo", "--rollout-is")) > 1e-6
+    measured = run_step(tiny, tmp_path / "measured.pt", 1, "grpo", "--rollout-logprobs")
+    assert differs(measured) == 0.0 and measured["metrics"]["rollout_corr/kl"] != 0
 
 
 def test_activation_checkpointing_gives_the_same_step_on_cpu(tiny, tmp_path):

@@ -129,6 +129,20 @@ def test_an_empty_response_and_an_all_padding_batch_give_no_nan():
     assert none.weights.tolist() == [[0.0]] and none.mask.tolist() == [[False]]
 
 
+def test_a_response_with_an_unreported_log_prob_is_left_out_not_read_as_probability_one():
+    rollout = [row[:] for row in ROLLOUT]
+    rollout[1][1] = NAN  # rft_rollout.rollouts writes NaN where the engine reported nothing
+    c = rollout_correction(t(OLD), t(rollout), MASK, rollout_is="token", is_threshold=1.5,
+                           rollout_rs=[RejectOption("token_k1", 1.2)])
+    finite(c)
+    close(c.weights[1], [1.0, 1.0, 0.0, 0.0])  # neutral weights, every token kept
+    assert c.mask[1].tolist() == [True, True, False, False]
+    assert c.mask[0].tolist() == [False, False, True, False]  # row 0 is corrected as before
+    assert c.metrics["rollout_corr/unknown_logprob_fraction"] == 0.5
+    assert c.metrics["rollout_corr/rollout_is_mean"] == pytest.approx((E(0.5) + E(-1.0) + 1.0) / 3, rel=1e-5)
+    assert c.metrics["rollout_corr/kl"] == pytest.approx(-(0.5 - 1.0 + 0.0) / 3, rel=1e-5)
+
+
 def test_off_policy_metrics_are_verl_s():
     m = correct().metrics
     lr = [0.5, -1.0, 0.0, 0.3, 0.4]
@@ -148,6 +162,7 @@ def test_off_policy_metrics_are_verl_s():
     (dict(name="token_k2", upper=2.0, lower=0.5), "only k1"),
     (dict(name="token_k1", upper=2.0, lower=3.0), "lower threshold"),
     (dict(name="seq_sum_k1", upper=0.0), "must be > 0"),
+    (dict(name="token_k1", upper=1.0), "would reject every token"),  # default lower 1/1 = upper
 ])
 def test_bad_options_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

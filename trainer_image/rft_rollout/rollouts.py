@@ -82,6 +82,11 @@ VERSION_HEADER = "X-RFT-Weights-Version"
 STRADDLED, UNVERSIONED = "straddled", "unversioned"
 
 
+# A log-prob the engine did not report: NaN, so that rollout correction leaves the response out
+# rather than read it as a probability of 1 (rft_trainer.algorithms.rollout_correction).
+UNKNOWN_LOGPROB = float("nan")
+
+
 class Record(NamedTuple):
     """What a replica's sync agent says it serves, read from the agent itself
     (`GET <agent>/record`): `generation` changes whenever the record goes to no version
@@ -369,8 +374,8 @@ def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any
             tokenizer(text, add_special_tokens=False)["input_ids"]
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if logprobs is None or len(logprobs) != len(ids):
-            logprobs = [0.0] * len(ids)  # unknown: keep the field's shape (see module doc)
-        logprobs = [0.0 if lp is None else float(lp) for lp in logprobs]
+            logprobs = [UNKNOWN_LOGPROB] * len(ids)  # unknown: keep the field's shape
+        logprobs = [UNKNOWN_LOGPROB if lp is None else float(lp) for lp in logprobs]
         if "stop_token_id" in choice:  # the reference server: the stop token is not in token_ids
             stop_id = choice["stop_token_id"]
         elif engine_ids is not None and "stop_reason" in choice:
@@ -380,7 +385,7 @@ def build_samples(response: dict[str, Any], task: dict[str, str], tokenizer: Any
         if choice.get("finish_reason") == "stop" and stop_id is not None and (not ids or ids[-1] != stop_id):
             ids.append(stop_id)  # the policy chose to stop: train on that choice too
             lp = choice.get("stop_token_logprob")
-            logprobs.append(0.0 if lp is None else float(lp))  # 0.0: engine did not report it
+            logprobs.append(UNKNOWN_LOGPROB if lp is None else float(lp))  # the engine did not report it
         reward = reward_fn(prompt, text, answer)
         samples.append(Sample(list(prompt_ids), ids, logprobs, reward, group_id, version, {
             **(info or {}), "reward": reward, "response": text,

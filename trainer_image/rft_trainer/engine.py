@@ -195,16 +195,20 @@ class FSDPTrainEngine(TrainEngineWrapper):
         local = self.local_slice(batch)
         with roles.timed(m, "time/old_log_prob"):
             old_lp, _ = self.actor.compute_log_prob(local)
+        losses.check_finite("old_logprob", old_lp, local.action_mask)  # before any token is rejected
         sampled, is_weights = batch, None
         if batch.rollout_logprobs is not None:
             with roles.timed(m, "time/rollout_correction"):
                 batch, local, is_weights = self._rollout_correction(batch, local, old_lp, m)
+        elif self.config.algorithm.rollout_correction is not None:
+            raise ValueError("algorithm.rollout_correction: the experiences carry no rollout log-probs "
+                             "(the engine's, `rollout_logprobs` in each shard) to correct against")
         ref_lp = None
         if self.ref is not None:
             with roles.timed(m, "time/ref_log_prob"):
                 ref_lp = self.ref.compute_ref_log_prob(local)
         with roles.timed(m, "time/advantages"):
-            adv, ret, values = self._advantages(batch, local, old_lp, ref_lp)
+            adv, ret, values = self._advantages(batch, local, old_lp, ref_lp, sampled.action_mask)
         if self.critic is not None:
             with roles.timed(m, "time/update_critic"):
                 m.update(self.critic.update_critic(local, values, ret))
@@ -244,24 +248,28 @@ class FSDPTrainEngine(TrainEngineWrapper):
         n = len(batch) // self.rt.world_size
         return batch.select(torch.arange(self.rt.rank * n, (self.rt.rank + 1) * n, device=batch.tokens.device))
 
-    def _advantages(self, batch, local, old_lp, ref_lp):
+    def _advantages(self, batch, local, old_lp, ref_lp, sampled_mask=None):
         """The algorithm's advantage estimator (its profile's `advantage`, looked up in the
         registry) over the global batch; this rank's slice of (advantages, returns), and
         the critic's values of the local slice (None without a critic). The batch is the
         same on every rank: only what each rank computed on its slice (the KL penalty, the
-        values) is gathered."""
+        values) is gathered. `sampled_mask`: the action mask before rollout correction
+        rejected tokens (default: the batch's), which places the outcome reward and the KL
+        penalty as verl does (before its correction); the estimator gets the batch's."""
         a = self.config.algorithm
         if local.advantages is not None and local.returns is not None:
             return local.advantages, local.returns, None
         mask = batch.action_mask.float()
-        token_rewards = advs.outcome_to_token_rewards(batch.rewards, mask)
+        sampled = batch.action_mask if sampled_mask is None else sampled_mask
+        local_sampled = sampled[self.local_indices(len(batch))]
+        token_rewards = advs.outcome_to_token_rewards(batch.rewards, sampled.float())
         scores = batch.rewards
         # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
         # fixed coefficient): token reward -= kl_coef * KL(old policy || ref), response
         # tokens only; a sequence's score (GRPO's) by the sum of its token penalties.
         if ref_lp is not None and not a.use_kl_loss:
             kl = losses.kl_penalty(old_lp, ref_lp, a.kl_estimator)
-            kl_reward = gather(a.kl_coef * torch.where(local.action_mask.bool(), kl, torch.zeros_like(kl)), self.rt)
+            kl_reward = gather(a.kl_coef * torch.where(local_sampled.bool(), kl, torch.zeros_like(kl)), self.rt)
             token_rewards = token_rewards - kl_reward
             scores = scores - kl_reward.sum(-1)
         values = self.critic.compute_values(local) if self.critic is not None else None

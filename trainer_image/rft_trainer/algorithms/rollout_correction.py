@@ -20,7 +20,13 @@ where the weights multiply the clipped per-token loss), with its metric names un
   clamped to +-20 first), kept when <= upper. "token_*" per token; "seq_sum_*",
   "seq_mean_*", "seq_max_*" over the sequence's response tokens, the decision for every
   token of it. A token stays only if every option keeps it; the rejected tokens leave the
-  response mask, which advantages, the loss, entropy and KL then use.
+  response mask, which advantages, the loss, entropy and KL then use;
+* a response with a log-prob the engine did not report (NaN) is left out of all of it.
+
+The off-policy metrics (kl, k3_kl, perplexities, chi2) compare pi_old with pi_rollout; verl's
+logs overwrite the same keys with the actor's pi_theta against pi_rollout, so they differ from
+verl's dashboards by one update. Log-probs are the raw model's (temperature 1), as the
+reference server and vLLM (by default) return them.
 
 Pure torch on a whole (global) batch; (B, T) tensors aligned with the tokens.
 """
@@ -60,6 +66,9 @@ class RejectOption:
         if self.lower is not None and not 0 < self.lower < self.upper:
             raise ValueError(f"rollout rejection {self.name}: the lower threshold must lie in (0, "
                              f"{self.upper}), got {self.lower}")
+        if self.name.endswith("_k1") and self.lower is None and not self.upper > 1:
+            raise ValueError(f"rollout rejection {self.name}: a threshold of {self.upper} needs a lower one "
+                             "(the default, 1 / threshold, would reject every token)")
 
     @property
     def bounds(self) -> tuple[float | None, float]:
@@ -194,17 +203,24 @@ def rollout_correction(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
     if old_logprob.shape != rollout_logprob.shape or old_logprob.shape != response_mask.shape:
         raise ValueError(f"rollout correction: shapes differ: old {tuple(old_logprob.shape)}, rollout "
                          f"{tuple(rollout_logprob.shape)}, mask {tuple(response_mask.shape)}")
-    mask = response_mask.bool()
+    sampled = response_mask.bool()
+    # A response with a log-prob the engine did not report (NaN, rft_rollout.rollouts) or an
+    # infinite one is left out: weight 1, kept, in no metric but `unknown_logprob_fraction`.
+    unknown = (sampled & ~torch.isfinite(rollout_logprob)).any(-1)
+    mask = sampled & ~unknown[:, None]
     log_ratio = (old_logprob - rollout_logprob).float()
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"unknown_logprob_fraction": float(unknown[sampled.any(-1)].float().mean())
+                                 if sampled.any() else 0.0}
     weights = None
     if rollout_is is not None:
         weights, m = importance_weights(log_ratio, mask, rollout_is, is_threshold, is_batch_normalize)
+        weights = torch.where(unknown[:, None] & sampled, torch.ones_like(weights), weights)
         metrics.update(m)
     kept = mask
     if rollout_rs:
         kept, m = rejection_mask(log_ratio, mask, rollout_rs)
         metrics.update(m)
+    kept = kept | (sampled & unknown[:, None])
     if weights is not None:
         weights = torch.where(kept, weights, torch.zeros_like(weights))
     metrics.update(off_policy_metrics(old_logprob.float(), rollout_logprob.float(), mask))
