@@ -143,6 +143,14 @@ def test_a_response_with_an_unreported_log_prob_is_left_out_not_read_as_probabil
     assert c.metrics["rollout_corr/kl"] == pytest.approx(-(0.5 - 1.0 + 0.0) / 3, rel=1e-5)
 
 
+def test_a_floor_log_prob_gives_finite_metrics():
+    # vLLM reports -9999 for a token it would never sample: large numbers, never inf
+    c = rollout_correction(t([[-1.0, -2.0]]), t([[-9999.0, -2.0]]), torch.tensor([[True, True]]), rollout_is="token")
+    finite(c)
+    assert c.metrics["rollout_corr/k3_kl"] == pytest.approx((E(20.0) - 20.0 - 1) / 2, rel=1e-5)
+    assert c.metrics["rollout_corr/rollout_ppl"] == pytest.approx(E(20.0), rel=1e-5)
+
+
 def test_off_policy_metrics_are_verl_s():
     m = correct().metrics
     lr = [0.5, -1.0, 0.0, 0.3, 0.4]

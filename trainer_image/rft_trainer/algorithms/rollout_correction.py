@@ -25,8 +25,10 @@ where the weights multiply the clipped per-token loss), with its metric names un
 
 The off-policy metrics (kl, k3_kl, perplexities, chi2) compare pi_old with pi_rollout; verl's
 logs overwrite the same keys with the actor's pi_theta against pi_rollout, so they differ from
-verl's dashboards by one update. Log-probs are the raw model's (temperature 1), as the
-reference server and vLLM (by default) return them.
+verl's dashboards by one update; their exponentials are bounded at e^20 (k3_kl's log-ratio
+clamped at +-20 as the rest, where verl's is not), so a floor log-prob gives a large number,
+not inf. Log-probs are the raw model's (temperature 1), as the reference server and vLLM (by
+default) return them.
 
 Pure torch on a whole (global) batch; (B, T) tensors aligned with the tokens.
 """
@@ -182,13 +184,17 @@ def off_policy_metrics(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
         return {}
     diff = roll_mlp - train_mlp
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+
+    def exp(x: torch.Tensor) -> torch.Tensor:  # finite for the trackers: a floor log-prob (vLLM's -9999) is not inf
+        return torch.exp(x.clamp(max=SAFETY_BOUND))
+
     return {
         "kl": float(masked_mean(rollout_logprob - old_logprob, mask)),
-        "k3_kl": float(masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)),
-        "training_ppl": float(torch.exp(-train_mlp).mean()), "training_log_ppl": float((-train_mlp).mean()),
-        "rollout_ppl": float(torch.exp(-roll_mlp).mean()), "rollout_log_ppl": float((-roll_mlp).mean()),
+        "k3_kl": float(masked_mean(torch.exp(safe) - safe - 1, mask)),
+        "training_ppl": float(exp(-train_mlp).mean()), "training_log_ppl": float((-train_mlp).mean()),
+        "rollout_ppl": float(exp(-roll_mlp).mean()), "rollout_log_ppl": float((-roll_mlp).mean()),
         "log_ppl_diff": float(diff.mean()), "log_ppl_abs_diff": float(diff.abs().mean()),
-        "ppl_ratio": float(torch.exp(diff).mean()),
+        "ppl_ratio": float(exp(diff).mean()),
         "chi2_token": float(masked_mean(torch.exp(safe) ** 2, mask) - 1),
         "chi2_seq": float(torch.exp(2 * _seq_sum(safe, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))[valid].mean() - 1),
     }
