@@ -43,7 +43,7 @@ POD_CONFIG: dict[str, Any] = {
         "replicas", "taskset_uri", "rollouts_per_task", "reward", "prompt_format", "tasks_per_shard",
         "request_timeout", "concurrency", "max_n", "poll_interval")},
         "sampling": {"temperature": True, "top_p": True, "max_tokens": True}},
-    "buffer": {name: True for name in ("uri", "max_staleness", "wait", "poll_seconds")},
+    "buffer": {name: True for name in ("uri", "max_staleness", "stale_samples", "wait", "poll_seconds")},
     "sync": {name: True for name in ("interval", "pinned_version", "keep", "dtype", "probe_tolerance")},
     "optimizer": {name: True for name in (
         "betas", "weight_decay", "weight_decay_all", "warmup_steps", "lr_schedule", "min_lr_ratio")},

@@ -36,6 +36,7 @@ from pydantic.alias_generators import to_camel
 
 from .algorithms import (ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS,
                          ROLLOUT_RS_OPTIONS)
+from .staleness import STALE_SAMPLES
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
@@ -584,11 +585,19 @@ class ExplorerSpec(Model):
     poll_interval: float = Field(default=5.0, gt=0, le=3600, description="Seconds between trainer-progress checks.")
 
 
-class BufferSpec(Model):
+class BufferSpec(OmitUnset):
+    omit_unset = ("stale_samples",)
     # S3 is an admission rule (S3Uri): a local trainer run (a hand-written config) may
     # read a directory.
     uri: S3Uri | None = Field(default=None, description="Experience buffer; default <checkpoint.uri>/buffer.")
-    max_staleness: int = Field(default=1, ge=0, le=1000)
+    max_staleness: int = Field(default=1, ge=0, le=1000, description=(
+        "Versions a sample may lag the trainer's policy. Explorers pause (they never discard "
+        "finished work) while they hold their share of maxStaleness + 1 batches the trainer has "
+        "not consumed; samples that still arrive staler (a weight sync that lags) go by staleSamples."))
+    stale_samples: Literal[STALE_SAMPLES] | None = Field(default=None, description=(
+        "Samples staler than maxStaleness: drop (the default; skipped, counted in status.trainer.buffer.droppedStale) "
+        "or keep (trained, corrected by spec.algorithm.rolloutCorrection, which must set rolloutIs or "
+        "rolloutRs). Either way rft_trainer_samples_total{lag,outcome} counts them by version lag."))
     wait: bool | None = Field(
         default=None,
         description="Wait for explorers when the buffer runs dry; default: iff spec.explorer is set.")
@@ -768,6 +777,16 @@ class RFTJobSpec(OmitUnset):
                 "(it would refuse every version); leave it out, or use engine reference",
                 ".model.lora.targetModules")
           for engine, modules in LORA_UNSERVED.items()),
+        Check("self.?buffer.?staleSamples.orValue('drop') != 'keep' || "
+              "(has(self.algorithm.rolloutCorrection) && (has(self.algorithm.rolloutCorrection.rolloutIs) || "
+              "self.algorithm.rolloutCorrection.?rolloutRs.orValue([]).size() > 0))",
+              lambda s: s.buffer.stale_samples != "keep" or (
+                  s.algorithm.rollout_correction is not None
+                  and (s.algorithm.rollout_correction.rollout_is is not None
+                       or bool(s.algorithm.rollout_correction.rollout_rs))),
+              "spec.buffer.staleSamples keep needs spec.algorithm.rolloutCorrection with rolloutIs or rolloutRs: "
+              "a stale sample was drawn from an older policy, and trained as if from the current one it "
+              "biases the update", ".buffer.staleSamples"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,
