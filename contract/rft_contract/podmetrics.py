@@ -117,6 +117,10 @@ class TrainerMetrics(PodMetrics):
                                       "(pending ones included).")
         self.buffer_consumed = g("rft_trainer_buffer_consumed_samples",
                                  "Samples trained or dropped per explorer stream.", ["stream"])
+        self.samples = c("rft_trainer_samples", "Samples by version lag (the trainer's version minus the "
+                         "one that generated them; 8+ for 8 and more) and outcome: trained, corrected (under "
+                         "rollout IS weights), masked (every token rejected) or dropped (staler than "
+                         "buffer.maxStaleness).", ["lag", "outcome"])
         self.checkpoint_step = g("rft_trainer_checkpoint_step", "Step of the last committed checkpoint.")
         self.checkpoint_seconds = g("rft_trainer_checkpoint_seconds",
                                     "Staging plus upload seconds of the last committed checkpoint.")
@@ -148,6 +152,11 @@ class TrainerMetrics(PodMetrics):
         self.buffer_samples.set(samples)
         for stream, count in (consumed or {}).items():
             self.buffer_consumed.labels(stream).set(count)
+
+    def observe_samples(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """One step's samples, {(lag label, outcome): n} (rft_contract.staleness)."""
+        for (lag, outcome), n in counts.items():
+            self.samples.labels(lag, outcome).inc(n)
 
     def observe_checkpoint(self, step: int, size: int | None, seconds: float | None,
                            now: Callable[[], float] = time.time) -> None:

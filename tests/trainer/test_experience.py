@@ -241,6 +241,45 @@ def test_staleness_within_a_shard(tmp_path):
     assert reader.state_dict()["streams"][""]["offset"] == 3
 
 
+def test_dropped_samples_are_counted_by_version_lag(tmp_path):
+    """take_dropped: the lags of what the committed batches passed over, exact whether a
+    shard was read or skipped unread (its weights_versions), and nothing for a batch that
+    did not complete (those samples are dropped, and counted, when one does)."""
+    mixed = make(4, start=4)
+    mixed.weights_version = torch.tensor([1, 2, 6, 2])
+    write_shard(str(tmp_path), "shard-000", make(2, version=0))  # skipped unread
+    write_shard(str(tmp_path), "shard-001", mixed)  # read: 1 and 2 are stale
+    write_shard(str(tmp_path), "shard-002", make(1, start=8, version=6))
+    meta = json.loads((tmp_path / "shard-001.json").read_text())
+    assert meta["weights_versions"] == {"1": 1, "2": 2, "6": 1}
+    reader = BufferReader(str(tmp_path), batch_size=3, max_staleness=1)
+    assert reader.next_batch(current_version=6) is None  # 2 fresh samples only
+    assert reader.take_dropped() == {}
+    write_shard(str(tmp_path), "shard-003", make(1, start=9, version=5))
+    assert ids(reader.next_batch(current_version=6)) == [6, 8, 9]
+    assert reader.take_dropped() == {6: 2, 5: 1, 4: 2} and reader.take_dropped() == {}
+    assert reader.stats["dropped_stale"] == 5
+
+
+def test_a_shard_without_version_counts_is_skipped_at_its_newest_version_s_lag(tmp_path):
+    write_shard(str(tmp_path), "shard-000", make(3, version=2))
+    meta = json.loads((tmp_path / "shard-000.json").read_text())
+    del meta["weights_versions"]  # written before the counts existed
+    (tmp_path / "shard-000.json").write_text(json.dumps(meta))
+    write_shard(str(tmp_path), "shard-001", make(1, start=3, version=9))
+    reader = BufferReader(str(tmp_path), batch_size=1, max_staleness=0)
+    assert ids(reader.next_batch(current_version=9)) == [3]
+    assert reader.take_dropped() == {7: 3}
+
+
+def test_without_max_staleness_nothing_is_dropped(tmp_path):
+    """staleSamples keep: the trainer reads with max_staleness None."""
+    fill(tmp_path, [2, 2], versions=[0, 9])
+    reader = BufferReader(str(tmp_path), batch_size=4, max_staleness=None)
+    assert ids(reader.next_batch(current_version=9)) == [0, 1, 2, 3]
+    assert reader.take_dropped() == {} and reader.stats["dropped_stale"] == 0
+
+
 def test_reader_wait_polls_until_data_arrives(tmp_path, monkeypatch):
     reader = BufferReader(str(tmp_path), batch_size=2, poll_interval=0.01)
     calls = []

@@ -14,7 +14,7 @@ import torch
 
 from rft_trainer import roles
 from rft_trainer.algorithms import policy_loss
-from rft_trainer.algorithms.rollout_correction import RejectOption, rollout_correction
+from rft_trainer.algorithms.rollout_correction import RejectOption, rollout_correction, sample_outcomes
 from tests.trainer.test_verl_parity import CPU, TinyLM, close, config, engine, t, tiny_batch
 
 E = math.exp
@@ -222,3 +222,61 @@ def test_the_engine_corrects_only_when_the_spec_asks_and_always_reports():
     eng = engine("grpo", rollout_correction={"rollout_rs": [{"name": "token_k1", "threshold": 2.0}]})
     b, local, w = eng._rollout_correction(batch, batch, old, {})
     assert not b.action_mask.any() and not local.action_mask.any() and w is None  # log 4 is outside [log 1/2, log 2]
+
+
+# ------------------------------------------------------------------ samples by version lag
+
+
+def with_actor(eng):
+    """A TinyLM actor with plain SGD, so the engine's whole train_step runs."""
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng.actor = roles.Actor(model, CPU, eng.config.algorithm, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+    return eng
+
+
+def test_sample_outcomes_by_lag():
+    """Trained at version 10: masked when every response token was rejected; corrected
+    under IS weights with known log-probs; trained otherwise (no IS, or a log-prob the
+    engine did not report, which IS leaves at weight 1); lags of 8 and more share 8+."""
+    versions = torch.tensor([10, 9, 9, 1, 8, 8])
+    sampled = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [0, 0]], dtype=torch.bool)
+    kept = sampled.clone()
+    kept[1] = False  # rejected whole
+    kept[2, 0] = False  # its only token rejected
+    kept[3, 1] = False  # partly rejected: still trained
+    lp = torch.full((6, 2), -1.0)
+    lp[4, 0] = NAN
+    counts, metrics = sample_outcomes(versions, 10, sampled, kept, lp, corrected=True)
+    assert counts == {("0", "corrected"): 1, ("1", "masked"): 2, ("8+", "corrected"): 1,
+                      ("2", "trained"): 1, ("2", "corrected"): 1}
+    assert metrics["staleness/masked_lag_1"] == 2.0 and metrics["staleness/lag_max"] == 9.0
+    assert metrics["staleness/lag_mean"] == pytest.approx((0 + 1 + 1 + 9 + 2 + 2) / 6)
+    counts, _ = sample_outcomes(versions, 10, sampled, sampled, lp, corrected=False)
+    assert counts == {("0", "trained"): 1, ("1", "trained"): 2, ("8+", "trained"): 1, ("2", "trained"): 2}
+    counts, _ = sample_outcomes(versions, 10, sampled, sampled, None, corrected=True)  # no log-probs: nothing weighted
+    assert set(outcome for _, outcome in counts) == {"trained"}
+
+
+def test_the_engine_reports_the_batch_by_version_lag():
+    batch = tiny_batch()
+    n = len(batch)
+    versions = torch.tensor([3 - (i % 3) for i in range(n)])
+    old = torch.full(batch.tokens.shape, -1.0)
+    batch = dataclasses.replace(batch, weights_version=versions, rollout_logprobs=old.clone())
+    eng = engine("grpo", rollout_correction={"rollout_is": "token"})
+    with_actor(eng)
+    eng.step = 3
+    _, m = eng.train_step(batch)
+    lags = [i % 3 for i in range(n)]
+    assert eng.sample_outcomes == {(str(k), "corrected"): lags.count(k) for k in set(lags)}
+    assert m["staleness/lag_max"] == 2.0 and m["staleness/corrected_lag_0"] == lags.count(0)
+
+
+def test_the_correction_set_without_rollout_log_probs_is_an_error_naming_the_field():
+    """A job that asks for rollout correction trains nothing uncorrected: experiences
+    without the engine's log-probs (a buffer written by hand) stop it with the field's name."""
+    eng = engine("grpo", rollout_correction={"rollout_is": "token"})
+    with_actor(eng)
+    with pytest.raises(ValueError, match=r"algorithm.rollout_correction: the experiences carry no rollout log-probs"):
+        eng.train_step(tiny_batch())

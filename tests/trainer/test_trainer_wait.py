@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
+import torch
 
 from rft_contract import names
 from rft_contract.config import load_config
@@ -33,27 +35,67 @@ class Recorder:
         return lambda *a, **kw: None
 
 
-@pytest.fixture
-def trainer(tmp_path, world_of_one):
+def stale_trainer(tmp_path, buffer_spec: dict | None = None, **algorithm) -> Trainer:
+    """A trainer at step 5 whose buffer holds one shard of 8 samples from version 0, with
+    the engine's log-probs (as an explorer writes them)."""
     save_tiny_model(tmp_path / "model")
     buffer = tmp_path / "buffer"
     buffer.mkdir()
-    stale = synthetic_batch(8, 4, 6, vocab=24, seed=0)
-    stale.weights_version = stale.group_ids * 0  # version 0
-    write_shard(str(buffer), "0000000000-e000", stale)
+    write_shard(str(buffer), "0000000000-e000", shard(version=0))
     config = load_config({
         "model": {"path": str(tmp_path / "model")},
-        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2},
+        "algorithm": {"name": "grpo", "learning_rate": 1e-4, "micro_batch_size": 2, **algorithm},
         "trainer": {"total_steps": 10, "batch_size": 8, "gpus_per_node": 0, "fsdp": {"mixed_precision": "fp32"}},
         "checkpoint": {"uri": str(tmp_path / "ckpt")},
-        "buffer": {"uri": str(buffer), "wait": True, "poll_seconds": 0.05, "max_staleness": 1},
+        "buffer": {"uri": str(buffer), "wait": True, "poll_seconds": 0.05, "max_staleness": 1, **(buffer_spec or {})},
     }, env={})
     t = Trainer(config)
     t.prepare()
     t.engine.set_train_step_num(5)  # the policy moved on: version-0 samples are stale (5 - 1 > 0)
     t.reporter = Recorder()
+    return t
+
+
+def shard(version: int):
+    exp = synthetic_batch(8, 4, 6, vocab=24, seed=version)
+    exp.weights_version = exp.group_ids * 0 + version
+    exp.rollout_logprobs = torch.full(exp.tokens.shape, -3.0) * exp.action_mask
+    return exp
+
+
+def samples(t: Trainer, lag: str, outcome: str) -> float | None:
+    return t.pod_metrics.registry.get_sample_value("rft_trainer_samples_total", {"lag": lag, "outcome": outcome})
+
+
+@pytest.fixture
+def trainer(tmp_path, world_of_one):
+    t = stale_trainer(tmp_path)
     yield t
     t.checkpointer.wait_on_save_thread()
+
+
+def test_stale_samples_kept_are_trained_under_the_correction_and_counted_by_lag(tmp_path, world_of_one):
+    """spec.buffer.staleSamples keep: the version-0 shard is trained at step 5 (drop would
+    wait for fresh samples, as the test below), its samples counted as corrected at lag 5."""
+    t = stale_trainer(tmp_path, {"stale_samples": "keep", "wait": False}, rollout_correction={"rollout_is": "token"})
+    try:
+        assert asyncio.run(t.train_step()) and t.train_step_num == 6
+        assert t.last_metrics["staleness/corrected_lag_5"] == 8 and t.last_metrics["staleness/lag_mean"] == 5
+        assert samples(t, "5", "corrected") == 8 and samples(t, "5", "dropped") is None
+        assert t.reporter.buffer[-1] == ({"e000": 8}, 0, 8)
+    finally:
+        t.checkpointer.wait_on_save_thread()
+
+
+def test_stale_samples_dropped_are_counted_by_lag_with_the_batch_that_passed_them(tmp_path, world_of_one):
+    t = stale_trainer(tmp_path)
+    try:
+        write_shard(t.config.buffer.uri, "0000000001-e000", shard(version=5))
+        assert asyncio.run(t.train_step()) and t.train_step_num == 6
+        assert samples(t, "5", "dropped") == 8 and samples(t, "0", "trained") == 8
+        assert t.last_metrics["staleness/dropped_lag_5"] == 8 and t.last_metrics["staleness/lag_max"] == 0
+    finally:
+        t.checkpointer.wait_on_save_thread()
 
 
 def test_waiting_on_stale_experiences_is_reported_with_true_counts_and_a_stop_ends_it(trainer, monkeypatch):

@@ -118,6 +118,15 @@ def test_the_trainer_exposes_buffer_checkpoint_and_weights_figures():
     assert value(m, "rft_trainer_uploaded_bytes_total", kind="weights") == 300
 
 
+def test_the_trainer_counts_samples_by_version_lag_and_outcome():
+    m = TrainerMetrics()
+    m.observe_samples({("0", "trained"): 30, ("2", "dropped"): 4})
+    m.observe_samples({("0", "trained"): 2, ("8+", "masked"): 1})
+    assert value(m, "rft_trainer_samples_total", lag="0", outcome="trained") == 32
+    assert value(m, "rft_trainer_samples_total", lag="2", outcome="dropped") == 4
+    assert value(m, "rft_trainer_samples_total", lag="8+", outcome="masked") == 1
+
+
 # ------------------------------------------------------------------ the sync agent
 
 

@@ -24,7 +24,7 @@ from rft_contract.storage import Storage
 from . import models, probe, roles
 from .algorithms import advantages as advs
 from .algorithms import losses
-from .algorithms.rollout_correction import RejectOption, rollout_correction
+from .algorithms.rollout_correction import RejectOption, rollout_correction, sample_outcomes
 from .experience import Experiences
 from .export import Stage, export_adapter, export_hf
 from .modelcache import fetch_model
@@ -130,6 +130,8 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.ref: roles.Reference | None = None
         self.critic: roles.Critic | None = None
         self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
+        # The last batch's samples by (version lag label, outcome): rft_contract.staleness.
+        self.sample_outcomes: dict[tuple[str, str], int] = {}
         # A LoRA job whose engine loads adapters syncs each version as the adapter alone
         # (export_adapter); else as the base with the adapter merged (export_hf).
         inference = config.inference
@@ -203,6 +205,12 @@ class FSDPTrainEngine(TrainEngineWrapper):
         elif self.config.algorithm.rollout_correction is not None:
             raise ValueError("algorithm.rollout_correction: the experiences carry no rollout log-probs "
                              "(the engine's, `rollout_logprobs` in each shard) to correct against")
+        self.sample_outcomes = {}
+        if batch.weights_version is not None:  # by version lag: staleness/ metrics, rft_trainer_samples_total
+            self.sample_outcomes, lag_metrics = sample_outcomes(
+                batch.weights_version, self.step, sampled.action_mask, batch.action_mask, batch.rollout_logprobs,
+                corrected=is_weights is not None)
+            m.update(lag_metrics)
         ref_lp = None
         if self.ref is not None:
             with roles.timed(m, "time/ref_log_prob"):
@@ -261,7 +269,8 @@ class FSDPTrainEngine(TrainEngineWrapper):
             return local.advantages, local.returns, None
         mask = batch.action_mask.float()
         sampled = batch.action_mask if sampled_mask is None else sampled_mask
-        local_sampled = sampled[self.local_indices(len(batch))]
+        idx = self.local_indices(len(batch))
+        local_sampled = sampled[idx]
         token_rewards = advs.outcome_to_token_rewards(batch.rewards, sampled.float())
         scores = batch.rewards
         # Without a KL loss term, KL goes into the reward (verl's apply_kl_penalty with a
@@ -276,7 +285,6 @@ class FSDPTrainEngine(TrainEngineWrapper):
         inputs = advs.AdvantageBatch(scores=scores, token_rewards=token_rewards, response_mask=mask,
                                      group_ids=batch.group_ids, values=None if values is None else gather(values, self.rt))
         adv, ret = advs.get_adv_estimator(self.algorithm.advantage)(inputs, a)
-        idx = self.local_indices(len(batch))
         return adv[idx], ret[idx], values
 
     def local_indices(self, n_global: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ A shard is two objects side by side in a buffer directory (local path, file:// o
          "tensors": {"file": "<name>.safetensors", "bytes": N, "sha256": "<hex>"},
          "info": [{...}, ...],                              (exactly B objects)
          "weights_version_min": int|null, "weights_version_max": int|null,
+         "weights_versions": {"<version>": samples, ...}|null,  (optional)
          "created": "2026-01-01T00:00:00Z"}
 
 The JSON is the commit marker: readers ignore a shard until it exists (a crash between
@@ -206,6 +207,9 @@ def write_shard(directory: str, name: str, exp: Experiences, storage: Storage | 
         "info": exp.info,
         "weights_version_min": None if versions is None else int(versions.min()),
         "weights_version_max": None if versions is None else int(versions.max()),
+        # samples per version, so a reader that skips the shard as stale counts them by lag
+        "weights_versions": None if versions is None else {
+            str(v): int(k) for v, k in zip(*(t.tolist() for t in versions.unique(return_counts=True)))},
         "created": now_text(),
     }
     uri = join(directory, f"{name}.json")
@@ -234,6 +238,10 @@ def read_shard_meta(uri: str, storage: Storage | None = None) -> dict[str, Any]:
     for key in ("weights_version_min", "weights_version_max"):
         if meta.get(key) is not None and not isinstance(meta[key], int):
             raise ValueError(f"{uri}: {key} must be an integer or null, got {meta[key]!r}")
+    counts = meta.get("weights_versions")
+    if counts is not None and not (isinstance(counts, dict) and all(
+            k.lstrip("-").isdigit() and isinstance(v, int) and not isinstance(v, bool) for k, v in counts.items())):
+        raise ValueError(f"{uri}: weights_versions must map versions to sample counts, got {counts!r}")
     return meta
 
 
@@ -309,7 +317,7 @@ class BufferReader:
     a resumed trainer continues with the very next sample. A batch may span shards and
     streams. With `max_staleness`, `next_batch(current_version)` drops samples whose
     weights_version is below `current_version - max_staleness` (samples without a
-    version are never stale).
+    version are never stale); `take_dropped()` gives them by version lag.
     """
 
     def __init__(self, uri: str, batch_size: int, max_staleness: int | None = None,
@@ -327,6 +335,7 @@ class BufferReader:
         self._metas: dict[str, dict] = {}
         self._loaded: tuple[str, Experiences] | None = None  # the shard we are inside
         self.pending_stale: dict[str, int] = {}  # stale samples an incomplete batch passed
+        self._dropped_lags: dict[int, int] = {}  # lag -> samples dropped since take_dropped()
 
     def state_dict(self) -> dict[str, Any]:
         return {"streams": {k: {"shard": n, "offset": o} for k, (n, o) in sorted(self._pos.items())},
@@ -360,7 +369,7 @@ class BufferReader:
         if self.max_staleness is not None and current_version is not None:
             min_version = current_version - self.max_staleness
         while True:
-            batch = self._try_batch(min_version)
+            batch = self._try_batch(min_version, current_version)
             if batch is not None or not wait:
                 return batch
             if deadline is not None and time.monotonic() >= deadline:
@@ -368,7 +377,7 @@ class BufferReader:
             time.sleep(self.poll_interval if deadline is None
                        else max(0.0, min(self.poll_interval, deadline - time.monotonic())))
 
-    def _try_batch(self, min_version: int | None) -> Experiences | None:
+    def _try_batch(self, min_version: int | None, current: int | None = None) -> Experiences | None:
         if self._streams is None:
             self._streams = self._list()
             if self._floor is not None and not self.consumed:
@@ -377,6 +386,7 @@ class BufferReader:
         consumed = dict(self.consumed)
         pieces, need, dropped, relisted, shards = [], self.batch_size, 0, False, 0
         drops: dict[str, int] = {}
+        lags: dict[int, int] = {}
         while need > 0:
             head = self._head(pos)
             if head is None and not relisted:  # new shards may have been committed
@@ -386,7 +396,7 @@ class BufferReader:
                 self.pending_stale = drops
                 return None
             name, start, fresh_start = head
-            taken, end, num_dropped = self._take(name, start, need, min_version)
+            taken, end, num_dropped = self._take(name, start, need, min_version, current, lags)
             if fresh_start:
                 shards += 1
             if taken is not None:
@@ -399,6 +409,8 @@ class BufferReader:
             if num_dropped:
                 drops[stream] = drops.get(stream, 0) + num_dropped
         self._pos, self.consumed, self.pending_stale = pos, consumed, {}
+        for lag, n in lags.items():
+            self._dropped_lags[lag] = self._dropped_lags.get(lag, 0) + n
         # Keep the metadata of shards not passed yet, per stream (a stalled writer must
         # not pin every other writer's shards in memory).
         self._metas = {k: v for k, v in self._metas.items()
@@ -452,19 +464,38 @@ class BufferReader:
                 best = cand
         return best
 
-    def _take(self, name: str, start: int, need: int, min_version: int | None):
+    def take_dropped(self) -> dict[int, int]:
+        """Samples dropped as stale since the last call, by version lag (the version the
+        batch was read for minus the sample's): what the batches read since then passed
+        over. A whole shard skipped unread counts by its `weights_versions`, or, in a
+        shard written without them or entered part-way, all at its newest version's lag
+        (a lower bound)."""
+        out, self._dropped_lags = self._dropped_lags, {}
+        return out
+
+    def _take(self, name: str, start: int, need: int, min_version: int | None,
+              current: int | None = None, lags: dict[int, int] | None = None):
         """Up to `need` fresh samples of shard `name` from `start`:
-        (samples or None, offset after the last one looked at, number dropped)."""
+        (samples or None, offset after the last one looked at, number dropped); the
+        dropped ones are added to `lags` by version lag behind `current`."""
         meta = self._meta(name)
         n, newest = meta["num_samples"], meta.get("weights_version_max")
+        lags = {} if lags is None else lags
         if min_version is not None and newest is not None and newest < min_version:
+            versions = meta.get("weights_versions") if start == 0 else None
+            for v, k in (versions.items() if versions else [(newest, n - start)]):
+                lags[current - int(v)] = lags.get(current - int(v), 0) + int(k)
             return None, n, n - start  # all stale: skip without reading the tensors
         exp = self._load(name)
         pos = torch.arange(start, n)
         if min_version is not None and exp.weights_version is not None:
-            pos = pos[exp.weights_version[start:] >= min_version]
+            fresh = exp.weights_version[start:] >= min_version
+            pos = pos[fresh]
         chosen = pos[:need]
         end = int(chosen[-1]) + 1 if len(chosen) == need else n
+        if min_version is not None and exp.weights_version is not None and end > start:
+            for v in exp.weights_version[start:end][~fresh[: end - start]].tolist():
+                lags[current - v] = lags.get(current - v, 0) + 1
         return (exp.select(chosen) if len(chosen) else None), end, (end - start) - len(chosen)
 
     def _list(self) -> dict[str, list[str]]:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from rft_contract import names
+from rft_contract import names, staleness
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import now
 from rft_contract.layout import merged_uri
@@ -140,7 +140,9 @@ class Trainer:
                                                    on_announce=self._announce_weights)
         self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
         b = self.config.buffer
-        self.buffer = BufferReader(b.uri, self.config.trainer.batch_size, max_staleness=b.max_staleness,
+        # staleSamples keep: nothing is dropped, rollout correction weighs the stale samples.
+        self.buffer = BufferReader(b.uri, self.config.trainer.batch_size,
+                                   max_staleness=None if b.stale_samples == "keep" else b.max_staleness,
                                    storage=get_storage(b.uri, self.config.env))
         extra = self.load_checkpoint()
         if extra and "buffer" in extra:
@@ -187,6 +189,7 @@ class Trainer:
             return False
         cont, metrics = self.engine.train_step(batch)
         metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
+        self._count_samples(metrics)
         self.last_metrics = metrics
         self._report_buffer()
         self.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
@@ -194,6 +197,16 @@ class Trainer:
             self.sync_weight()
         self._report(metrics)
         return cont and self.train_step_num < self.config.trainer.total_steps
+
+    def _count_samples(self, metrics: dict) -> None:
+        """The step's samples by version lag and outcome (rft_contract.staleness): the
+        engine's trained/corrected/masked, and those the buffer dropped as stale on the way
+        to this batch (rank 0 reads the buffer), into the tracker metrics and
+        rft_trainer_samples_total."""
+        dropped = staleness.tally(self.buffer.take_dropped(), "dropped")
+        metrics.update(staleness.metric_names(dropped))
+        if self.rt is None or self.rt.is_main:
+            self.pod_metrics.observe_samples(staleness.merge(getattr(self.engine, "sample_outcomes", {}), dropped))
 
     def next_batch(self) -> Experiences | None:
         """The next batch no staler than buffer.max_staleness versions, the same on every

@@ -35,12 +35,14 @@ Pure torch on a whole (global) batch; (B, T) tensors aligned with the tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from rft_contract import staleness
 from rft_contract.algorithms import ROLLOUT_IS_LEVELS as IS_LEVELS
 from rft_contract.algorithms import ROLLOUT_RS_OPTIONS as RS_OPTIONS
 from rft_trainer.algorithms.advantages import masked_mean
@@ -91,10 +93,6 @@ def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
 
 
-def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _seq_sum(x, mask) / mask.sum(-1).clamp(min=1).to(x.dtype)
-
-
 def _seq_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     top = torch.where(mask, x, torch.full_like(x, -math.inf)).amax(-1)
     return torch.where(torch.isinf(top), torch.zeros_like(top), top)  # an empty response: 0
@@ -139,7 +137,7 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
         if level == "token":
             mean = masked_mean(w, mask)
         else:
-            per_seq = _seq_mean(w, mask)[valid]
+            per_seq = masked_mean(w, mask, dim=-1)[valid]
             mean = per_seq.mean() if len(per_seq) else w.new_zeros(())
         if float(mean) > 1e-8:
             w = w / mean
@@ -158,7 +156,7 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: Sequenc
         lower, upper = opt.bounds
         kind, stat = opt.name.rsplit("_", 1)[0], per_token[opt.name[-2:]]
         if kind != "token":
-            stat = {"seq_sum": _seq_sum, "seq_mean": _seq_mean, "seq_max": _seq_max}[kind](stat, mask)
+            stat = {"seq_sum": _seq_sum, "seq_mean": functools.partial(masked_mean, dim=-1), "seq_max": _seq_max}[kind](stat, mask)
         keep = stat <= upper
         if lower is not None:
             keep &= stat >= lower
@@ -179,7 +177,7 @@ def off_policy_metrics(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
     """How far the engine's log-probs are from the trainer's (verl's compute_offpolicy_metrics)."""
     log_ratio = old_logprob - rollout_logprob
     valid = mask.any(-1)
-    train_mlp, roll_mlp = _seq_mean(old_logprob, mask)[valid], _seq_mean(rollout_logprob, mask)[valid]
+    train_mlp, roll_mlp = (masked_mean(x, mask, dim=-1)[valid] for x in (old_logprob, rollout_logprob))
     if not len(train_mlp):
         return {}
     diff = roll_mlp - train_mlp
@@ -232,3 +230,25 @@ def rollout_correction(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
     metrics.update(off_policy_metrics(old_logprob.float(), rollout_logprob.float(), mask))
     return Correction(weights=weights, mask=kept.to(response_mask.dtype),
                       metrics={PREFIX + k: v for k, v in metrics.items()})
+
+
+def sample_outcomes(versions: torch.Tensor, current: int, sampled_mask: torch.Tensor, kept_mask: torch.Tensor,
+                    rollout_logprob: torch.Tensor | None, corrected: bool) -> tuple[dict[tuple[str, str], int],
+                                                                                      dict[str, float]]:
+    """What became of each sample of a batch trained at policy version `current`, by its
+    version lag (`rft_contract.staleness`): masked when rollout correction rejected every
+    response token it had; corrected when it trained under IS weights (`corrected`) with
+    log-probs the engine reported; trained otherwise. Returns the counts and the
+    `staleness/` tracker metrics (the counts, lag_mean and lag_max)."""
+    lags = (current - versions.long()).clamp(min=0)
+    had = sampled_mask.bool().any(-1)
+    masked = had & ~kept_mask.bool().any(-1)
+    known = torch.ones_like(had) if rollout_logprob is None else \
+        ~(sampled_mask.bool() & ~torch.isfinite(rollout_logprob)).any(-1)
+    weighted = ~masked & known & corrected if rollout_logprob is not None else torch.zeros_like(had)
+    outcome = ["masked" if m else "corrected" if w else "trained" for m, w in zip(masked.tolist(), weighted.tolist())]
+    counts = staleness.count(zip(lags.tolist(), outcome))
+    metrics = staleness.metric_names(counts)
+    metrics[staleness.METRIC_PREFIX + "lag_mean"] = float(lags.float().mean()) if len(lags) else 0.0
+    metrics[staleness.METRIC_PREFIX + "lag_max"] = float(lags.max()) if len(lags) else 0.0
+    return counts, metrics
