@@ -239,8 +239,9 @@ def sampled_rewards(base_uri: str, trained_uri: str) -> tuple[EvalResult, EvalRe
     sampling, tasks, out = SAMPLE["spec"]["explorer"]["sampling"], arithmetic(EVAL_TASKS, seed=1), []
     with tempfile.TemporaryDirectory(prefix="rft-e2e-eval-") as tmp:
         base, trained = Path(tmp) / "base", Path(tmp) / "trained"
-        S3Storage().download_prefix(base_uri, base)
-        S3Storage().download_prefix(trained_uri, trained)
+        storage = S3Storage()
+        storage.download_prefix(base_uri, base)
+        storage.download_prefix(trained_uri, trained)
         server = ReferenceServer(served_model_name=names.SERVED_MODEL_NAME)
         server.start()
         try:
