@@ -23,6 +23,8 @@ from typing import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
 
+from . import staleness
+
 log = logging.getLogger("rft_contract.podmetrics")
 
 METRICS_PORT = 9400
@@ -118,7 +120,7 @@ class TrainerMetrics(PodMetrics):
         self.buffer_consumed = g("rft_trainer_buffer_consumed_samples",
                                  "Samples trained or dropped per explorer stream.", ["stream"])
         self.samples = c("rft_trainer_samples", "Samples by version lag (the trainer's version minus the "
-                         "one that generated them; 8+ for 8 and more) and outcome: trained, corrected (under "
+                         "one that generated them; 8plus for 8 and more) and outcome: trained, corrected (under "
                          "rollout IS weights), masked (every token rejected) or dropped (staler than "
                          "buffer.maxStaleness).", ["lag", "outcome"])
         self.checkpoint_step = g("rft_trainer_checkpoint_step", "Step of the last committed checkpoint.")
@@ -140,7 +142,7 @@ class TrainerMetrics(PodMetrics):
         self.step.set(step)
         self.last_step_time.set(now())
         for name, value in metrics.items():
-            if (v := _number(value)) is not None:
+            if (v := _number(value)) is not None and not staleness.is_count_metric(name):
                 self.metric.labels(name).set(v)
         if (v := _number(metrics.get(THROUGHPUT_METRIC))) is not None:
             self.tokens_per_second.set(v)

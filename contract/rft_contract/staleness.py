@@ -11,23 +11,31 @@ weights version that generated it (0: fresh).
 
 The trainer counts them per (lag label, outcome) in its tracker metrics
 (`staleness/<outcome>_lag_<label>`) and in `rft_trainer_samples_total{lag, outcome}`.
-Lags of LAG_CAP and more share one label, so the series stay few.
+Lags of LAG_CAP and more share one label (`8plus`), so the series stay few.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-STALE_SAMPLES = ("drop", "keep")
-OUTCOMES = ("trained", "corrected", "masked", "dropped")
+DROP, KEEP = "drop", "keep"
+STALE_SAMPLES = (DROP, KEEP)
+TRAINED, CORRECTED, MASKED, DROPPED = OUTCOMES = ("trained", "corrected", "masked", "dropped")
 LAG_CAP = 8
 METRIC_PREFIX = "staleness/"
 
 
 def lag_label(lag: int) -> str:
-    """"0" .. "7", then "8+" (negative lags, a sample from a version the trainer has not
-    reached, cannot happen with versions it exported; they count as 0)."""
-    return f"{LAG_CAP}+" if lag >= LAG_CAP else str(max(0, lag))
+    """"0" .. "7", then "8plus" (a name every tracker accepts: MLflow refuses "+"). A
+    negative lag, a sample from a version the trainer has not reached, cannot happen with
+    versions it exported; it counts as 0."""
+    return f"{LAG_CAP}plus" if lag >= LAG_CAP else str(max(0, lag))
+
+
+def is_count_metric(name: str) -> bool:
+    """A per-lag count (`metric_names`): present only in the steps that had such samples,
+    so a gauge of its last value would go stale (rft_trainer_samples_total counts them)."""
+    return name.startswith(METRIC_PREFIX) and "_lag_" in name
 
 
 def count(pairs: Iterable[tuple[int, str]]) -> dict[tuple[str, str], int]:

@@ -261,15 +261,31 @@ def test_dropped_samples_are_counted_by_version_lag(tmp_path):
     assert reader.stats["dropped_stale"] == 5
 
 
-def test_a_shard_without_version_counts_is_skipped_at_its_newest_version_s_lag(tmp_path):
-    write_shard(str(tmp_path), "shard-000", make(3, version=2))
-    meta = json.loads((tmp_path / "shard-000.json").read_text())
-    del meta["weights_versions"]  # written before the counts existed
-    (tmp_path / "shard-000.json").write_text(json.dumps(meta))
-    write_shard(str(tmp_path), "shard-001", make(1, start=3, version=9))
+def test_shards_without_version_counts_or_entered_part_way_count_each_sample_s_lag(tmp_path):
+    """A shard written before weights_versions existed: one version in all is skipped
+    unread; mixed versions are read. A shard half read at an older version: the rest is
+    read again and counted per sample, not at the shard's newest version."""
+    for name, versions in (("shard-000", [2, 2, 2]), ("shard-001", [1, 2, 3])):
+        exp = make(3, start=int(name[-1]) * 3)
+        exp.weights_version = torch.tensor(versions)
+        write_shard(str(tmp_path), name, exp)
+        meta = json.loads((tmp_path / f"{name}.json").read_text())
+        del meta["weights_versions"]
+        (tmp_path / f"{name}.json").write_text(json.dumps(meta))
+    write_shard(str(tmp_path), "shard-002", make(1, start=6, version=9))
     reader = BufferReader(str(tmp_path), batch_size=1, max_staleness=0)
-    assert ids(reader.next_batch(current_version=9)) == [3]
-    assert reader.take_dropped() == {7: 3}
+    assert ids(reader.next_batch(current_version=9)) == [6]
+    assert reader.take_dropped() == {7: 4, 8: 1, 6: 1}
+
+    mixed = make(4, start=10)
+    mixed.weights_version = torch.tensor([3, 3, 2, 1])
+    write_shard(str(tmp_path / "b"), "shard-000", mixed)
+    write_shard(str(tmp_path / "b"), "shard-001", make(1, start=20, version=6))
+    reader = BufferReader(str(tmp_path / "b"), batch_size=2, max_staleness=0)
+    assert ids(reader.next_batch(current_version=3)) == [10, 11]
+    reader.batch_size = 1
+    assert ids(reader.next_batch(current_version=6)) == [20]
+    assert reader.take_dropped() == {4: 1, 5: 1}
 
 
 def test_without_max_staleness_nothing_is_dropped(tmp_path):

@@ -238,7 +238,7 @@ def with_actor(eng):
 def test_sample_outcomes_by_lag():
     """Trained at version 10: masked when every response token was rejected; corrected
     under IS weights with known log-probs; trained otherwise (no IS, or a log-prob the
-    engine did not report, which IS leaves at weight 1); lags of 8 and more share 8+."""
+    engine did not report, which IS leaves at weight 1); lags of 8 and more share 8plus."""
     versions = torch.tensor([10, 9, 9, 1, 8, 8])
     sampled = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [0, 0]], dtype=torch.bool)
     kept = sampled.clone()
@@ -248,14 +248,26 @@ def test_sample_outcomes_by_lag():
     lp = torch.full((6, 2), -1.0)
     lp[4, 0] = NAN
     counts, metrics = sample_outcomes(versions, 10, sampled, kept, lp, corrected=True)
-    assert counts == {("0", "corrected"): 1, ("1", "masked"): 2, ("8+", "corrected"): 1,
+    assert counts == {("0", "corrected"): 1, ("1", "masked"): 2, ("8plus", "corrected"): 1,
                       ("2", "trained"): 1, ("2", "corrected"): 1}
     assert metrics["staleness/masked_lag_1"] == 2.0 and metrics["staleness/lag_max"] == 9.0
     assert metrics["staleness/lag_mean"] == pytest.approx((0 + 1 + 1 + 9 + 2 + 2) / 6)
     counts, _ = sample_outcomes(versions, 10, sampled, sampled, lp, corrected=False)
-    assert counts == {("0", "trained"): 1, ("1", "trained"): 2, ("8+", "trained"): 1, ("2", "trained"): 2}
+    assert counts == {("0", "trained"): 1, ("1", "trained"): 2, ("8plus", "trained"): 1, ("2", "trained"): 2}
     counts, _ = sample_outcomes(versions, 10, sampled, sampled, None, corrected=True)  # no log-probs: nothing weighted
     assert set(outcome for _, outcome in counts) == {"trained"}
+
+
+def test_every_staleness_metric_name_is_one_mlflow_accepts():
+    """MLflow refuses a batch with one bad name (HTTP 400): "8+" would cost every metric of the flush."""
+    from mlflow.utils.validation import _validate_metric_name
+
+    versions = torch.arange(0, 12)
+    mask = torch.ones(12, 2, dtype=torch.bool)
+    _, metrics = sample_outcomes(versions, 11, mask, mask, torch.zeros(12, 2), corrected=True)
+    assert "staleness/corrected_lag_8plus" in metrics
+    for name in metrics:
+        _validate_metric_name(name)
 
 
 def test_the_engine_reports_the_batch_by_version_lag():

@@ -121,10 +121,14 @@ def test_the_trainer_exposes_buffer_checkpoint_and_weights_figures():
 def test_the_trainer_counts_samples_by_version_lag_and_outcome():
     m = TrainerMetrics()
     m.observe_samples({("0", "trained"): 30, ("2", "dropped"): 4})
-    m.observe_samples({("0", "trained"): 2, ("8+", "masked"): 1})
+    m.observe_samples({("0", "trained"): 2, ("8plus", "masked"): 1})
     assert value(m, "rft_trainer_samples_total", lag="0", outcome="trained") == 32
     assert value(m, "rft_trainer_samples_total", lag="2", outcome="dropped") == 4
-    assert value(m, "rft_trainer_samples_total", lag="8+", outcome="masked") == 1
+    assert value(m, "rft_trainer_samples_total", lag="8plus", outcome="masked") == 1
+    # The per-lag tracker counts are left out of rft_trainer_metric: a gauge would keep a lag seen once.
+    m.observe_step(3, {"staleness/dropped_lag_5": 8.0, "staleness/lag_mean": 0.5})
+    assert value(m, "rft_trainer_metric", name="staleness/dropped_lag_5") is None
+    assert value(m, "rft_trainer_metric", name="staleness/lag_mean") == 0.5
 
 
 # ------------------------------------------------------------------ the sync agent

@@ -54,6 +54,9 @@ class TrainEngineWrapper(abc.ABC):
     """
 
     checkpointer: CheckpointManager | None = None
+    # The last train_step's samples by (version lag label, outcome), rft_contract.staleness;
+    # an engine that does not count them leaves it empty.
+    sample_outcomes: dict[tuple[str, str], int] = {}
 
     @abc.abstractmethod
     def prepare(self) -> None:
@@ -130,8 +133,7 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.ref: roles.Reference | None = None
         self.critic: roles.Critic | None = None
         self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
-        # The last batch's samples by (version lag label, outcome): rft_contract.staleness.
-        self.sample_outcomes: dict[tuple[str, str], int] = {}
+        self.sample_outcomes = {}
         # A LoRA job whose engine loads adapters syncs each version as the adapter alone
         # (export_adapter); else as the base with the adapter merged (export_hf).
         inference = config.inference

@@ -242,6 +242,8 @@ def read_shard_meta(uri: str, storage: Storage | None = None) -> dict[str, Any]:
     if counts is not None and not (isinstance(counts, dict) and all(
             k.lstrip("-").isdigit() and isinstance(v, int) and not isinstance(v, bool) for k, v in counts.items())):
         raise ValueError(f"{uri}: weights_versions must map versions to sample counts, got {counts!r}")
+    if counts is not None and sum(counts.values()) != n:
+        raise ValueError(f"{uri}: weights_versions counts {sum(counts.values())} samples, num_samples is {n}")
     return meta
 
 
@@ -467,9 +469,9 @@ class BufferReader:
     def take_dropped(self) -> dict[int, int]:
         """Samples dropped as stale since the last call, by version lag (the version the
         batch was read for minus the sample's): what the batches read since then passed
-        over. A whole shard skipped unread counts by its `weights_versions`, or, in a
-        shard written without them or entered part-way, all at its newest version's lag
-        (a lower bound)."""
+        over, each at its own lag: a stale shard not entered yet is skipped unread when its
+        metadata says its samples per version (`weights_versions`, or one version in all),
+        else read to count them."""
         out, self._dropped_lags = self._dropped_lags, {}
         return out
 
@@ -481,11 +483,14 @@ class BufferReader:
         meta = self._meta(name)
         n, newest = meta["num_samples"], meta.get("weights_version_max")
         lags = {} if lags is None else lags
-        if min_version is not None and newest is not None and newest < min_version:
-            versions = meta.get("weights_versions") if start == 0 else None
-            for v, k in (versions.items() if versions else [(newest, n - start)]):
-                lags[current - int(v)] = lags.get(current - int(v), 0) + int(k)
-            return None, n, n - start  # all stale: skip without reading the tensors
+        if min_version is not None and newest is not None and newest < min_version and start == 0:
+            counts = meta.get("weights_versions")
+            if counts is None and meta.get("weights_version_min") == newest:
+                counts = {newest: n}  # a shard written before the counts, of one version
+            if counts is not None:
+                for v, k in counts.items():
+                    lags[current - int(v)] = lags.get(current - int(v), 0) + k
+                return None, n, n  # all stale: skip without reading the tensors
         exp = self._load(name)
         pos = torch.arange(start, n)
         if min_version is not None and exp.weights_version is not None:

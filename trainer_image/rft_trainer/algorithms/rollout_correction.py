@@ -243,10 +243,12 @@ def sample_outcomes(versions: torch.Tensor, current: int, sampled_mask: torch.Te
     lags = (current - versions.long()).clamp(min=0)
     had = sampled_mask.bool().any(-1)
     masked = had & ~kept_mask.bool().any(-1)
-    known = torch.ones_like(had) if rollout_logprob is None else \
-        ~(sampled_mask.bool() & ~torch.isfinite(rollout_logprob)).any(-1)
-    weighted = ~masked & known & corrected if rollout_logprob is not None else torch.zeros_like(had)
-    outcome = ["masked" if m else "corrected" if w else "trained" for m, w in zip(masked.tolist(), weighted.tolist())]
+    if rollout_logprob is None or not corrected:
+        weighted = torch.zeros_like(had)
+    else:  # IS leaves a response with a log-prob the engine did not report at weight 1
+        weighted = ~masked & ~(sampled_mask.bool() & ~torch.isfinite(rollout_logprob)).any(-1)
+    outcome = [staleness.MASKED if m else staleness.CORRECTED if w else staleness.TRAINED
+               for m, w in zip(masked.tolist(), weighted.tolist())]
     counts = staleness.count(zip(lags.tolist(), outcome))
     metrics = staleness.metric_names(counts)
     metrics[staleness.METRIC_PREFIX + "lag_mean"] = float(lags.float().mean()) if len(lags) else 0.0
