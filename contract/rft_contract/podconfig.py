@@ -50,7 +50,8 @@ POD_CONFIG: dict[str, Any] = {
     "reporting": {"log_every": True},
     "tracking": {"tensorboard": {"uri": True},
                  "mlflow": {"tracking_uri": True, "experiment": True, "credentials_secret": True},
-                 "wandb": {"project": True, "entity": True, "mode": True, "api_key_secret": True}},
+                 "wandb": {"project": True, "entity": True, "mode": True, "api_key_secret": True},
+                 "rollout_samples": True},
 }
 
 # Spec fields that reach no pod, and why.

@@ -36,7 +36,6 @@ from pydantic.alias_generators import to_camel
 
 from .algorithms import (ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS,
                          ROLLOUT_RS_OPTIONS)
-from .staleness import STALE_SAMPLES
 from .checks import (BASELINE_CAPABILITIES, BUILTIN_REWARDS, DNS_SUBDOMAIN, ENDPOINT_CHECKS, MAX_ID,
                      QUALIFIED_KEYS, Capability, Check, EnvName, ExitCode, Image, ImagePath, LabelValue,
                      Quantity, Reward, S3Uri, ShmSize, Size, cel, cel_rules, checked, immutable, is_qualified_name,
@@ -45,6 +44,7 @@ from .engines import (ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, LORA_UNSE
                       TRAINER_IMAGE_ENGINES)
 from .errors import describe
 from .layout import ALL_LINEAR, picks_module
+from .staleness import KEEP, STALE_SAMPLES
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
@@ -682,13 +682,19 @@ class WandbSpec(Model):
         description="Secret with WANDB_API_KEY, given to the trainer pods (online mode).")
 
 
-class TrackingSpec(Model):
+class TrackingSpec(OmitUnset):
     """Experiment trackers that rank 0 of the trainer sends each step's metrics to. A tracker
     that is down never stops training: status.trainer.tracking says how each one fares."""
 
+    omit_unset = ("rollout_samples",)
+    settings: ClassVar[tuple[str, ...]] = ("rollout_samples",)  # the fields that name no tracker
     tensorboard: TensorBoardSpec | None = None
     mlflow: MLflowSpec | None = None
     wandb: WandbSpec | None = None
+    rollout_samples: int | None = Field(default=None, ge=0, le=64, description=(
+        "Rollouts of each step's batch shown in every tracker (step, version, lag, reward, task, prompt, "
+        "response; texts cut at 2000 characters and scrubbed of credentials): a W&B table, an MLflow "
+        "table artifact, TensorBoard text. Default 4; 0: none."))
 
 
 # The trainer's batch layout (rft_trainer.engine.check_batch_layout) in CEL, with the
@@ -780,7 +786,7 @@ class RFTJobSpec(OmitUnset):
         Check("self.?buffer.?staleSamples.orValue('drop') != 'keep' || "
               "(has(self.algorithm.rolloutCorrection) && (has(self.algorithm.rolloutCorrection.rolloutIs) || "
               "self.algorithm.rolloutCorrection.?rolloutRs.orValue([]).size() > 0))",
-              lambda s: s.buffer.stale_samples != "keep" or (
+              lambda s: s.buffer.stale_samples != KEEP or (
                   s.algorithm.rollout_correction is not None
                   and (s.algorithm.rollout_correction.rollout_is is not None
                        or bool(s.algorithm.rollout_correction.rollout_rs))),

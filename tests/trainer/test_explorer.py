@@ -120,7 +120,7 @@ def test_two_servers_write_shards_the_trainer_reads(bucket, servers, model_dir, 
         assert set(batch.weights_version.tolist()) == {3, 4}  # one task per server
         for i, info in enumerate(batch.info):
             task = next(t for t in tasks if t["id"] == info["task_id"])
-            assert info["explorer"] == 0 and info["epoch"] == 0
+            assert info["explorer"] == 0 and info["epoch"] == 0 and info["prompt"] == task["prompt"]
             assert batch.group_ids[i] == tasks.index(task)  # epoch 0: the task index
             p = int(batch.prompt_lengths[i])
             assert tokenizer.decode(batch.tokens[i, :p]) == task["prompt"]

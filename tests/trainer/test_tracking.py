@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import torch
 
 from e2e.mlflow_server import MLflowServer
 
@@ -203,6 +204,10 @@ def test_an_unreachable_tracker_never_stops_training_and_never_shows_the_passwor
     assert tracking["mlflow"]["ok"] is False and "Connection" in tracking["mlflow"]["error"]
     assert tracking["mlflow"]["lastStep"] is None
     assert tracking["tensorboard"] == {"ok": True, "error": None, "dropped": 0, "lastStep": 3}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "ckpt" / "tensorboard" / "attempt-000"))
+    acc.Reload()  # each step's rollouts table, from the batch it trained
+    assert [e.step for e in acc.Tensors("rollouts/samples/text_summary")] == [1, 2, 3]
     assert any("tracking: mlflow failed" in r.getMessage() for r in caplog.records)
     out, err = capfd.readouterr()
     shown = json.dumps(recorder.trainer) + out + err + "\n".join(r.getMessage() for r in caplog.records)
@@ -302,6 +307,66 @@ def test_wandb_offline_writes_its_run_files_and_uploads_them(tmp_path):
     assert b"actor/pg_loss" in data and b"critic/advantages/mean" in data
     uploaded = get_storage(root).list(f"{root}/tracking/wandb/")
     assert any(u.endswith(".wandb") and runs[0].name in u for u in uploaded)
+
+
+# ------------------------------------------------------------------ rollouts you can read
+
+def test_every_tracker_shows_each_step_s_rollouts_as_a_table_cut_and_scrubbed(mlflow_server, tmp_path, monkeypatch):
+    """log_samples: a W&B table, an MLflow table artifact, TensorBoard markdown, each read
+    back from what the tracker wrote; a long response is cut, a credential scrubbed."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    root = str(tmp_path / "job")
+    tracking = {"tensorboard": {}, "mlflow": {"trackingUri": mlflow_server, "experiment": "rft-rollouts"},
+                "wandb": {"project": "rft-demo", "mode": "offline"}}
+    tracker = build_tracker(config(root, tracking), local_dir=str(tmp_path / "local"))
+    rows = [{"step": 3, "version": 1, "lag": 1, "reward": 1.0, "task_id": "t-7", "finish_reason": "stop",
+             "prompt": "What is 2 + 3?", "response": "5 | five\nfive"},
+            {"step": 3, "version": 2, "lag": 0, "reward": 0.0, "task_id": "t-8", "finish_reason": "length",
+             "prompt": f"key {SECRET}", "response": "x" * 5000}]
+    tracker.log_metrics(3, {"actor/pg_loss": 0.1})
+    tracker.log_samples(3, rows)
+    tracker.close(finished=True)
+    assert all(s["ok"] and s["dropped"] == 0 for s in tracker.status().values()), tracker.status()
+
+    acc = EventAccumulator(str(tmp_path / "local" / "tensorboard" / "attempt-000"))
+    acc.Reload()
+    (event,) = acc.Tensors("rollouts/samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and "| step | version | lag | reward |" in text and "5 \\| five<br>five" in text
+    assert SECRET not in text and "key ***" in text and "x" * 1997 + "..." in text and "x" * 1998 not in text
+
+    run_id = json.loads(get_storage(root).read_bytes(mlflow_state_uri(root)))["run_id"]
+    path = MlflowClient(mlflow_server).download_artifacts(run_id, "rollouts/step-00000003.json", str(tmp_path / "dl"))
+    table = json.loads(open(path).read())
+    assert table["columns"] == ["step", "version", "lag", "reward", "task_id", "finish_reason", "prompt", "response"]
+    assert [r[:6] for r in table["data"]] == [[3, 1, 1, 1.0, "t-7", "stop"], [3, 2, 0, 0.0, "t-8", "length"]]
+    assert table["data"][1][6] == "key ***" and len(table["data"][1][7]) == 2000
+
+    (run,) = (tmp_path / "local" / "wandb-run" / "wandb").glob("offline-run-*")
+    (wandb_table,) = run.glob("files/media/table/rollouts/samples_3_*.table.json")
+    data = json.loads(wandb_table.read_text())
+    assert data["columns"] == table["columns"] and [r[4] for r in data["data"]] == ["t-7", "t-8"]
+    assert SECRET not in wandb_table.read_text()
+
+
+def test_the_trainer_picks_the_rows_from_the_batch_it_trained():
+    from rft_trainer.trainer import rollout_rows
+
+    batch = synthetic_batch(8, 4, 6, vocab=24, seed=0)
+    batch.weights_version = torch.tensor([4, 4, 5, 5, 3, 3, 5, 5])
+    batch.info = [{"task_id": f"t{i}", "prompt": f"p{i}", "response": f"r{i}", "finish_reason": "stop"}
+                  for i in range(8)]
+    rows = rollout_rows(batch, step=6, k=3)
+    assert rows == rollout_rows(batch, step=6, k=3) and len(rows) == 3  # the same rows on every run
+    for r in rows:
+        i = int(r["task_id"][1:])
+        assert r == {"step": 6, "version": batch.weights_version[i].item(), "lag": 5 - batch.weights_version[i].item(),
+                     "reward": float(batch.rewards[i]), "task_id": f"t{i}", "finish_reason": "stop",
+                     "prompt": f"p{i}", "response": f"r{i}"}
+    assert len(rollout_rows(batch, step=6, k=64)) == 8 and rollout_rows(batch, step=6, k=0) == []
 
 
 def test_a_role_gets_runs_of_its_own_beside_the_trainers(tmp_path):

@@ -90,6 +90,7 @@ TRACKER_CLOSE_SECONDS = 10.0
 # Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
 # is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
 MAX_REJECTED_IN_ROW = 8
+PROMPT_INFO_CHARS = 2000  # of the task's text kept in each sample's info (rft_trainer.tracking.MAX_SAMPLE_CHARS)
 class TrainerProgress(NamedTuple):
     step: int
     total: int
@@ -305,7 +306,9 @@ class Explorer:
             task = self.tasks[task_index]
             # Samples hold the tokens of the prompt sent; the reward gets the task's own text.
             sent, reward_fn = {**task, "prompt": prompt}, _reward_on_text(self.reward_fn, task["prompt"])
-            info = {"task_id": task["id"], "explorer": self.index, "epoch": epoch}
+            # The task's text (its start) goes with each sample: the trainer's trackers show it.
+            info = {"task_id": task["id"], "explorer": self.index, "epoch": epoch,
+                    "prompt": task["prompt"][:PROMPT_INFO_CHARS]}
             for response, versions in answers:  # choices without a version are dropped
                 samples += build_samples(response, sent, self.tokenizer, reward_fn,
                                          epoch * len(self.tasks) + task_index, info, versions,

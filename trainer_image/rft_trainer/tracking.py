@@ -24,6 +24,12 @@ Where things go, `<root>` being `checkpoint.uri`:
     <root>/tracking/mlflow-run-explorer.json   the explorer's run, `<job>_explorer`
     <root>/tracking/wandb/            W&B's offline run files, for `wandb sync` (wandb-explorer/ the explorer's)
 
+Rollouts you can read: each step, `spec.tracking.rolloutSamples` (default 4) of the batch's
+samples (`SAMPLE_COLUMNS`: step, weights version, lag, reward, task, prompt, response; texts cut
+at MAX_SAMPLE_CHARS and scrubbed by `redact`) go to every backend as `rollouts/samples`: a
+W&B table, an MLflow table artifact `rollouts/step-NNNNNNNN.json` (a failed artifact upload is
+logged and skipped: it never holds the metrics back), TensorBoard text (a markdown table).
+
 The explorers log each shard's rollout figures (`rollout/rewards/mean`, ...; step = the
 explorer's shard count) to runs of their own (`build_tracker(role=...)`), as Trinity-RFT
 makes one run per role.
@@ -61,6 +67,10 @@ QUEUE_CAPACITY = 10_000  # reports (one per step) kept per backend while it is d
 FLUSH_SECONDS = 30.0
 FAILING_LOG_EVERY = 60.0
 MAX_ERROR_CHARS = 300
+SAMPLES = "rollouts/samples"  # the rollouts table's name in every backend
+SAMPLE_COLUMNS = ("step", "version", "lag", "reward", "task_id", "finish_reason", "prompt", "response")
+MAX_SAMPLE_CHARS = 2000
+DEFAULT_ROLLOUT_SAMPLES = 4
 
 
 def redact(text: str, env: dict[str, str] | None = None) -> str:
@@ -84,7 +94,7 @@ class Rejected(Exception):
 
 
 class Event(NamedTuple):
-    kind: str  # "metrics" or "tags"
+    kind: str  # "metrics", "tags" or "samples" ({"rows": [{column: value}]})
     step: int | None
     data: dict[str, Any]
     time: float  # when it was reported: a report delivered late keeps its own time
@@ -99,6 +109,26 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
         except (TypeError, ValueError):
             continue
     return out
+
+
+def sample_row(values: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One rollouts-table row with every SAMPLE_COLUMNS key: texts cut at MAX_SAMPLE_CHARS
+    and scrubbed like the logs, numbers as they are, a missing value None."""
+    row = {}
+    for column in SAMPLE_COLUMNS:
+        value = values.get(column)
+        if isinstance(value, str):
+            value = redact(value if len(value) <= MAX_SAMPLE_CHARS else value[:MAX_SAMPLE_CHARS - 3] + "...", env)
+        row[column] = value
+    return row
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (TensorBoard's text plugin renders it)."""
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v).replace("|", "\\|").replace("\n", "<br>")
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c)) for c in SAMPLE_COLUMNS) + " |" for r in rows])
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -287,6 +317,11 @@ class Tracker:
     def log_tags(self, tags: dict[str, Any], step: int | None = None) -> None:
         self._put(Event("tags", step, {k: str(v) for k, v in tags.items()}, time.time()))
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A table of rollouts (`sample_row`s) at `step`."""
+        if rows:
+            self._put(Event("samples", step, {"rows": [sample_row(r) for r in rows]}, time.time()))
+
     def _put(self, event: Event) -> None:
         for worker in self.workers:
             worker.put(event)
@@ -346,6 +381,9 @@ class TensorBoardBackend:
 
     def write(self, events: list[Event]) -> None:
         for ev in events:
+            if ev.kind == "samples":
+                self.writer.add_text(SAMPLES, markdown_table(ev.data["rows"]), ev.step or 0, walltime=ev.time)
+                continue
             for key, value in ev.data.items():
                 if ev.kind == "metrics":
                     self.writer.add_scalar(key, value, ev.step, walltime=ev.time)
@@ -390,6 +428,7 @@ class MLflowBackend:
         self.client = None
         self.run_id: str | None = None
         self._saved = self._started = False
+        self.table_failures = 0  # rollouts tables not uploaded (the artifact store refused or is down)
 
     def open(self) -> None:
         # Our worker retries; MLflow's own retries (7, exponential) would hide an outage for minutes.
@@ -473,6 +512,22 @@ class MLflowBackend:
             if 400 <= code < 500 and code not in (401, 403, 408, 429):
                 raise Rejected(describe_error(e)) from None
             raise
+        for ev in events:
+            if ev.kind == "samples":
+                self._log_table(ev.step or 0, ev.data["rows"])
+
+    def _log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """An artifact: a tracking server without an artifact store the trainer can reach
+        must not hold the metrics back, so a failure is logged (the first, then every
+        100th) and the table skipped."""
+        try:
+            self.client.log_table(self.run_id, data={c: [r[c] for r in rows] for c in SAMPLE_COLUMNS},
+                                  artifact_file=f"rollouts/step-{step:08d}.json")
+        except Exception as e:  # noqa: BLE001 - a table is never worth the metrics
+            self.table_failures += 1
+            if self.table_failures % 100 == 1:
+                log.warning("tracking: mlflow: rollouts table of step %d not uploaded (%d so far): %s",
+                            step, self.table_failures, describe_error(e))
 
     def flush(self) -> None:
         pass
@@ -514,6 +569,11 @@ class WandbBackend:
         for ev in events:
             if ev.kind == "metrics":
                 self.run.log(ev.data, step=ev.step)
+            elif ev.kind == "samples":
+                import wandb
+
+                rows = [[r[c] for c in SAMPLE_COLUMNS] for r in ev.data["rows"]]
+                self.run.log({SAMPLES: wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=ev.step)
             else:
                 self.run.summary.update(ev.data)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import sys
 import time
 from typing import Any, Callable
@@ -42,7 +43,7 @@ from .metrics import MetricsLog
 from .nccl_sender import NcclSender
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
-from .tracking import Tracker, build_tracker
+from .tracking import DEFAULT_ROLLOUT_SAMPLES, Tracker, build_tracker
 
 log = logging.getLogger("rft_trainer")
 
@@ -142,7 +143,7 @@ class Trainer:
         b = self.config.buffer
         # staleSamples keep: nothing is dropped, rollout correction weighs the stale samples.
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size,
-                                   max_staleness=None if b.stale_samples == "keep" else b.max_staleness,
+                                   max_staleness=None if b.stale_samples == staleness.KEEP else b.max_staleness,
                                    storage=get_storage(b.uri, self.config.env))
         extra = self.load_checkpoint()
         if extra and "buffer" in extra:
@@ -190,6 +191,8 @@ class Trainer:
         cont, metrics = self.engine.train_step(batch)
         metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
         self._count_samples(metrics)
+        if self.tracker is not None:
+            self.tracker.log_samples(self.train_step_num, rollout_rows(batch, self.train_step_num, self._rollout_samples()))
         self.last_metrics = metrics
         self._report_buffer()
         self.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
@@ -198,15 +201,19 @@ class Trainer:
         self._report(metrics)
         return cont and self.train_step_num < self.config.trainer.total_steps
 
+    def _rollout_samples(self) -> int:
+        n = self.config.tracking.rollout_samples if self.config.tracking is not None else None
+        return DEFAULT_ROLLOUT_SAMPLES if n is None else n
+
     def _count_samples(self, metrics: dict) -> None:
         """The step's samples by version lag and outcome (rft_contract.staleness): the
         engine's trained/corrected/masked, and those the buffer dropped as stale on the way
         to this batch (rank 0 reads the buffer), into the tracker metrics and
         rft_trainer_samples_total."""
-        dropped = staleness.tally(self.buffer.take_dropped(), "dropped")
+        dropped = staleness.tally(self.buffer.take_dropped(), staleness.DROPPED)
         metrics.update(staleness.metric_names(dropped))
         if self.rt is None or self.rt.is_main:
-            self.pod_metrics.observe_samples(staleness.merge(getattr(self.engine, "sample_outcomes", {}), dropped))
+            self.pod_metrics.observe_samples(staleness.merge(self.engine.sample_outcomes, dropped))
 
     def next_batch(self) -> Experiences | None:
         """The next batch no staler than buffer.max_staleness versions, the same on every
@@ -419,3 +426,20 @@ class Trainer:
 
     def is_alive(self) -> bool:
         return self._alive
+
+
+def rollout_rows(batch: Experiences, step: int, k: int) -> list[dict]:
+    """`k` samples of the batch trained as step `step` (the same ones on every run: drawn
+    with the step as seed) as rows for the trackers' rollouts table: the task's text and
+    the response as the explorer recorded them (`info`), reward, weights version and lag."""
+    n = len(batch)
+    picked = sorted(random.Random(step).sample(range(n), min(k, n)))
+    versions = batch.weights_version.tolist() if batch.weights_version is not None else [None] * n
+    rows = []
+    for i in picked:
+        info, v = batch.info[i] if batch.info else {}, versions[i]
+        rows.append({"step": step, "version": v, "lag": None if v is None else max(0, step - 1 - v),
+                     "reward": float(batch.rewards[i]), "task_id": info.get("task_id"),
+                     "finish_reason": info.get("finish_reason"), "prompt": info.get("prompt"),
+                     "response": info.get("response")})
+    return rows
