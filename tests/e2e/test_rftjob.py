@@ -703,6 +703,18 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
     tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
     assert tags.get("rft.job") == j["name"]
+    # Each step's rollouts as a table artifact, through the server's artifact proxy: the
+    # task's text from the explorer's shard, the response, the weights version.
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(server.url)
+    tables = {f.path for f in client.list_artifacts(run["info"]["run_id"], "rollouts")}
+    assert {f"rollouts/step-{n:08d}.json" for n in range(1, STEPS + 1)} <= tables, sorted(tables)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(run["info"]["run_id"], f"rollouts/step-{STEPS:08d}.json", tmp)
+        table = json.loads(Path(path).read_text())
+    row = dict(zip(table["columns"], table["data"][0]))
+    assert row["step"] == STEPS and row["prompt"] and isinstance(row["response"], str) and row["version"] >= 0, row
+
     def tensorboard_runs() -> set[str]:
         return {key.split("/tensorboard/", 1)[1].split("/", 1)[0] for key in S3Storage().list(j["uri"] + "/tensorboard/")}
 
@@ -710,7 +722,7 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     runs = wait_for(lambda: "explorer" in (r := tensorboard_runs()) and r, 120, "the explorer's TensorBoard run")
     assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
     RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
-                           "explorer_shards_tracked": len(rollouts),
+                           "explorer_shards_tracked": len(rollouts), "rollouts_tables": len(tables),
                            "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
 
 

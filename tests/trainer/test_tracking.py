@@ -344,6 +344,9 @@ def test_every_tracker_shows_each_step_s_rollouts_as_a_table_cut_and_scrubbed(ml
     assert table["columns"] == ["step", "version", "lag", "reward", "task_id", "finish_reason", "prompt", "response"]
     assert [r[:6] for r in table["data"]] == [[3, 1, 1, 1.0, "t-7", "stop"], [3, 2, 0, 0.0, "t-8", "length"]]
     assert table["data"][1][6] == "key ***" and len(table["data"][1][7]) == 2000
+    import pandas
+    frame = pandas.read_json(path, orient="split")  # the layout of MLflow's tables
+    assert list(frame.columns) == table["columns"] and list(frame["task_id"]) == ["t-7", "t-8"]
 
     (run,) = (tmp_path / "local" / "wandb-run" / "wandb").glob("offline-run-*")
     (wandb_table,) = run.glob("files/media/table/rollouts/samples_3_*.table.json")

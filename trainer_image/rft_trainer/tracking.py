@@ -517,12 +517,16 @@ class MLflowBackend:
                 self._log_table(ev.step or 0, ev.data["rows"])
 
     def _log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """An artifact: a tracking server without an artifact store the trainer can reach
-        must not hold the metrics back, so a failure is logged (the first, then every
+        """One JSON artifact per step in the layout of MLflow's table files (pandas'
+        "split" orient), written as text: `log_table` needs pandas, which mlflow-skinny (the
+        trainer image's) lacks, and on every call re-reads the run and grows one run tag
+        (`mlflow.loggedArtifacts`, which `mlflow.load_table` searches) past MLflow's tag
+        size limit within a few hundred steps. A tracking server without an artifact store the trainer can
+        reach must not hold the metrics back, so a failure is logged (the first, then every
         100th) and the table skipped."""
+        table = {"columns": list(SAMPLE_COLUMNS), "data": [[r[c] for c in SAMPLE_COLUMNS] for r in rows]}
         try:
-            self.client.log_table(self.run_id, data={c: [r[c] for r in rows] for c in SAMPLE_COLUMNS},
-                                  artifact_file=f"rollouts/step-{step:08d}.json")
+            self.client.log_text(self.run_id, json.dumps(table), f"rollouts/step-{step:08d}.json")
         except Exception as e:  # noqa: BLE001 - a table is never worth the metrics
             self.table_failures += 1
             if self.table_failures % 100 == 1:
