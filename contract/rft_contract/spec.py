@@ -45,6 +45,7 @@ from .engines import (ENGINE_ENV, ENGINE_NAMES, ENGINES, LORA_ENGINES, LORA_UNSE
 from .errors import describe
 from .layout import ALL_LINEAR, picks_module
 from .staleness import KEEP, STALE_SAMPLES
+from .trackers import DEFAULT_ROLLOUT_SAMPLES, MAX_SAMPLE_CHARS
 
 # Child names are `<job>-trainer-<attempt>-<rank>`; they double as pod hostnames, which
 # must be DNS labels (<= 63 chars). 40 leaves room for the suffixes.
@@ -687,14 +688,14 @@ class TrackingSpec(OmitUnset):
     that is down never stops training: status.trainer.tracking says how each one fares."""
 
     omit_unset = ("rollout_samples",)
-    settings: ClassVar[tuple[str, ...]] = ("rollout_samples",)  # the fields that name no tracker
+    non_tracker_fields: ClassVar[tuple[str, ...]] = ("rollout_samples",)
     tensorboard: TensorBoardSpec | None = None
     mlflow: MLflowSpec | None = None
     wandb: WandbSpec | None = None
     rollout_samples: int | None = Field(default=None, ge=0, le=64, description=(
         "Rollouts of each step's batch shown in every tracker (step, version, lag, reward, task, prompt, "
-        "response; texts cut at 2000 characters and scrubbed of credentials): a W&B table, an MLflow "
-        "table artifact, TensorBoard text. Default 4; 0: none."))
+        f"response; texts scrubbed of credentials and cut at {MAX_SAMPLE_CHARS} characters): a W&B table, "
+        f"an MLflow table artifact, TensorBoard text. Default {DEFAULT_ROLLOUT_SAMPLES}; 0: none."))
 
 
 # The trainer's batch layout (rft_trainer.engine.check_batch_layout) in CEL, with the

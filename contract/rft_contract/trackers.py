@@ -59,5 +59,12 @@ TRACKERS: dict[str, TrackerProfile] = {p.name: p for p in (
     TrackerProfile("wandb", "api_key_secret", (SecretKey("WANDB_API_KEY", False),), package="wandb"),
 )}
 
+# The rollouts tables (`spec.tracking.rolloutSamples`, rft_trainer.tracking.log_samples).
+DEFAULT_ROLLOUT_SAMPLES = 4  # rows per step unless the spec says
+MAX_SAMPLE_CHARS = 2000  # of a text cell, after scrubbing
+# What of a task's text the explorer keeps in a sample's info: the cell's length plus room
+# for the scrubbing to see a whole secret that straddles the cut.
+PROMPT_INFO_CHARS = MAX_SAMPLE_CHARS + 512
+
 REDACTED_ENV: tuple[str, ...] = tuple(k.name for p in TRACKERS.values() for k in p.secret_keys if k.redact)
 SECRET_PATHS: tuple[str, ...] = tuple(p.secret_path for p in TRACKERS.values() if p.secret_path)

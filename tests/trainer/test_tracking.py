@@ -355,6 +355,63 @@ def test_every_tracker_shows_each_step_s_rollouts_as_a_table_cut_and_scrubbed(ml
     assert SECRET not in wandb_table.read_text()
 
 
+def test_a_tracker_that_is_down_keeps_at_most_100_tables_and_every_metric_report():
+    """Tables cost up to hundreds of KB each: while a backend is down the oldest beyond
+    SAMPLES_CAPACITY are left out (counted apart), never a metric report."""
+    from rft_trainer.tracking import SAMPLES_CAPACITY
+
+    backend = FlakyBackend()
+    tracker = Tracker([backend], backoff=lambda n: 0.01)
+    for step in range(1, 251):
+        tracker.log_metrics(step, {"actor/pg_loss": 1.0})
+        tracker.log_samples(step, [{"step": step, "response": "x"}])
+    worker = tracker.workers[0]
+    with worker._cond:
+        tables = [ev.step for ev in worker._queue if ev.kind == "samples"]
+        metrics = [ev.step for ev in worker._queue if ev.kind == "metrics"]
+    assert len(tables) <= SAMPLES_CAPACITY + worker.batch_size and tables[-1] == 250  # the newest kept
+    assert worker.dropped_tables >= 250 - SAMPLES_CAPACITY - worker.batch_size
+    backend.healed = True
+    tracker.close(finished=True)
+    assert sorted(set(s for s in backend.steps)) == list(range(1, 251))  # every metric step delivered
+    assert tracker.status()["flaky"]["dropped"] == 0
+
+
+def test_an_mlflow_table_that_fails_skips_tables_for_a_while_and_keeps_the_metrics(mlflow_server, tmp_path,
+                                                                                  monkeypatch, caplog):
+    root = str(tmp_path / "job")
+    tracking = {"mlflow": {"trackingUri": mlflow_server, "experiment": "rft-tables-down"}}
+    tracker = build_tracker(config(root, tracking), local_dir=str(tmp_path / "local"))
+    backend = tracker.workers[0].backend
+    calls = []
+
+    def refused(*a, **kw):
+        calls.append(a)
+        raise ConnectionError("artifact store unreachable")
+
+    backend.open()
+    monkeypatch.setattr(backend.client, "log_text", refused)
+    for step in (1, 2, 3):
+        tracker.log_metrics(step, {"actor/pg_loss": step / 10})
+        tracker.log_samples(step, [{"step": step, "response": "x"}])
+    tracker.close(finished=True)
+    run_id = json.loads(get_storage(root).read_bytes(mlflow_state_uri(root)))["run_id"]
+    history = rest(mlflow_server, "metrics/get-history", run_id=run_id, metric_key="actor/pg_loss")["metrics"]
+    assert [m["step"] for m in history] == [1, 2, 3] and tracker.status()["mlflow"]["ok"]
+    assert len(calls) == 1 and backend.table_failures == 3  # tried once, then skipped
+    assert sum("tables are skipped" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_secret_across_the_cut_is_scrubbed_whole_and_nan_is_none(monkeypatch):
+    from rft_trainer.tracking import sample_row
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    row = sample_row({"prompt": "a" * 1990 + SECRET, "reward": float("nan")})
+    assert row["prompt"] == "a" * 1990 + "***" and row["reward"] is None
+    row = sample_row({"response": "b" * 1995 + SECRET + "c" * 10})
+    assert SECRET[:3] not in row["response"] and row["response"].endswith("...") and len(row["response"]) == 2000
+
+
 def test_the_trainer_picks_the_rows_from_the_batch_it_trained():
     from rft_trainer.trainer import rollout_rows
 
@@ -370,6 +427,8 @@ def test_the_trainer_picks_the_rows_from_the_batch_it_trained():
                      "reward": float(batch.rewards[i]), "task_id": f"t{i}", "finish_reason": "stop",
                      "prompt": f"p{i}", "response": f"r{i}"}
     assert len(rollout_rows(batch, step=6, k=64)) == 8 and rollout_rows(batch, step=6, k=0) == []
+    bare = synthetic_batch(4, 4, 6, vocab=24, seed=1)  # a hand-written buffer: no versions, no texts
+    assert [(r["version"], r["lag"], r["prompt"]) for r in rollout_rows(bare, step=2, k=2)] == [(None, None, None)] * 2
 
 
 def test_a_role_gets_runs_of_its_own_beside_the_trainers(tmp_path):

@@ -24,7 +24,7 @@ SECTIONS = {"tensorboard": {}, "mlflow": {"trackingUri": "https://mlflow.example
 
 
 def test_the_spec_the_trainer_and_the_image_follow_the_catalogue():
-    sections = [f for f in TrackingSpec.model_fields if f not in TrackingSpec.settings]
+    sections = [f for f in TrackingSpec.model_fields if f not in TrackingSpec.non_tracker_fields]
     assert sections == list(TRACKERS) == list(tracking.BACKENDS) == list(SECTIONS)
     for p in WITH_SECRET:
         field = TrackingSpec.model_fields[p.name].annotation.__args__[0].model_fields[p.secret_field]

@@ -74,6 +74,7 @@ from rft_contract.jobapi import get_job, job_api
 from rft_contract.names import SERVED_MODEL_NAME, WAIT_DATA, agent_port
 from rft_contract.podmetrics import ExplorerMetrics
 from rft_contract.storage import Storage, get_storage, join
+from rft_contract.trackers import PROMPT_INFO_CHARS
 from rft_trainer.experience import read_shard_meta, write_shard
 from rft_trainer.tracking import Tracker, build_tracker, explorer_role
 
@@ -90,7 +91,6 @@ TRACKER_CLOSE_SECONDS = 10.0
 # Consecutive tasks the server may reject (4xx) before the explorer gives up: a bad task
 # is skipped, but a bad config (say max_tokens beyond the context) rejects every task.
 MAX_REJECTED_IN_ROW = 8
-PROMPT_INFO_CHARS = 2000  # of the task's text kept in each sample's info (rft_trainer.tracking.MAX_SAMPLE_CHARS)
 class TrainerProgress(NamedTuple):
     step: int
     total: int

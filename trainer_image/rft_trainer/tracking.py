@@ -41,6 +41,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 from rft_contract.storage import Storage, get_storage, join, upload_file
 from rft_contract.podconfig import render as render_pod_config
-from rft_contract.trackers import REDACTED_ENV, TRACKERS
+from rft_contract.trackers import MAX_SAMPLE_CHARS, REDACTED_ENV, TRACKERS
 
 from .reporting import backoff_delay
 
@@ -69,8 +70,8 @@ FAILING_LOG_EVERY = 60.0
 MAX_ERROR_CHARS = 300
 SAMPLES = "rollouts/samples"  # the rollouts table's name in every backend
 SAMPLE_COLUMNS = ("step", "version", "lag", "reward", "task_id", "finish_reason", "prompt", "response")
-MAX_SAMPLE_CHARS = 2000
-DEFAULT_ROLLOUT_SAMPLES = 4
+SAMPLES_CAPACITY = 100  # rollouts tables kept per backend while it is down (metrics keep QUEUE_CAPACITY)
+TABLE_BACKOFF_SECONDS = 600.0  # after an MLflow table upload failed, tables are skipped this long
 
 
 def redact(text: str, env: dict[str, str] | None = None) -> str:
@@ -117,8 +118,11 @@ def sample_row(values: dict[str, Any], env: dict[str, str] | None = None) -> dic
     row = {}
     for column in SAMPLE_COLUMNS:
         value = values.get(column)
-        if isinstance(value, str):
-            value = redact(value if len(value) <= MAX_SAMPLE_CHARS else value[:MAX_SAMPLE_CHARS - 3] + "...", env)
+        if isinstance(value, str):  # scrubbed before it is cut: a secret across the cut leaves no prefix
+            value = redact(value, env)
+            value = value if len(value) <= MAX_SAMPLE_CHARS else value[:MAX_SAMPLE_CHARS - 3] + "..."
+        elif isinstance(value, float) and not math.isfinite(value):
+            value = None  # JSON has no NaN
         row[column] = value
     return row
 
@@ -167,6 +171,8 @@ class BackendWorker:
         self.capacity, self.flush_seconds, self.batch_size, self.backoff = capacity, flush_seconds, batch_size, backoff
         self.state: dict[str, Any] = {"ok": None, "error": None, "dropped": 0, "lastStep": None}
         self._queue: collections.deque[Event] = collections.deque()
+        self._tables = 0  # samples events in the queue (at most SAMPLES_CAPACITY)
+        self.dropped_tables = 0  # rollouts tables left out while the backend was down
         self._cond = threading.Condition()
         self._opened = self._closing = self._abandoned = self._finished = False
         self._failures, self._down_since, self._last_log = 0, None, 0.0
@@ -178,12 +184,34 @@ class BackendWorker:
             if self._closing:
                 return
             self._queue.append(event)
-            dropped = len(self._queue) - self.capacity
-            for _ in range(max(0, dropped)):
-                self._queue.popleft()
+            self._tables += event.kind == "samples"
+            dropped = self._trim()
             self._cond.notify()
         if dropped > 0:
             self._update(dropped=dropped)
+
+    def _trim(self) -> int:
+        """Under the lock: at most SAMPLES_CAPACITY tables and `capacity` other reports
+        queued, the oldest left out first (tables are counted in `dropped_tables`, not in
+        the state's `dropped`, which counts metric reports). Returns the reports left out."""
+        if self._tables > SAMPLES_CAPACITY:  # only while the backend is down
+            excess, kept = self._tables - SAMPLES_CAPACITY, collections.deque()
+            for ev in self._queue:
+                if excess and ev.kind == "samples":
+                    excess -= 1
+                    continue
+                kept.append(ev)
+            self.dropped_tables += self._tables - SAMPLES_CAPACITY
+            self._queue, self._tables = kept, SAMPLES_CAPACITY
+        dropped = 0
+        while len(self._queue) - self._tables > self.capacity:
+            ev = self._queue.popleft()
+            if ev.kind == "samples":
+                self._tables -= 1
+                self.dropped_tables += 1
+            else:
+                dropped += 1
+        return dropped
 
     def close(self, finished: bool, timeout: float) -> int:
         """Deliver what is queued and close the backend within `timeout` seconds; returns
@@ -208,6 +236,7 @@ class BackendWorker:
                 if self._abandoned:
                     return
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.batch_size))]
+                self._tables -= sum(ev.kind == "samples" for ev in batch)
                 closing = self._closing and not self._queue
             if not self._deliver(batch):
                 self._requeue(batch)
@@ -255,9 +284,8 @@ class BackendWorker:
         """Put a failed batch back in front, older than anything reported since."""
         with self._cond:
             self._queue.extendleft(reversed(batch))
-            dropped = max(0, len(self._queue) - self.capacity)
-            for _ in range(dropped):
-                self._queue.popleft()
+            self._tables += sum(ev.kind == "samples" for ev in batch)
+            dropped = self._trim()
         if dropped:
             self._update(dropped=dropped)
 
@@ -429,6 +457,7 @@ class MLflowBackend:
         self.run_id: str | None = None
         self._saved = self._started = False
         self.table_failures = 0  # rollouts tables not uploaded (the artifact store refused or is down)
+        self._tables_from = 0.0  # monotonic time before which tables are skipped (after a failure)
 
     def open(self) -> None:
         # Our worker retries; MLflow's own retries (7, exponential) would hide an outage for minutes.
@@ -524,14 +553,19 @@ class MLflowBackend:
         size limit within a few hundred steps. A tracking server without an artifact store the trainer can
         reach must not hold the metrics back, so a failure is logged (the first, then every
         100th) and the table skipped."""
+        if time.monotonic() < self._tables_from:
+            self.table_failures += 1
+            return
         table = {"columns": list(SAMPLE_COLUMNS), "data": [[r[c] for c in SAMPLE_COLUMNS] for r in rows]}
         try:
             self.client.log_text(self.run_id, json.dumps(table), f"rollouts/step-{step:08d}.json")
         except Exception as e:  # noqa: BLE001 - a table is never worth the metrics
+            # A store that fails slowly (a direct s3:// artifact root whose client retries)
+            # must not cost that time on every step: skip tables for a while.
             self.table_failures += 1
-            if self.table_failures % 100 == 1:
-                log.warning("tracking: mlflow: rollouts table of step %d not uploaded (%d so far): %s",
-                            step, self.table_failures, describe_error(e))
+            self._tables_from = time.monotonic() + TABLE_BACKOFF_SECONDS
+            log.warning("tracking: mlflow: rollouts table of step %d not uploaded (%d so far); tables are "
+                        "skipped for %.0fs: %s", step, self.table_failures, TABLE_BACKOFF_SECONDS, describe_error(e))
 
     def flush(self) -> None:
         pass
@@ -555,6 +589,7 @@ class WandbBackend:
         self.dir, self.params, self.upload_uri, self.run_name = Path(local_dir), params, upload_uri, run_name
         self.storage = storage or (get_storage(upload_uri) if upload_uri else None)
         self.run = None
+        self._table = None  # the run's incremental rollouts table
         self._uploaded: dict[str, int] = {}
 
     def open(self) -> None:
@@ -574,12 +609,22 @@ class WandbBackend:
             if ev.kind == "metrics":
                 self.run.log(ev.data, step=ev.step)
             elif ev.kind == "samples":
-                import wandb
-
-                rows = [[r[c] for c in SAMPLE_COLUMNS] for r in ev.data["rows"]]
-                self.run.log({SAMPLES: wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=ev.step)
+                self._log_table(ev)
             else:
                 self.run.summary.update(ev.data)
+
+    def _log_table(self, ev: Event) -> None:
+        """One incremental table for the run (a table per step would be an artifact version
+        per step); a step W&B has passed (replayed after a resume) is not logged again."""
+        import wandb
+
+        if ev.step is not None and ev.step < self.run.step:
+            return
+        if self._table is None:
+            self._table = wandb.Table(columns=list(SAMPLE_COLUMNS), log_mode="INCREMENTAL")
+        for r in ev.data["rows"]:
+            self._table.add_data(*(r[c] for c in SAMPLE_COLUMNS))
+        self.run.log({SAMPLES: self._table}, step=ev.step)
 
     def flush(self) -> None:
         if self.mode == "offline" and self.upload_uri:

@@ -34,6 +34,7 @@ from rft_contract.jobapi import now
 from rft_contract.layout import merged_uri
 from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
+from rft_contract.trackers import DEFAULT_ROLLOUT_SAMPLES
 
 from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
@@ -43,7 +44,7 @@ from .metrics import MetricsLog
 from .nccl_sender import NcclSender
 from .parallelize import Runtime, init_distributed
 from .reporting import StatusReporter
-from .tracking import DEFAULT_ROLLOUT_SAMPLES, Tracker, build_tracker
+from .tracking import Tracker, build_tracker, describe_error
 
 log = logging.getLogger("rft_trainer")
 
@@ -102,6 +103,7 @@ class Trainer:
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.tracker: Tracker | None = None  # rank 0: spec.tracking's experiment trackers
+        self._rollouts_failed = False  # a rollouts table failed to build: logged once
         self.pod_metrics = TrainerMetrics()  # served on rank 0 only (prepare)
         self.last_synced: int | None = None
         self.fast_path: FastPath | None = None  # rank 0's weights server (export.FastPath)
@@ -192,7 +194,7 @@ class Trainer:
         metrics["buffer/dropped_stale"] = float(self.buffer.stats["dropped_stale"])
         self._count_samples(metrics)
         if self.tracker is not None:
-            self.tracker.log_samples(self.train_step_num, rollout_rows(batch, self.train_step_num, self._rollout_samples()))
+            self._log_rollouts(batch)
         self.last_metrics = metrics
         self._report_buffer()
         self.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
@@ -201,9 +203,18 @@ class Trainer:
         self._report(metrics)
         return cont and self.train_step_num < self.config.trainer.total_steps
 
-    def _rollout_samples(self) -> int:
+    def _log_rollouts(self, batch: Experiences) -> None:
+        """The step's rollouts table (spec.tracking.rolloutSamples) to the trackers; a
+        failure here is logged once and never stops training, as a tracker's never does."""
         n = self.config.tracking.rollout_samples if self.config.tracking is not None else None
-        return DEFAULT_ROLLOUT_SAMPLES if n is None else n
+        try:
+            self.tracker.log_samples(self.train_step_num, rollout_rows(
+                batch, self.train_step_num, DEFAULT_ROLLOUT_SAMPLES if n is None else n))
+        except Exception as e:  # noqa: BLE001 - a table is never worth a step
+            if not self._rollouts_failed:
+                log.error("tracking: rollouts table of step %d left out (and any after that fail the same "
+                          "way): %s", self.train_step_num, describe_error(e))
+            self._rollouts_failed = True
 
     def _count_samples(self, metrics: dict) -> None:
         """The step's samples by version lag and outcome (rft_contract.staleness): the
