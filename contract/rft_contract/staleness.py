@@ -51,7 +51,10 @@ def count(pairs: Iterable[tuple[int, str]]) -> dict[tuple[str, str], int]:
 def tally(lags: Mapping[int, int], outcome: str) -> dict[tuple[str, str], int]:
     """{lag: samples} of one outcome -> {(lag label, outcome): samples}."""
     _check(outcome)
-    return merge(*({(lag_label(lag), outcome): n} for lag, n in lags.items() if n))
+    out: dict[tuple[str, str], int] = {}
+    for lag, n in lags.items():  # lags of 8 and more share a label
+        out[(lag_label(lag), outcome)] = out.get((lag_label(lag), outcome), 0) + n
+    return {k: n for k, n in out.items() if n}
 
 
 def metric_names(counts: Mapping[tuple[str, str], int]) -> dict[str, float]:

@@ -133,7 +133,6 @@ class FSDPTrainEngine(TrainEngineWrapper):
         self.ref: roles.Reference | None = None
         self.critic: roles.Critic | None = None
         self.probe_tokens: list[int] | None = None  # from the last batch: the next export's probe
-        self.sample_outcomes = {}
         # A LoRA job whose engine loads adapters syncs each version as the adapter alone
         # (export_adapter); else as the base with the adapter merged (export_hf).
         inference = config.inference

@@ -156,7 +156,8 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: Sequenc
         lower, upper = opt.bounds
         kind, stat = opt.name.rsplit("_", 1)[0], per_token[opt.name[-2:]]
         if kind != "token":
-            stat = {"seq_sum": _seq_sum, "seq_mean": functools.partial(masked_mean, dim=-1), "seq_max": _seq_max}[kind](stat, mask)
+            reduce = {"seq_sum": _seq_sum, "seq_mean": functools.partial(masked_mean, dim=-1), "seq_max": _seq_max}
+            stat = reduce[kind](stat, mask)
         keep = stat <= upper
         if lower is not None:
             keep &= stat >= lower
