@@ -52,6 +52,7 @@ POD_CONFIG: dict[str, Any] = {
                  "mlflow": {"tracking_uri": True, "experiment": True, "credentials_secret": True},
                  "wandb": {"project": True, "entity": True, "mode": True, "api_key_secret": True},
                  "rollout_samples": True},
+    "evaluation": True,
 }
 
 # Spec fields that reach no pod, and why.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
 
@@ -131,6 +131,16 @@ class TrainerMetrics(PodMetrics):
         self.weights_version = g("rft_trainer_weights_version", "Step of the last exported weights.")
         self.weights_seconds = g("rft_trainer_weights_export_seconds", "Seconds the last weights export took.")
         self.weights_bytes = g("rft_trainer_weights_bytes", "Size of the last weights export.")
+        self.eval_accuracy = g("rft_trainer_eval_accuracy", "spec.evaluation: the last version scored's "
+                               "accuracy (mean reward on the held-out taskset).")
+        self.eval_pass_at_k = g("rft_trainer_eval_pass_at_k", "spec.evaluation: the last version scored's "
+                                "pass@k, by k.", ["k"])
+        self.eval_version = g("rft_trainer_eval_version", "spec.evaluation: the last version scored.")
+        self.eval_best_accuracy = g("rft_trainer_eval_best_accuracy", "spec.evaluation: the best accuracy so far.")
+        self.eval_best_version = g("rft_trainer_eval_best_version", "spec.evaluation: the version that scored it.")
+        self.eval_seconds = g("rft_trainer_eval_seconds", "spec.evaluation: seconds the last evaluation took.")
+        self.evaluations = c("rft_trainer_evaluations", "spec.evaluation: evaluations by result, scored or "
+                             "skipped (not scored within timeoutSeconds).", ["result"])
         self.uploaded = c("rft_trainer_uploaded_bytes", "Bytes this trainer wrote to storage, by what: "
                           "checkpoint or weights.", ["kind"])
 
@@ -159,6 +169,24 @@ class TrainerMetrics(PodMetrics):
         """One step's samples, {(lag label, outcome): n} (rft_contract.staleness)."""
         for (lag, outcome), n in counts.items():
             self.samples.labels(lag, outcome).inc(n)
+
+    def observe_evaluation(self, version: int | None, result: Any, best: Mapping[str, Any] | None,
+                           skipped: bool = False, seconds: float | None = None) -> None:
+        """One evaluation's end: `result` (rft_rollout.evaluation.EvalResult) or none."""
+        if result is None:
+            if skipped:
+                self.evaluations.labels("skipped").inc()
+            return
+        self.evaluations.labels("scored").inc()
+        self.eval_accuracy.set(result.mean_reward)
+        self.eval_version.set(version)
+        for k, v in result.pass_at_k.items():
+            self.eval_pass_at_k.labels(str(k)).set(v)
+        if seconds is not None:
+            self.eval_seconds.set(seconds)
+        if best:
+            self.eval_best_accuracy.set(best["accuracy"])
+            self.eval_best_version.set(best["version"])
 
     def observe_checkpoint(self, step: int, size: int | None, seconds: float | None,
                            now: Callable[[], float] = time.time) -> None:

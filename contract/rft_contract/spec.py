@@ -586,6 +586,45 @@ class ExplorerSpec(Model):
     poll_interval: float = Field(default=5.0, gt=0, le=3600, description="Seconds between trainer-progress checks.")
 
 
+class EvaluationSpec(Model):
+    """Held-out evaluation: trainer rank 0 scores exported versions on a taskset through the
+    inference pods (the same engines the explorers use), every `interval` steps."""
+
+    rules = (
+        Check("self.?samplesPerTask.orValue(1) == 1 || self.?temperature.orValue(0.0) > 0.0",
+              lambda s: s.samples_per_task == 1 or s.temperature > 0,
+              "evaluation.samplesPerTask > 1 needs evaluation.temperature > 0: greedy samples of a task are "
+              "all the same", ".samplesPerTask"),
+        Check("!has(self.passAtK) || self.passAtK.all(k, k <= self.?samplesPerTask.orValue(1))",
+              lambda s: all(k <= s.samples_per_task for k in s.pass_at_k),
+              "evaluation.passAtK: each k must be at most evaluation.samplesPerTask (pass@k needs k samples "
+              "of each task)", ".passAtK"),
+    )
+
+    taskset_uri: S3Uri = Field(description=(
+        "The held-out tasks: JSONL, one {\"prompt\", \"answer\"} per line, as explorer.tasksetUri."))
+    interval: int = Field(default=1, ge=1, le=100_000_000, description=(
+        "Evaluate an exported version at least this many trainer steps after the last one evaluated; "
+        "the base model (version 0) and the final version are always evaluated."))
+    samples_per_task: int = Field(default=1, ge=1, le=64, description="Completions of each task.")
+    temperature: float = Field(default=0.0, ge=0, le=10, description="0: greedy (the default).")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000,
+                                   description="Default explorer.sampling.maxTokens.")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description=(
+        "Sampling seed: each version draws the same random numbers, so sampled scores of two versions "
+        "differ by the models, not by luck."))
+    pass_at_k: list[Annotated[int, Field(ge=1, le=64)]] = Field(
+        default_factory=list, max_length=8, description=(
+            "pass@k for each k (Chen et al.'s unbiased estimate; a sample passes with reward >= 1), besides "
+            "accuracy, the mean reward."))
+    reward: Reward | None = Field(default=None, description="Default explorer.reward.")
+    timeout_seconds: float = Field(default=600.0, gt=0, le=86400, description=(
+        "How long one evaluation may take (its requests and the wait for a replica to serve the "
+        "version); a version not evaluated by then is skipped. Also how long the trainer waits at the "
+        "end for the final version's score."))
+
+
 class BufferSpec(OmitUnset):
     omit_unset = ("stale_samples",)
     # S3 is an admission rule (S3Uri): a local trainer run (a hand-written config) may
@@ -728,7 +767,7 @@ BATCH_LAYOUT = (
 
 
 class RFTJobSpec(OmitUnset):
-    omit_unset = ("tracking",)
+    omit_unset = ("tracking", "evaluation")
     rules = (
         # What the checkpoints were trained from; the cache settings may change.
         immutable("model.path", "spec.model.path"),
@@ -794,6 +833,10 @@ class RFTJobSpec(OmitUnset):
               "spec.buffer.staleSamples keep needs spec.algorithm.rolloutCorrection with rolloutIs or rolloutRs: "
               "a stale sample was drawn from an older policy, and trained as if from the current one it "
               "biases the update", ".buffer.staleSamples"),
+        Check("!has(self.evaluation) || (has(self.inference) && has(self.explorer))",
+              lambda s: s.evaluation is None or (s.inference is not None and s.explorer is not None),
+              "spec.evaluation needs spec.inference and spec.explorer: versions are scored through the "
+              "inference pods, with the explorer's prompts and reward", ".evaluation"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,
@@ -814,6 +857,7 @@ class RFTJobSpec(OmitUnset):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     reporting: ReportingSpec = Field(default_factory=ReportingSpec)
     tracking: TrackingSpec | None = None
+    evaluation: EvaluationSpec | None = None
     service_account_annotations: checked(
         dict[str, Annotated[str, Field(max_length=4096)]], QUALIFIED_KEYS,
     ) = Field(default_factory=dict, max_length=16, description=(

@@ -94,6 +94,34 @@ class TrackerStatus(Model):
     last_step: int | None = Field(default=None, description="The last step the tracker acknowledged")
 
 
+class EvaluationRecord(Model):
+    """One version's score on spec.evaluation's taskset."""
+
+    model_config = ConfigDict(extra="allow")
+    version: int
+    step: int | None = Field(default=None, description="The trainer's step when the score came in")
+    accuracy: float = Field(description="Mean reward over every sample of every task")
+    pass_at_k: dict[str, float] | None = Field(default=None, description="k -> pass@k")
+    tasks: int | None = None
+    samples: int | None = None
+    seconds: float | None = None
+    time: str | None = None
+
+
+class EvaluationStatus(Model):
+    """Written by the trainer's rank 0 (spec.evaluation)."""
+
+    model_config = ConfigDict(extra="allow")
+    last: EvaluationRecord | None = None
+    best: EvaluationRecord | None = Field(default=None, description=(
+        "The version with the highest accuracy (the earliest on a tie); kept in S3 past sync.keep, and "
+        "served with spec.sync.pinnedVersion: best"))
+    summary: str | None = Field(default=None, description="For kubectl: accuracy@version, and the best")
+    evaluated: int | None = Field(default=None, description="Versions evaluated")
+    skipped: int | None = Field(default=None, description="Versions not evaluated within timeoutSeconds")
+    error: str | None = Field(default=None, description="Why the last evaluation failed; null once one succeeds")
+
+
 class TrainerStatus(Model):
     """Written by the trainer's rank 0 (the operator only seeds totalSteps/progress)."""
 
@@ -114,6 +142,7 @@ class TrainerStatus(Model):
     buffer: BufferStatus | None = None
     waiting: WaitStatus | None = None
     resumed_from: ResumeRef | None = None
+    evaluation: EvaluationStatus | None = None
     tracking: dict[str, TrackerStatus] | None = Field(
         default=None, max_length=8, description="Per tracker (tensorboard, mlflow, wandb): ok, error, dropped, "
                                                 "lastStep")
@@ -239,6 +268,7 @@ PRINTER_COLUMNS = [
     {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.trainer.lastCheckpoint.step"},
     {"name": "Weights", "type": "integer", "jsonPath": ".status.trainer.latestWeights.version"},
     {"name": "Synced", "type": "string", "jsonPath": ".status.weightSync.synced"},
+    {"name": "Eval", "type": "string", "jsonPath": ".status.trainer.evaluation.summary"},
     {"name": "Queue", "type": "string", "jsonPath": ".status.queue.state"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},

@@ -15,6 +15,7 @@ from rft_contract.spec import RFTJobSpec
 from .objects import (JobRef, Obj, build_container_security_context, build_metrics_port, build_pod, build_shm,
                       build_tracking_env, build_user_env, build_pod_security_context, build_resources, build_s3_env,
                       labels)
+from .rollout_pods import inference_endpoints
 
 WEIGHTS_PORT_NAME = "weights"
 
@@ -87,6 +88,8 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
     if rank == 0:
         metrics_ports, metrics_env = build_metrics_port({t.master_port})
         ports, env = ports + metrics_ports, env + metrics_env
+        if spec.evaluation is not None:  # rank 0 scores versions through the inference pods
+            env.append({"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))})
         if spec.sync.fast_path:
             weights = build_weights_port(ports)
             ports, env = ports + [weights], build_weights_env(weights, spec.sync.transport) + env  # the user's env last

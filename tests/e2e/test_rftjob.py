@@ -675,9 +675,15 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     server and TensorBoard event files to S3. A worker is SIGKILLed after a checkpoint: the
     restarted attempt continues the same MLflow run (read back through MLflow's REST API)
     and writes a second TensorBoard run beside the first."""
+    from rft_rollout.tasksets import arithmetic, write_taskset
+
     server = mlflow_for_pods
+    heldout = f"s3://rft-e2e/data/heldout-{uuid.uuid4().hex[:6]}.jsonl"
+    write_taskset(heldout, arithmetic(16, seed=99))
     j = job(tracking={"mlflow": {"trackingUri": server.url, "experiment": f"e2e-{uuid.uuid4().hex[:6]}"},
-                      "tensorboard": {}})
+                      "tensorboard": {}},
+            evaluation={"tasksetUri": heldout, "interval": 4, "samplesPerTask": 4, "temperature": 1.0,
+                        "passAtK": [1, 4]})
     experiment = get(j)["spec"]["tracking"]["mlflow"]["experiment"]
     s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
     assert ((s["trainer"].get("tracking") or {}).get("mlflow") or {}).get("ok", True), s["trainer"].get("tracking")
@@ -686,6 +692,14 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert s["restarts"] == 1
     tracking = s["trainer"]["tracking"]
     assert tracking["mlflow"]["ok"] and tracking["tensorboard"]["ok"], tracking
+    # spec.evaluation: the base, every 4th step at least and the final version scored on the
+    # held-out tasks; the resumed attempt kept the first attempt's record.
+    evaluation = s["trainer"]["evaluation"]
+    assert evaluation["last"]["version"] == STEPS and evaluation["evaluated"] >= 3, evaluation
+    assert set(evaluation["last"]["passAtK"]) == {"1", "4"} and evaluation["last"]["samples"] == 16 * 4, evaluation
+    best = evaluation["best"]
+    assert best["accuracy"] >= evaluation["last"]["accuracy"] and evaluation["summary"].startswith(
+        f"{evaluation['last']['accuracy']:.3f}@v{STEPS}"), evaluation
 
     runs = {r["info"]["run_name"]: r for r in server.runs(experiment)}
     assert sorted(runs) == sorted([j["name"], f"{j['name']}_explorer"]), sorted(runs)
@@ -703,6 +717,10 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
     tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
     assert tags.get("rft.job") == j["name"]
+    scores = server.history(run["info"]["run_id"], "eval/accuracy")
+    assert len(scores) >= 3 and {m["value"] for m in scores} >= {evaluation["last"]["accuracy"]}, scores
+    version_at = {m["step"]: int(m["value"]) for m in server.history(run["info"]["run_id"], "eval/version")}
+    assert max(version_at.values()) == STEPS and len(server.history(run["info"]["run_id"], "eval/pass@4")) == len(scores)
     # Each step's rollouts as a table artifact, through the server's artifact proxy: the
     # task's text from the explorer's shard, the response, the weights version.
     from mlflow.tracking import MlflowClient
@@ -723,7 +741,9 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert len({r for r in runs if r.startswith("attempt-")}) >= 2, runs  # one TensorBoard run per attempt
     RESULTS["tracking"] = {"mlflow_metric": key, "mlflow_steps": len(steps), "tensorboard_runs": sorted(runs),
                            "explorer_shards_tracked": len(rollouts), "rollouts_tables": len(tables),
-                           "mlflow_server_start_seconds": round(server.started_in or 0, 1)}
+                           "mlflow_server_start_seconds": round(server.started_in or 0, 1),
+                           "evaluation": {"scores": sorted((version_at.get(m["step"]), round(m["value"], 4)) for m in scores),
+                                          "best": best, "summary": evaluation["summary"]}}
 
 
 @pytest.fixture

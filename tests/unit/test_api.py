@@ -58,7 +58,7 @@ def test_crd_names_and_columns():
     version = crd["versions"][0]
     assert version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
-    assert cols == ["Phase", "Step", "Checkpoint", "Weights", "Synced", "Queue", "Age"]
+    assert cols == ["Phase", "Step", "Checkpoint", "Weights", "Synced", "Eval", "Queue", "Age"]
 
 
 def test_defaults_live_in_the_models():

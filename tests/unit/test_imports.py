@@ -139,7 +139,8 @@ def test_contract_imports_no_operator_framework_and_no_deployable():
 ALLOWED = {  # package -> the other deployables' modules it may import
     "rft_operator": set(),
     "rft_serving": set(),
-    "rft_trainer": set(),
+    # spec.evaluation: rank 0 scores versions with the explorer's client, prompts and rewards
+    "rft_trainer": {"rft_rollout.evaluator"},
     "rft_rollout": {"rft_trainer", "rft_trainer.experience",  # the shard format
                     "rft_trainer.tracking"},  # spec.tracking: the explorers log to the same trackers
 }

@@ -33,6 +33,7 @@ class EvalResult:
     rewards: list[list[float]]  # per task, per sample
     texts: list[list[str]]
     pass_at_k: dict[int, float] = field(default_factory=dict)  # k -> estimate (reward >= 1 passes)
+    versions: frozenset[int | str] = frozenset()  # the weights versions the choices report
 
     @property
     def mean_reward(self) -> float:
@@ -50,21 +51,40 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+# One completions request: the response's JSON and each choice's weights version (None when
+# nothing says), as rft_rollout.rollouts.InferenceClient.complete returns them.
+Complete = Callable[[dict[str, Any]], tuple[dict[str, Any], "list[int | str] | None"]]
+
+
 def evaluate(url: str, tasks: Sequence[Mapping[str, str]], tokenizer: Any, reward_fn: RewardFn, *,
-             max_tokens: int, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None, prompt_format: str | None = None, ks: Sequence[int] = (1,),
-             model: str = SERVED_MODEL_NAME, tasks_per_request: int = 64, timeout: float = 600.0,
-             session: requests.Session | None = None) -> EvalResult:
-    """`n` completions of each task's prompt from the server at `url` (its base URL), each
-    scored with `reward_fn(task prompt, response, task answer)`. Requests carry up to
-    `tasks_per_request` prompts; request i gets seed `seed + i`. pass@k for each k in `ks`
-    that is <= n. Raises requests.HTTPError when the server refuses a request."""
+             max_tokens: int, timeout: float = 600.0, session: requests.Session | None = None,
+             **kw: Any) -> EvalResult:
+    """`score` through a plain POST to the server at `url` (its base URL). Raises
+    requests.HTTPError when the server refuses a request."""
+    http = session or requests.Session()
+
+    def complete(body: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        r = http.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json(), None
+
+    return score(complete, tasks, tokenizer, reward_fn, max_tokens=max_tokens, **kw)
+
+
+def score(complete: Complete, tasks: Sequence[Mapping[str, str]], tokenizer: Any, reward_fn: RewardFn, *,
+          max_tokens: int, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+          seed: int | None = None, prompt_format: str | None = None, ks: Sequence[int] = (1,),
+          model: str = SERVED_MODEL_NAME, tasks_per_request: int = 64) -> EvalResult:
+    """`n` completions of each task's prompt, each scored with `reward_fn(task prompt,
+    response, task answer)`. Requests carry up to `tasks_per_request` prompts; request i
+    gets seed `seed + i`. pass@k for each k in `ks` that is <= n. `versions`: the weights
+    versions the choices report (empty when none reports one)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     fmt = resolve_prompt_format(prompt_format, tokenizer)
-    http = session or requests.Session()
     rewards: list[list[float]] = []
     texts: list[list[str]] = []
+    versions: set[int | str] = set()
     for i, start in enumerate(range(0, len(tasks), tasks_per_request)):
         chunk = tasks[start:start + tasks_per_request]
         body: dict[str, Any] = {
@@ -74,16 +94,16 @@ def evaluate(url: str, tasks: Sequence[Mapping[str, str]], tokenizer: Any, rewar
             body["seed"] = seed + i
         if fmt == "chat":  # as the explorer sends them: the chat template wrote its special tokens
             body["add_special_tokens"] = False
-        r = http.post(f"{url.rstrip('/')}/v1/completions", json=body, timeout=timeout)
-        r.raise_for_status()
+        data, choice_versions = complete(body)
+        versions.update(choice_versions or ())
         # The API numbers choices prompt-major: prompt p's samples are p*n .. p*n + n - 1.
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        choices = sorted(data["choices"], key=lambda c: c["index"])
         if len(choices) != len(chunk) * n:
-            raise ValueError(f"{url} returned {len(choices)} choices for {len(chunk)} prompts x n={n}")
+            raise ValueError(f"the server returned {len(choices)} choices for {len(chunk)} prompts x n={n}")
         for p, task in enumerate(chunk):
             out = [c["text"] for c in choices[p * n:(p + 1) * n]]
             texts.append(out)
             rewards.append([float(reward_fn(task["prompt"], x, task["answer"])) for x in out])
     passes = {k: sum(pass_at_k(n, sum(r >= 1.0 for r in task), k) for task in rewards) / len(rewards)
               for k in ks if k <= n} if rewards else {}
-    return EvalResult(rewards=rewards, texts=texts, pass_at_k=passes)
+    return EvalResult(rewards=rewards, texts=texts, pass_at_k=passes, versions=frozenset(versions))

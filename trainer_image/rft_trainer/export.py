@@ -107,6 +107,7 @@ class WeightExporter:
             fast = None
         self.fast, self.on_announce = fast, on_announce
         self.last_step: int | None = None  # the last version published
+        self.best: int | None = None  # spec.evaluation's best version: kept past `keep` too
         self.last_manifest: dict | None = None  # its manifest (rank 0)
 
     def publish(self, step: int) -> dict | None:
@@ -136,7 +137,7 @@ class WeightExporter:
         self.last_manifest = manifest
         if manifest is None:  # not rank 0
             return None
-        protect = {self.pinned} if self.pinned is not None else set()
+        protect = {v for v in (self.pinned, self.best) if v is not None}
         try:
             versions = apply_weights_retention(self.storage, self.root, self.keep, protect)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training

@@ -168,6 +168,10 @@ class StatusReporter:
         """The final policy with its adapters merged (a LoRA job's last export)."""
         self._submit({"mergedWeights": {"version": step, "uri": uri, "time": now(), "id": export_id}}, urgent=True)
 
+    def report_evaluation(self, evaluation: dict) -> None:
+        """status.trainer.evaluation (spec.evaluation): last, best, summary, counts."""
+        self._submit({"evaluation": evaluation}, urgent=True)
+
     def report_buffer(self, consumed: dict[str, int], dropped_stale: int, samples: int) -> None:
         """What the trainer took from the buffer (explorers throttle on it); coalesced."""
         self._submit({"buffer": {"consumed": dict(consumed), "droppedStale": dropped_stale,

@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from rft_contract import names, staleness
 from rft_contract.config import JobConfig
-from rft_contract.jobapi import now
+from rft_contract.jobapi import describe, get_job, now
 from rft_contract.layout import merged_uri
 from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
 from rft_contract.trackers import DEFAULT_ROLLOUT_SAMPLES
+from rft_rollout.evaluator import FINAL_WAIT_CAP_SECONDS, EvaluationState, Evaluator, build_evaluator, metrics_of
 
 from .checkpoint import CheckpointManager, build_checkpointer, should_save_on_stop, step_uri
 from .engine import TrainEngineWrapper, get_trainer_wrapper
@@ -103,6 +104,8 @@ class Trainer:
         self.reporter = StatusReporter(None, None)
         self.metrics_log: MetricsLog | None = None  # rank 0: per-step metrics to storage
         self.tracker: Tracker | None = None  # rank 0: spec.tracking's experiment trackers
+        self.evaluator: Evaluator | None = None  # rank 0: spec.evaluation's scorer
+        self.evaluation = EvaluationState()  # rank 0: status.trainer.evaluation
         self._rollouts_failed = False  # a rollouts table failed to build: logged once
         self.pod_metrics = TrainerMetrics()  # served on rank 0 only (prepare)
         self.last_synced: int | None = None
@@ -142,6 +145,8 @@ class Trainer:
                                                    on_publish=self._report_weights, fast=self.fast_path,
                                                    on_announce=self._announce_weights)
         self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
+        if self.rt.is_main and self.config.evaluation is not None:
+            self._start_evaluator()
         b = self.config.buffer
         # staleSamples keep: nothing is dropped, rollout correction weighs the stale samples.
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size,
@@ -156,6 +161,49 @@ class Trainer:
         if step:  # resumed: the status shows where this attempt starts
             self.reporter.report_step(step, self.config.trainer.total_steps)
             self.pod_metrics.observe_step(step, {})
+
+    def _start_evaluator(self) -> None:
+        """spec.evaluation's scorer, through the inference pods ($RFT_INFERENCE_ENDPOINTS);
+        it starts from the job's status.trainer.evaluation (a resumed attempt keeps its best)."""
+        endpoints = [e for e in os.environ.get(names.ENV_INFERENCE_ENDPOINTS, "").split(",") if e]
+        api = self.reporter.api if self.reporter.enabled else None
+        if api is not None:
+            try:
+                job = get_job(api, self.reporter.namespace, self.reporter.name)
+                self.evaluation = EvaluationState(((job.get("status") or {}).get("trainer") or {}).get("evaluation"))
+            except Exception as e:  # noqa: BLE001 - a fresh record then
+                log.warning("evaluation: the job's earlier scores were not read (%s): starting afresh", describe(e))
+        last = self.evaluation.last["version"] if self.evaluation.last else None
+        self.evaluator = build_evaluator(self.config, endpoints, api, last_version=last)
+        self.checkpointer.weights.best = self.evaluation.best_version
+
+    def _take_evaluations(self, metrics: dict | None = None) -> None:
+        """Rank 0: the evaluations that ended since the last step, into the status, /metrics
+        and (with the step's metrics, `metrics`) the trackers."""
+        if self.evaluator is None:
+            return
+        for outcome in self.evaluator.take():
+            status = self.evaluation.update(outcome, self.train_step_num)
+            self.reporter.report_evaluation(status)
+            self.pod_metrics.observe_evaluation(outcome.version, outcome.result, self.evaluation.best,
+                                                skipped=outcome.skipped, seconds=outcome.seconds)
+            if outcome.result is None:
+                continue
+            if self.checkpointer is not None and self.checkpointer.weights is not None:
+                self.checkpointer.weights.best = self.evaluation.best_version
+            if metrics is not None:
+                metrics.update(metrics_of(outcome))
+            elif self.tracker is not None:
+                self.tracker.log_metrics(self.train_step_num, metrics_of(outcome))
+
+    def _final_evaluation(self) -> None:
+        """Rank 0 at the end: wait for the final version's score (bounded), then report it."""
+        if self.evaluator is None or not self.train_step_num:
+            return
+        wait = min(self.config.evaluation.timeout_seconds, FINAL_WAIT_CAP_SECONDS)
+        if not self.evaluator.finish(self.train_step_num, wait):
+            log.warning("evaluation: the final version %d was not scored within %.0fs", self.train_step_num, wait)
+        self._take_evaluations()
 
     def load_checkpoint(self) -> dict | None:
         """Resume the engine's `checkpoint_roles()` and step from the newest complete
@@ -200,6 +248,7 @@ class Trainer:
         self.checkpointer.maybe_save(self.train_step_num, self.checkpoint_extra())
         if self.need_sync():
             self.sync_weight()
+        self._take_evaluations(metrics)
         self._report(metrics)
         return cont and self.train_step_num < self.config.trainer.total_steps
 
@@ -378,6 +427,8 @@ class Trainer:
         announced = self._announced if self._announced and self._announced[0] == step else (step, {})
         self.reporter.report_weights(step, uri, manifest.get("id"), versions, **announced[1])
         self._last_weights = (step, uri, manifest.get("id"), versions)
+        if self.evaluator is not None:
+            self.evaluator.published(step)
         if self.tracker is not None:
             self.tracker.log_tags({"rft.weights.uri": uri, "rft.weights.step": step}, step)
 
@@ -409,7 +460,11 @@ class Trainer:
         try:
             if self.checkpointer is not None:
                 self.checkpointer.wait_on_save_thread()
+            if self.finished:
+                self._final_evaluation()
         finally:
+            if self.evaluator is not None:
+                self.evaluator.stop()
             if self.tracker is not None:  # before the reporter: its last state goes out with it
                 self.tracker.close(finished=self.finished, timeout=TRACKING_CLOSE_SECONDS)
             if self.fast_path is not None and self._last_weights is not None:
