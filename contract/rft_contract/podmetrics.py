@@ -99,6 +99,9 @@ THROUGHPUT_METRIC = "perf/throughput"  # tokens (prompt + response) per second p
 STEP_SECONDS_METRIC = "time/step"
 
 
+EVAL_METRIC_PREFIX = "eval/"  # spec.evaluation's tracker metrics (rft_rollout.evaluator.metrics_of)
+
+
 class TrainerMetrics(PodMetrics):
     def __init__(self) -> None:
         super().__init__()
@@ -152,7 +155,9 @@ class TrainerMetrics(PodMetrics):
         self.step.set(step)
         self.last_step_time.set(now())
         for name, value in metrics.items():
-            if (v := _number(value)) is not None and not staleness.is_count_metric(name):
+            # Per-lag counts have their counter; scores their rft_trainer_eval_* gauges.
+            if (v := _number(value)) is not None and not staleness.is_count_metric(name) and \
+                    not name.startswith(EVAL_METRIC_PREFIX):
                 self.metric.labels(name).set(v)
         if (v := _number(metrics.get(THROUGHPUT_METRIC))) is not None:
             self.tokens_per_second.set(v)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 from pydantic.alias_generators import to_camel
 
 from .algorithms import (ALGORITHM_NAMES, ALGORITHMS, GROUP_ALGORITHMS, LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS,
@@ -647,11 +647,21 @@ class BufferSpec(OmitUnset):
                     "collective meanwhile, so it stays well under the process group's timeout).")
 
 
+# sync.pinnedVersion: an exported version, or the best one spec.evaluation scored.
+PIN_BEST = "best"
+_PIN_CHECK = Check(f"type(self) == int ? self >= 0 : self == '{PIN_BEST}'",
+                   lambda v: v >= 0 if isinstance(v, int) else v == PIN_BEST,
+                   f"must be an exported version (an integer, 0 = the base model) or {PIN_BEST}")
+PinnedVersion = Annotated[int | str, Field(json_schema_extra={"maxLength": 8, "rules": cel_rules((_PIN_CHECK,))}),
+                          AfterValidator(lambda v: run_checks((_PIN_CHECK,), v))]
+
+
 class SyncSpec(Model):
     interval: int = Field(default=1, ge=1, le=100_000_000, description="Export weights every N trainer steps.")
-    pinned_version: int | None = Field(
-        default=None, ge=0,
-        description="Serve this exported version (0 = the base model) instead of the newest.",
+    pinned_version: PinnedVersion | None = Field(
+        default=None,
+        description=f"Serve this exported version (0 = the base model) instead of the newest; {PIN_BEST}: the "
+                    "version spec.evaluation scored best (status.trainer.evaluation.best), followed as it changes.",
     )
     keep: int = Field(default=5, ge=1, le=1000, description="Exported versions kept in S3 "
                       "(a pinned version is kept in addition).")
@@ -837,6 +847,11 @@ class RFTJobSpec(OmitUnset):
               lambda s: s.evaluation is None or (s.inference is not None and s.explorer is not None),
               "spec.evaluation needs spec.inference and spec.explorer: versions are scored through the "
               "inference pods, with the explorer's prompts and reward", ".evaluation"),
+        Check(f"!has(self.sync) || !has(self.sync.pinnedVersion) || type(self.sync.pinnedVersion) == int || "
+              "has(self.evaluation)",
+              lambda s: s.sync.pinned_version != PIN_BEST or s.evaluation is not None,
+              f"spec.sync.pinnedVersion {PIN_BEST} needs spec.evaluation: the best version is the one it scored "
+              "best", ".sync.pinnedVersion"),
         Check("!has(self.model.cache) || !has(self.model.cache.hostPath) || "
               "self.trainer.?securityContext.?allowPrivileged.orValue(false)",
               lambda s: s.model.cache.host_path is None or s.trainer.security_context.allow_privileged,

@@ -99,6 +99,7 @@ class EvaluationRecord(Model):
 
     model_config = ConfigDict(extra="allow")
     version: int
+    uri: str | None = Field(default=None, description="The version's weights (the base model's path for 0)")
     step: int | None = Field(default=None, description="The trainer's step when the score came in")
     accuracy: float = Field(description="Mean reward over every sample of every task")
     pass_at_k: dict[str, float] | None = Field(default=None, description="k -> pass@k")

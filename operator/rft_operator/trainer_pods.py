@@ -88,8 +88,9 @@ def build_trainer_container(ref: JobRef, spec: RFTJobSpec, attempt: int, rank: i
     if rank == 0:
         metrics_ports, metrics_env = build_metrics_port({t.master_port})
         ports, env = ports + metrics_ports, env + metrics_env
-        if spec.evaluation is not None:  # rank 0 scores versions through the inference pods
-            env.append({"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))})
+        if spec.evaluation is not None:  # rank 0 scores versions through the inference pods (the user's env last)
+            env.insert(len(env) - len(spec.trainer.env),
+                       {"name": names.ENV_INFERENCE_ENDPOINTS, "value": ",".join(inference_endpoints(ref, spec))})
         if spec.sync.fast_path:
             weights = build_weights_port(ports)
             ports, env = ports + [weights], build_weights_env(weights, spec.sync.transport) + env  # the user's env last

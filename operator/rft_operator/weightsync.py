@@ -9,7 +9,8 @@ functions over the status subtrees the trainer and the sync agents write.
     status.weightSync.target       {version, uri, id, peer, manifest}   the operator (this module)
 
 Version 0 is the base model (`spec.model.path`): replicas serve it until the first
-export, and `spec.sync.pinnedVersion: 0` rolls back to it.
+export, and `spec.sync.pinnedVersion: 0` rolls back to it. `pinnedVersion: best` follows
+the version spec.evaluation scored best (`status.trainer.evaluation.best.version`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from rft_contract import names
 from rft_contract.layout import weights_uri
-from rft_contract.spec import RFTJobSpec
+from rft_contract.spec import PIN_BEST, RFTJobSpec
 
 from .conditions import Cond
 from .model import Event, Obj
@@ -56,6 +57,12 @@ def compute_target(spec: RFTJobSpec, trainer: Obj, old_target: Obj | None) -> Ta
     else the base model. A missing pin keeps the current target: nothing breaks."""
     latest = trainer.get("latestWeights") or {}
     pinned = spec.sync.pinned_version
+    if pinned == PIN_BEST:
+        pinned = ((trainer.get("evaluation") or {}).get("best") or {}).get("version")
+        if not isinstance(pinned, int) or isinstance(pinned, bool):
+            return Target(_ref(old_target) if old_target else base_target(spec),
+                          f"spec.sync.pinnedVersion={PIN_BEST}: no version scored yet (status.trainer.evaluation."
+                          f"best); still serving version {(old_target or base_target(spec))['version']}")
     if pinned is None:
         if latest.get("version") is None:
             return Target(base_target(spec))

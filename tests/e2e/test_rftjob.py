@@ -670,11 +670,13 @@ def mlflow_for_pods(node, tmp_path_factory):
         yield server
 
 
-def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart(job, mlflow_for_pods):
+def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart(job, mlflow_for_pods, kubectl):
     """spec.tracking on the real node: the trainer's rank 0 logs every step to a real MLflow
     server and TensorBoard event files to S3. A worker is SIGKILLed after a checkpoint: the
     restarted attempt continues the same MLflow run (read back through MLflow's REST API)
-    and writes a second TensorBoard run beside the first."""
+    and writes a second TensorBoard run beside the first. spec.evaluation scores versions on
+    held-out tasks into the status and the run (eval/...), across the restart, and
+    sync.pinnedVersion best serves the best-scored version while it is set."""
     from rft_rollout.tasksets import arithmetic, write_taskset
 
     server = mlflow_for_pods
@@ -685,6 +687,20 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
             evaluation={"tasksetUri": heldout, "interval": 4, "samplesPerTask": 4, "temperature": 1.0,
                         "passAtK": [1, 4]})
     experiment = get(j)["spec"]["tracking"]["mlflow"]["experiment"]
+    # sync.pinnedVersion best once two versions are scored: the replicas serve the version
+    # scored best (versions due meanwhile are skipped at once), then the newest again.
+    s = wait_status(j, lambda s: ((s.get("trainer") or {}).get("evaluation") or {}).get("evaluated", 0) >= 2, 400,
+                    "two versions scored")
+    kubectl("patch", "rftjob", j["name"], "-n", j["ns"], "--type=merge", "-p", '{"spec":{"sync":{"pinnedVersion":"best"}}}')
+
+    def serves_best(s: dict) -> bool:
+        sync, best = s.get("weightSync") or {}, s["trainer"]["evaluation"]["best"]["version"]
+        return (sync.get("target") or {}).get("version") == best and sync.get("syncedReplicas") == sync.get(
+            "desiredReplicas") and all(r.get("version") == best for r in (sync.get("replicas") or {}).values())
+
+    s = wait_status(j, serves_best, 300, "the best version served")
+    pinned_best = s["trainer"]["evaluation"]["best"]
+    kubectl("patch", "rftjob", j["name"], "-n", j["ns"], "--type=merge", "-p", '{"spec":{"sync":{"pinnedVersion":null}}}')
     s = wait_status(j, lambda s: ckpt_step(s) >= INTERVAL and step(s) >= INTERVAL + 1, 400, "a checkpoint")
     assert ((s["trainer"].get("tracking") or {}).get("mlflow") or {}).get("ok", True), s["trainer"].get("tracking")
     trainer_worker(j, rank=1).send_signal(signal.SIGKILL)
@@ -717,10 +733,10 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     assert set(range(1, STEPS + 1)) <= steps, (key, sorted(steps))
     tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
     assert tags.get("rft.job") == j["name"]
-    scores = server.history(run["info"]["run_id"], "eval/accuracy")
+    scores = server.history(run["info"]["run_id"], "eval/accuracy")  # MLflow's names: eval/pass_at_4
     assert len(scores) >= 3 and {m["value"] for m in scores} >= {evaluation["last"]["accuracy"]}, scores
     version_at = {m["step"]: int(m["value"]) for m in server.history(run["info"]["run_id"], "eval/version")}
-    assert max(version_at.values()) == STEPS and len(server.history(run["info"]["run_id"], "eval/pass@4")) == len(scores)
+    assert max(version_at.values()) == STEPS and len(server.history(run["info"]["run_id"], "eval/pass_at_4")) == len(scores)
     # Each step's rollouts as a table artifact, through the server's artifact proxy: the
     # task's text from the explorer's shard, the response, the weights version.
     from mlflow.tracking import MlflowClient
@@ -743,7 +759,8 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
                            "explorer_shards_tracked": len(rollouts), "rollouts_tables": len(tables),
                            "mlflow_server_start_seconds": round(server.started_in or 0, 1),
                            "evaluation": {"scores": sorted((version_at.get(m["step"]), round(m["value"], 4)) for m in scores),
-                                          "best": best, "summary": evaluation["summary"]}}
+                                          "best": best, "summary": evaluation["summary"],
+                                          "pinned_best_served": pinned_best}}
 
 
 @pytest.fixture

@@ -86,6 +86,45 @@ def test_a_newer_served_version_is_scored_instead_and_the_interval_spaces_them(s
         ev.stop()
 
 
+def test_versions_published_while_a_score_runs_wait_for_the_interval(server, model_dir, tokenizer):
+    """Versions 1..3 come out while the base is scored (its reward waits on a gate): none of
+    them is 10 steps past the base, so the next score is version 10's, not 3's."""
+    import threading
+
+    gate, scoring = threading.Event(), threading.Event()
+
+    def reward(prompt, response, answer):
+        scoring.set()
+        assert gate.wait(WAIT)
+        return 0.0
+
+    ev = make(model_dir, tokenizer, server.url, interval=10)
+    ev.reward_fn = reward
+    ev.start()
+    try:
+        assert scoring.wait(WAIT)  # the base's score is under way
+        for version in (1, 2, 3):
+            ev.published(version)
+        server.load(str(model_dir), 3)
+        gate.set()
+        assert next_outcome(ev).version == 0
+        ev.published(10)
+        server.load(str(model_dir), 10)
+        assert next_outcome(ev).version == 10
+    finally:
+        ev.stop()
+
+
+def test_a_refused_request_skips_the_version_at_once(server, model_dir, tokenizer):
+    ev = make(model_dir, tokenizer, server.url, max_tokens=10_000, timeout_seconds=3600)  # beyond the context
+    ev.start()
+    try:
+        skipped = next_outcome(ev)
+        assert skipped.skipped and skipped.version == 0 and "ClientError" in skipped.error
+    finally:
+        ev.stop()
+
+
 def test_a_version_never_served_is_skipped_at_the_timeout(server, model_dir, tokenizer):
     ev = make(model_dir, tokenizer, server.url, timeout_seconds=0.5)
     ev.start()
@@ -95,6 +134,22 @@ def test_a_version_never_served_is_skipped_at_the_timeout(server, model_dir, tok
         skipped = next_outcome(ev)
         assert skipped.skipped and skipped.version == 3 and skipped.result is None
         assert not ev.finish(5, 0.0)  # nothing scored the final version yet
+    finally:
+        ev.stop()
+
+
+def test_a_pinned_job_skips_a_due_version_at_once(server, model_dir, tokenizer):
+    """spec.sync.pinnedVersion set while the job runs: the replica keeps serving the pin, so
+    a due version is skipped at once, not after timeoutSeconds (nor is the final one waited for)."""
+    ev = make(model_dir, tokenizer, server.url, timeout_seconds=3600)
+    pins = iter([None, "best"])  # unpinned at the first look, pinned at the next
+    ev.pinned, ev.pin_check_seconds = (lambda: next(pins)), 0.0
+    ev.start()
+    try:
+        assert next_outcome(ev).version == 0
+        ev.published(3)
+        skipped = next_outcome(ev)
+        assert skipped.skipped and "pinnedVersion is best" in skipped.error
     finally:
         ev.stop()
 
@@ -146,8 +201,11 @@ def test_the_status_keeps_the_last_and_the_best():
     skipped = state.update(Outcome(12, 60.0, error="HTTP 503", skipped=True), step=12)
     assert skipped["skipped"] == 1 and skipped["error"] == "version 12: HTTP 503"
     assert skipped["last"]["version"] == 8  # a skipped version is no score
+    # An attempt resumed at step 6 exports 7.. again: the records of version 8 go, 4 stays.
+    resumed = EvaluationState(skipped, up_to=6)
+    assert resumed.last is None and resumed.best_version == 4
     # A resumed attempt starts from the job's status: its best stays the best.
-    again = EvaluationState(skipped)
+    again = EvaluationState(skipped, up_to=12)
     assert again.best_version == 4 and again.evaluated == 3
     assert again.update(scored(16, [[1.0], [1.0]]), step=16)["best"]["version"] == 4  # a tie keeps the earlier
 

@@ -150,6 +150,22 @@ def test_mlflow_one_run_across_a_restart_params_tags_and_steps(mlflow_server, bu
     assert tags["rft.job"] == "demo" and tags["mlflow.runName"] == "demo"
 
 
+def test_mlflow_takes_metric_names_it_would_refuse_renamed_and_keeps_the_step(mlflow_server, bucket, tmp_path):
+    """MLflow refuses a whole batch (HTTP 400) for one name with `@` (the evaluation's
+    `eval/pass@4`): the step's other metrics would go with it. Renamed as verl does."""
+    root = f"s3://{bucket}/jobs/names"
+    tracker = build_tracker(config(root, {"mlflow": {"trackingUri": mlflow_server, "experiment": "rft-names"}}),
+                            local_dir=str(tmp_path / "local"))
+    tracker.log_metrics(1, {"actor/pg_loss": 0.5, "eval/pass@4": 0.25, "odd(name)": 1.0})
+    tracker.close(finished=True)
+    assert tracker.status()["mlflow"]["dropped"] == 0
+    run_id = json.loads(get_storage(root).read_bytes(mlflow_state_uri(root)))["run_id"]
+    got = {key: [m["value"] for m in rest(mlflow_server, "metrics/get-history", run_id=run_id,
+                                          metric_key=key)["metrics"]]
+           for key in ("actor/pg_loss", "eval/pass_at_4", "odd_name_")}
+    assert got == {"actor/pg_loss": [0.5], "eval/pass_at_4": [0.25], "odd_name_": [1.0]}
+
+
 # ------------------------------------------------------------------ a tracker that is down
 
 class Recorder:

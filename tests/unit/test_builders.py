@@ -506,6 +506,21 @@ def test_rank_0_serves_the_weights_fast_path_on_a_free_port_unless_it_is_off():
     assert "weights" not in _ports(c) and not any(e["name"] == "RFT_WEIGHTS_PEER_PORT" for e in c["env"])
 
 
+def test_with_evaluation_rank_0_gets_the_inference_endpoints_before_the_users_env():
+    user = [{"name": "USER_LAST", "value": "1"}]
+    spec = parse_spec({**LOOP, "trainer": {**LOOP["trainer"], "nodes": 2, "env": user},
+                       "evaluation": {"tasksetUri": "s3://data/heldout.jsonl"}})
+    (rank0,) = builders.build_trainer_pod(REF, spec, 1, 0)["spec"]["containers"]
+    (rank1,) = builders.build_trainer_pod(REF, spec, 1, 1)["spec"]["containers"]
+    names_ = [e["name"] for e in rank0["env"]]
+    assert names_[-1] == "USER_LAST" and names.ENV_INFERENCE_ENDPOINTS in names_
+    endpoints = next(e["value"] for e in rank0["env"] if e["name"] == names.ENV_INFERENCE_ENDPOINTS)
+    assert endpoints == ",".join(builders.inference_endpoints(REF, spec)) and endpoints.count("http://") == 2
+    assert not any(e["name"] == names.ENV_INFERENCE_ENDPOINTS for e in rank1["env"])
+    (plain,) = builders.build_trainer_pod(REF, parse_spec(LOOP), 1, 0)["spec"]["containers"]
+    assert not any(e["name"] == names.ENV_INFERENCE_ENDPOINTS for e in plain["env"])  # no evaluation: as before
+
+
 def test_the_sync_agent_and_the_explorer_name_a_metrics_port_and_the_engine_none():
     spec = parse_spec(LOOP)
     engine, agent = builders.build_inference_pod(REF, spec, 0)["spec"]["containers"]

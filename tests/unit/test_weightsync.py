@@ -68,6 +68,24 @@ def test_a_re_export_of_the_same_version_is_not_synced_until_reloaded():
     assert plan.status["weightSync"]["synced"] == "1/2"
 
 
+EVAL = {"tasksetUri": "s3://data/heldout.jsonl"}
+
+
+@pytest.mark.parametrize("best, want", [(2, 2), (0, 0), (None, 3)])
+def test_pinned_best_follows_the_best_score(best, want):
+    """pinnedVersion best serves status.trainer.evaluation.best; before any score, the
+    current target stays, and the condition says why."""
+    spec = {**LOOP, "sync": {"pinnedVersion": "best"}, "evaluation": EVAL}
+    trainer = {"step": 3, "latestWeights": {"version": 3, "uri": W + "00000003"}, "weightVersions": [1, 2, 3]}
+    if best is not None:
+        trainer["evaluation"] = {"best": {"version": best, "accuracy": 0.5}}
+    plan = run(trainer, spec=spec, old_target={"version": 3, "uri": W + "00000003"})
+    assert plan.status.get("weightSync", {}).get("target", {"version": 3})["version"] == want
+    if best is None:
+        c_ = cond(plan, names.COND_WEIGHTS_SYNCED)
+        assert c_["status"] == "False" and "pinnedVersion=best: no version scored yet" in c_["message"]
+
+
 @pytest.mark.parametrize("pin, versions, want, ok", [
     (2, [1, 2, 3], 2, True),
     (0, [1, 2, 3], 0, True),          # back to the base model

@@ -26,26 +26,29 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rft_contract.config import ConfigError, JobConfig
+from rft_contract.jobapi import get_job
 from rft_contract.names import SERVED_MODEL_NAME, agent_port
 from rft_contract.times import now_text
 from .evaluation import EvalResult, score
 from .explorer import KubeProgress, replica_versions
 from .rewards import get_reward
-from .rollouts import InferenceClient, Stopped, VersionOf, load_tokenizer
+from .rollouts import ClientError, InferenceClient, Stopped, VersionOf, load_tokenizer
 from .tasksets import load_taskset
 
 log = logging.getLogger("rft_rollout.evaluator")
 
 # The trainer waits this long at most for the final version's score: its other ranks wait
 # in a barrier meanwhile, well inside the process group's timeout (NCCL's 10 minutes).
-FINAL_WAIT_CAP_SECONDS = 480.0
+FINAL_WAIT_CAP_SECONDS = 300.0
 # Between looks at the version the replica serves, and after a failed evaluation.
 POLL_SECONDS = 2.0
+# Between reads of the job's spec.sync.pinnedVersion while a version is awaited.
+PIN_CHECK_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,15 @@ class Evaluator:
 
     def __init__(self, config: JobConfig, endpoint: str, tokenizer: Any = None,
                  tasks: list[dict[str, str]] | None = None, version_of: VersionOf | None = None,
-                 last_version: int | None = None, poll_seconds: float = POLL_SECONDS):
+                 last_version: int | None = None, poll_seconds: float = POLL_SECONDS,
+                 pinned: Callable[[], Any] | None = None):
         if config.evaluation is None or config.explorer is None:
             raise ValueError("Evaluator needs spec.evaluation and spec.explorer")
         self.section, self.explorer = config.evaluation, config.explorer
         self.endpoint, self.version_of, self.poll_seconds = endpoint, version_of, poll_seconds
+        # The job's spec.sync.pinnedVersion now (it may be set while the job runs): while it
+        # is set the replicas serve that version, and a due version is skipped at once.
+        self.pinned, self.pin_check_seconds = pinned, PIN_CHECK_SECONDS
         try:
             self.tasks = tasks if tasks is not None else load_taskset(self.section.taskset_uri, config.env)
         except ValueError as e:
@@ -88,6 +95,10 @@ class Evaluator:
         self._wanted: int | None = None if last_version is not None else 0
         self._last: int | None = last_version
         self._ends: threading.Event | None = None  # the running evaluation's end
+        self._final: int | None = None  # the version finish() waits for
+        # The version being scored, or last scored: its export is kept until the trainer has
+        # taken the score (it may be the new best).
+        self.scoring: int | None = None
         self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
 
     def start(self) -> "Evaluator":
@@ -117,6 +128,7 @@ class Evaluator:
         """Wait until `version` (the final one) is scored or given up, at most `timeout`
         seconds; whether it was."""
         with self._cond:
+            self._final = version
             if (self._last is None or version > self._last) and (self._wanted is None or version > self._wanted):
                 self._wanted = version
                 self._cond.notify_all()
@@ -146,7 +158,10 @@ class Evaluator:
             with self._cond:
                 if outcome.version is not None and (self._last is None or outcome.version > self._last):
                     self._last = outcome.version
-                if self._wanted is not None and self._last is not None and self._wanted <= self._last:
+                        # A version published while the last score ran was judged against the
+                # score before it: judge it again (the final one asked for by finish stays).
+                if self._wanted is not None and self._last is not None and (
+                        self._wanted <= self._last or not (self._wanted == self._final or self.due(self._wanted))):
                     self._wanted = None
                 self._cond.notify_all()
 
@@ -169,16 +184,25 @@ class Evaluator:
 
     def _attempts(self, client: InferenceClient, wanted: int, started: float,
                   ends: threading.Event) -> Outcome | None:
-        error = None
+        error, asked = None, float("-inf")
         while not ends.is_set():
             try:
                 served = self._served(client)
                 if served is None or served < wanted:  # not synced yet
                     error = None if served is not None else "the replica reports no weights version"
+                    if self.pinned is not None and time.monotonic() - asked >= self.pin_check_seconds:
+                        asked = time.monotonic()
+                        if (pin := self.pinned()) is not None:
+                            error = f"spec.sync.pinnedVersion is {pin}: the replicas serve version {served}"
+                            break
                     ends.wait(self.poll_seconds)
                     continue
+                self.scoring = served
                 result = self._score(client)
             except Stopped:
+                break
+            except (ClientError, ValueError) as e:  # refused requests, a bad reward: no retry mends them
+                error = f"{type(e).__name__}: {str(e)[:300]}"
                 break
             except Exception as e:  # noqa: BLE001 - an evaluation never stops training
                 error = f"{type(e).__name__}: {str(e)[:300]}"
@@ -195,8 +219,8 @@ class Evaluator:
             error = f"its choices came from versions {sorted(map(str, result.versions))} (a reload mid-way)"
         if self._stop.is_set():
             return None
-        log.warning("evaluation of version %d skipped: not scored within evaluation.timeoutSeconds (%s)",
-                    wanted, error or "the replica did not serve it")
+        log.warning("evaluation of version %d skipped (%s)", wanted,
+                    error or "the replica did not serve it within evaluation.timeoutSeconds")
         return Outcome(wanted, time.monotonic() - started, error=error, skipped=True)
 
     def _served(self, client: InferenceClient) -> int | None:
@@ -222,11 +246,12 @@ class Evaluator:
 # ------------------------------------------------------------------ status
 
 
-def record(outcome: Outcome, step: int) -> dict[str, Any]:
-    """A scored outcome as status.trainer.evaluation's last/best entry (camelCase)."""
+def record(outcome: Outcome, step: int, uri: str | None = None) -> dict[str, Any]:
+    """A scored outcome as status.trainer.evaluation's last/best entry (camelCase); `uri`:
+    where the version's weights are."""
     r = outcome.result
     assert r is not None and outcome.version is not None
-    entry: dict[str, Any] = {"version": outcome.version, "step": step, "accuracy": round(r.mean_reward, 6),
+    entry: dict[str, Any] = {"version": outcome.version, "uri": uri, "step": step, "accuracy": round(r.mean_reward, 6),
                              "tasks": len(r.rewards), "samples": sum(map(len, r.rewards)),
                              "seconds": round(outcome.seconds, 3), "time": now_text()}
     if r.pass_at_k:
@@ -256,13 +281,18 @@ class EvaluationState:
     """status.trainer.evaluation as rank 0 keeps it: seeded from the job's status (a resumed
     attempt keeps its best), updated by each outcome."""
 
-    def __init__(self, status: Mapping[str, Any] | None = None):
+    def __init__(self, status: Mapping[str, Any] | None = None, up_to: int | None = None,
+                 uri_of: Callable[[int], str] | None = None):
+        """`up_to`: the step a resumed attempt starts at; records of later versions are
+        dropped (the attempt exports those versions again, from other weights)."""
         status = dict(status or {})
-        self.last: dict[str, Any] | None = status.get("last")
-        self.best: dict[str, Any] | None = status.get("best")
+        keep = lambda r: r if r and (up_to is None or r.get("version", 0) <= up_to) else None  # noqa: E731
+        self.last: dict[str, Any] | None = keep(status.get("last"))
+        self.best: dict[str, Any] | None = keep(status.get("best"))
         self.evaluated = int(status.get("evaluated") or 0)
         self.skipped = int(status.get("skipped") or 0)
         self.error: str | None = None
+        self.uri_of = uri_of  # a version's weights URI
 
     @property
     def best_version(self) -> int | None:
@@ -271,7 +301,7 @@ class EvaluationState:
     def update(self, outcome: Outcome, step: int) -> dict[str, Any]:
         """The status patch after `outcome`."""
         if outcome.result is not None:
-            self.last = record(outcome, step)
+            self.last = record(outcome, step, self.uri_of(outcome.version) if self.uri_of else None)
             self.evaluated += 1
             self.error = None
             if self.best is None or self.last["accuracy"] > self.best["accuracy"]:
@@ -299,4 +329,9 @@ def build_evaluator(config: JobConfig, endpoints: list[str], api: Any = None,
     progress = KubeProgress(api, job.name, job.namespace, config.trainer.total_steps) if api is not None else None
     port = agent_port(config.inference.port) if config.inference is not None else None
     version_of = replica_versions(progress, endpoints[:1], port, job=job.name)
-    return Evaluator(config, endpoints[0], version_of=version_of, last_version=last_version).start()
+    pinned = None
+    if api is not None:
+        def pinned() -> Any:
+            return ((get_job(api, job.namespace, job.name).get("spec") or {}).get("sync") or {}).get("pinnedVersion")
+    return Evaluator(config, endpoints[0], version_of=version_of, last_version=last_version,
+                     pinned=pinned).start()

@@ -107,7 +107,8 @@ class WeightExporter:
             fast = None
         self.fast, self.on_announce = fast, on_announce
         self.last_step: int | None = None  # the last version published
-        self.best: int | None = None  # spec.evaluation's best version: kept past `keep` too
+        # More versions kept past `keep` (spec.evaluation's best, and the one being scored).
+        self.keep_also: Callable[[], set[int]] = set
         self.last_manifest: dict | None = None  # its manifest (rank 0)
 
     def publish(self, step: int) -> dict | None:
@@ -137,7 +138,7 @@ class WeightExporter:
         self.last_manifest = manifest
         if manifest is None:  # not rank 0
             return None
-        protect = {v for v in (self.pinned, self.best) if v is not None}
+        protect = {v for v in (self.pinned, *self.keep_also()) if v is not None}
         try:
             versions = apply_weights_retention(self.storage, self.root, self.keep, protect)
         except Exception as e:  # noqa: BLE001 - a failed cleanup must not stop training

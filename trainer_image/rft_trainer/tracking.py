@@ -439,6 +439,16 @@ class TensorBoardBackend:
         self._upload()
 
 
+# MLflow refuses a batch (HTTP 400) with any metric name beyond these characters.
+_MLFLOW_NAME_BAD = re.compile(r"[^\w/.\- :]")
+
+
+def mlflow_metric_name(key: str) -> str:
+    """`key` as MLflow takes it: `@` as `_at_` (verl's choice: `eval/pass@4` is
+    `eval/pass_at_4`), any other character it refuses as `_`."""
+    return _MLFLOW_NAME_BAD.sub("_", key.replace("@", "_at_"))
+
+
 class MLflowBackend:
     """One MLflow run per job. The first attempt creates it and writes its id to
     `<root>/tracking/mlflow-run.json`; a resumed attempt reads that and continues the run
@@ -528,7 +538,7 @@ class MLflowBackend:
         from mlflow.entities import Metric, RunTag
         from mlflow.exceptions import MlflowException
 
-        metrics = [Metric(k, v, int(ev.time * 1000), ev.step or 0)
+        metrics = [Metric(mlflow_metric_name(k), v, int(ev.time * 1000), ev.step or 0)
                    for ev in events if ev.kind == "metrics" for k, v in ev.data.items()]
         tags = {k: v for ev in events if ev.kind == "tags" for k, v in ev.data.items()}
         try:

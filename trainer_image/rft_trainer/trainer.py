@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rft_contract import names, staleness
 from rft_contract.config import JobConfig
 from rft_contract.jobapi import describe, get_job, now
-from rft_contract.layout import merged_uri
+from rft_contract.layout import merged_uri, weights_uri
 from rft_contract.podmetrics import TrainerMetrics
 from rft_contract.storage import Storage, get_storage
 from rft_contract.trackers import DEFAULT_ROLLOUT_SAMPLES
@@ -140,13 +140,13 @@ class Trainer:
             self.fast_path = FastPath.start(self.config.env)
             if self.fast_path is not None and self.config.env.weights_transport == "nccl":
                 NcclSender.attach(self.fast_path, self.rt.device)  # and sends it to vLLM over NCCL
+        # pinnedVersion best: the evaluator's best is kept (keep_also), whatever it is.
+        pinned = sync.pinned_version if isinstance(sync.pinned_version, int) else None
         self.checkpointer.weights = WeightExporter(self.storage, self.config.checkpoint.uri, sync.dtype, sync.keep,
-                                                   sync.pinned_version, write=self.engine.export_policy,
+                                                   pinned, write=self.engine.export_policy,
                                                    on_publish=self._report_weights, fast=self.fast_path,
                                                    on_announce=self._announce_weights)
         self.engine.attach(self.checkpointer)  # the seed's save and sync methods go through it
-        if self.rt.is_main and self.config.evaluation is not None:
-            self._start_evaluator()
         b = self.config.buffer
         # staleSamples keep: nothing is dropped, rollout correction weighs the stale samples.
         self.buffer = BufferReader(b.uri, self.config.trainer.batch_size,
@@ -155,6 +155,8 @@ class Trainer:
         extra = self.load_checkpoint()
         if extra and "buffer" in extra:
             self.buffer.load_state_dict(extra["buffer"])
+        if self.rt.is_main and self.config.evaluation is not None:  # once the step it resumes at is known
+            self._start_evaluator()
         # Where this attempt starts, for the job's attempt history (and its Resumed event).
         step, resumed = self.train_step_num, self.checkpointer.last_committed  # None: a fresh start
         self.reporter.report_resumed(step, None if resumed is None else step_uri(self.config.checkpoint.uri, resumed))
@@ -170,12 +172,21 @@ class Trainer:
         if api is not None:
             try:
                 job = get_job(api, self.reporter.namespace, self.reporter.name)
-                self.evaluation = EvaluationState(((job.get("status") or {}).get("trainer") or {}).get("evaluation"))
+                record = ((job.get("status") or {}).get("trainer") or {}).get("evaluation")
+                # Versions past the step this attempt resumed at are exported again, with other weights.
+                self.evaluation = EvaluationState(record, up_to=self.train_step_num)
             except Exception as e:  # noqa: BLE001 - a fresh record then
                 log.warning("evaluation: the job's earlier scores were not read (%s): starting afresh", describe(e))
+        self.evaluation.uri_of = self._weights_uri
         last = self.evaluation.last["version"] if self.evaluation.last else None
         self.evaluator = build_evaluator(self.config, endpoints, api, last_version=last)
-        self.checkpointer.weights.best = self.evaluation.best_version
+        self.checkpointer.weights.keep_also = lambda: {self.evaluation.best_version, self.evaluator.scoring}
+        if self.config.sync.pinned_version is not None:
+            log.warning("evaluation: spec.sync.pinnedVersion %s is served: only that version is scored",
+                        self.config.sync.pinned_version)
+
+    def _weights_uri(self, version: int) -> str:
+        return weights_uri(self.config.checkpoint.uri, version) if version else self.config.model.path
 
     def _take_evaluations(self, metrics: dict | None = None) -> None:
         """Rank 0: the evaluations that ended since the last step, into the status, /metrics
@@ -189,8 +200,6 @@ class Trainer:
                                                 skipped=outcome.skipped, seconds=outcome.seconds)
             if outcome.result is None:
                 continue
-            if self.checkpointer is not None and self.checkpointer.weights is not None:
-                self.checkpointer.weights.best = self.evaluation.best_version
             if metrics is not None:
                 metrics.update(metrics_of(outcome))
             elif self.tracker is not None:
@@ -198,12 +207,15 @@ class Trainer:
 
     def _final_evaluation(self) -> None:
         """Rank 0 at the end: wait for the final version's score (bounded), then report it."""
-        if self.evaluator is None or not self.train_step_num:
+        if self.evaluator is None or not self.train_step_num or self.config.sync.pinned_version is not None:
             return
         wait = min(self.config.evaluation.timeout_seconds, FINAL_WAIT_CAP_SECONDS)
-        if not self.evaluator.finish(self.train_step_num, wait):
-            log.warning("evaluation: the final version %d was not scored within %.0fs", self.train_step_num, wait)
-        self._take_evaluations()
+        try:
+            if not self.evaluator.finish(self.train_step_num, wait):
+                log.warning("evaluation: the final version %d was not scored within %.0fs", self.train_step_num, wait)
+            self._take_evaluations()
+        except Exception as e:  # noqa: BLE001 - the job is done: a score is not worth failing it
+            log.error("evaluation: the final version's score was not reported: %s", describe_error(e))
 
     def load_checkpoint(self) -> dict | None:
         """Resume the engine's `checkpoint_roles()` and step from the newest complete
@@ -427,7 +439,7 @@ class Trainer:
         announced = self._announced if self._announced and self._announced[0] == step else (step, {})
         self.reporter.report_weights(step, uri, manifest.get("id"), versions, **announced[1])
         self._last_weights = (step, uri, manifest.get("id"), versions)
-        if self.evaluator is not None:
+        if self.evaluator is not None and self.config.sync.pinned_version is None:
             self.evaluator.published(step)
         if self.tracker is not None:
             self.tracker.log_tags({"rft.weights.uri": uri, "rft.weights.step": step}, step)
