@@ -734,9 +734,11 @@ def test_a_job_tracks_to_mlflow_and_tensorboard_in_one_run_across_a_gang_restart
     tags = {t["key"]: t["value"] for t in run["data"].get("tags") or []}
     assert tags.get("rft.job") == j["name"]
     scores = server.history(run["info"]["run_id"], "eval/accuracy")  # MLflow's names: eval/pass_at_4
-    assert len(scores) >= 3 and {m["value"] for m in scores} >= {evaluation["last"]["accuracy"]}, scores
+    assert len(scores) >= 3 and {round(m["value"], 6) for m in scores} >= {evaluation["last"]["accuracy"]}, scores
     version_at = {m["step"]: int(m["value"]) for m in server.history(run["info"]["run_id"], "eval/version")}
     assert max(version_at.values()) == STEPS and len(server.history(run["info"]["run_id"], "eval/pass_at_4")) == len(scores)
+    by_version = sorted((version_at[m["step"]], m["value"]) for m in scores)
+    assert by_version[0][1] < best["accuracy"], by_version  # held-out accuracy rose (0.27 -> 0.57 in one run)
     # Each step's rollouts as a table artifact, through the server's artifact proxy: the
     # task's text from the explorer's shard, the response, the weights version.
     from mlflow.tracking import MlflowClient
