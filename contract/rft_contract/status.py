@@ -115,7 +115,7 @@ class EvaluationStatus(Model):
     model_config = ConfigDict(extra="allow")
     last: EvaluationRecord | None = None
     best: EvaluationRecord | None = Field(default=None, description=(
-        "The version with the highest accuracy (the earliest on a tie); kept in S3 past sync.keep, and "
+        "The version with the highest accuracy (the earliest on a tie); kept in S3 past sync.keep (its checkpoint, if one was taken at that step, past checkpoint.keep), and "
         "served with spec.sync.pinnedVersion: best"))
     summary: str | None = Field(default=None, description="For kubectl: accuracy@version, and the best")
     evaluated: int | None = Field(default=None, description="Versions evaluated")

@@ -223,6 +223,16 @@ def test_retention_keeps_newest_committed_and_drops_older_orphans(storage, s3_bu
     assert apply_retention(storage, uri, keep=2) == []
 
 
+def test_retention_keeps_a_protected_step(storage, s3_bucket):
+    """The checkpoint of spec.evaluation's best version stays past checkpoint.keep."""
+    uri = f"s3://{s3_bucket}/retention-best"
+    for step in (1, 2, 3, 4):
+        storage.write_bytes(join(step_uri(uri, step), "__0_0.distcp"), b"x")
+        storage.write_bytes(join(step_uri(uri, step), MANIFEST), b"{}")
+    assert apply_retention(storage, uri, keep=2, protect={1}) == [2]
+    assert sorted(list_steps(storage, uri)) == [1, 3, 4]
+
+
 # ---------------------------------------------------------------- in-process, one rank, no torchrun
 
 

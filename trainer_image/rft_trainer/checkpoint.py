@@ -55,6 +55,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -133,10 +134,12 @@ def latest_verified(storage: Storage, uri: str) -> int | None:
     return None
 
 
-def apply_retention(storage: Storage, uri: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` committed steps, and uncommitted prefixes older
-    than the newest committed step. Returns the deleted steps."""
-    return manifest_retention(storage, join(uri, layout.CHECKPOINTS), keep, kind="checkpoint", unit="step").deleted
+def apply_retention(storage: Storage, uri: str, keep: int, protect: Collection[int] = ()) -> list[int]:
+    """Delete all but the newest `keep` committed steps (and `protect`: the checkpoint of
+    spec.evaluation's best version), and uncommitted prefixes older than the newest
+    committed step. Returns the deleted steps."""
+    return manifest_retention(storage, join(uri, layout.CHECKPOINTS), keep, protect, kind="checkpoint",
+                              unit="step").deleted
 
 
 # ---------------------------------------------------------------- what is saved
@@ -297,6 +300,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT) if dist.is_initialized() else None
         self.app = AppState(roles or {}, rt.rank, self.group)
         self.last_saved: int | None = None  # staged (maybe still uploading)
+        # Steps kept past `keep` (spec.evaluation's best version's checkpoint, if it has one).
+        self.keep_also: Callable[[], set[int]] = set
         # Called on rank 0 as on_commit(step, prefix_uri) once a manifest is written,
         # from the upload thread when block=False (e.g. to report status.checkpoint).
         self.on_commit = None
@@ -456,7 +461,7 @@ class CheckpointManager:
         except Exception as e:
             return f"writing manifest.json: {type(e).__name__}: {e}"
         try:
-            apply_retention(self.storage, self.uri, self.keep)
+            apply_retention(self.storage, self.uri, self.keep, {s for s in self.keep_also() if s is not None})
         except Exception as e:  # a failed cleanup must not undo a good commit
             log.warning("checkpoint retention failed: %s", e)
         return None

@@ -181,6 +181,7 @@ class Trainer:
         last = self.evaluation.last["version"] if self.evaluation.last else None
         self.evaluator = build_evaluator(self.config, endpoints, api, last_version=last)
         self.checkpointer.weights.keep_also = lambda: {self.evaluation.best_version, self.evaluator.scoring}
+        self.checkpointer.keep_also = lambda: {self.evaluation.best_version}  # its checkpoint, if one was taken
         if self.config.sync.pinned_version is not None:
             log.warning("evaluation: spec.sync.pinnedVersion %s is served: only that version is scored",
                         self.config.sync.pinned_version)
