@@ -56,7 +56,7 @@ def test_create_runs_the_gang_on_gpu_nodes(operator, api, namespace, kubectl):
 
     out = kubectl("get", "rftjobs", "-n", namespace).stdout
     header, row = out.splitlines()[0].split(), out.splitlines()[1].split()
-    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "WEIGHTS", "SYNCED", "QUEUE", "AGE"]
+    assert header == ["NAME", "PHASE", "STEP", "CHECKPOINT", "WEIGHTS", "SYNCED", "EVAL", "QUEUE", "AGE"]
     assert row[:3] == ["gang", "Running", "0/100"]
     assert "gang" in kubectl("get", "rft", "-n", namespace).stdout  # short name
     assert "gang" in kubectl("get", "rft", "-n", namespace, "-o", "name").stdout
